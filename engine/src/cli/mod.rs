@@ -1,0 +1,50 @@
+//! The `fsdp` CLI (clap): one module per subcommand. Bad input exits with code 2 and a message,
+//! never a panic; a failed run (NaN loss, memory over plan, a dead rank) exits with code 1.
+
+use clap::{Parser, Subcommand};
+
+pub mod plan;
+
+/// Errors surfaced by the CLI, with the exit code each maps to.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// Bad input: a flag, a file, a model description (exit code 2).
+    #[error("{0}")]
+    Usage(String),
+    /// A run that started and failed (exit code 1).
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl CliError {
+    /// 2 for bad input, 1 for a failed run.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            CliError::Usage(_) => 2,
+            CliError::Failed(_) => 1,
+        }
+    }
+}
+
+/// fsdp-rs: fully sharded data-parallel training with an exact memory plan.
+#[derive(Debug, Parser)]
+#[command(name = "fsdp", version, about)]
+pub struct Cli {
+    /// The subcommand.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Plan the sharding and memory of a model: "will it fit on N devices, and how?"
+    Plan(plan::PlanArgs),
+}
+
+/// Runs one parsed command line.
+pub fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Plan(a) => plan::run(a),
+    }
+}

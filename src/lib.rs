@@ -1,0 +1,2 @@
+//! fsdp-suite: holds the workspace's cross-crate tests (`tests/`) and benches (`benches/`).
+//! It has no code of its own.
