@@ -26,7 +26,7 @@ pub enum PlanError {
         world_size: u64,
     },
     /// A tied parameter whose target lives in another unit (or does not exist).
-    #[error("parameter `{param}` in unit `{unit}` is tied to `{target}`, which is not in the same unit{}", if *.found_in.is_empty() { String::from(" (and not in the model)") } else { format!(" (it is in unit `{}`)", .found_in) })]
+    #[error("parameter `{param}` in unit `{unit}` is tied to `{target}`, which is not in the same unit{}", if .found_in.is_empty() { String::from(" (and not in the model)") } else { format!(" (it is in unit `{}`)", .found_in) })]
     TiedAcrossUnits {
         /// The tied parameter.
         param: String,
