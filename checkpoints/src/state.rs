@@ -1,0 +1,112 @@
+//! In-memory per-rank state: the flat shards a rank saves and loads.
+
+/// Which buffer of a flat parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StateKind {
+    /// fp32 master parameters.
+    Param,
+    /// Adam first moment `m`.
+    ExpAvg,
+    /// Adam second moment `v`.
+    ExpAvgSq,
+}
+
+impl StateKind {
+    /// All three, in file order.
+    pub const ALL: [StateKind; 3] = [StateKind::Param, StateKind::ExpAvg, StateKind::ExpAvgSq];
+
+    /// The tensor-name suffix: `param`, `exp_avg`, `exp_avg_sq`.
+    pub const fn suffix(self) -> &'static str {
+        match self {
+            StateKind::Param => "param",
+            StateKind::ExpAvg => "exp_avg",
+            StateKind::ExpAvgSq => "exp_avg_sq",
+        }
+    }
+}
+
+/// One rank's shard of one flat parameter, owned: `param` and (for trainable flat parameters)
+/// both Adam moments, each `shard_numel` f32 elements including padding (zero).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct FlatShard {
+    /// fp32 master shard (`shard_numel` elements).
+    pub param: Vec<f32>,
+    /// Adam `exp_avg` shard; `Some` exactly for trainable flat parameters.
+    pub exp_avg: Option<Vec<f32>>,
+    /// Adam `exp_avg_sq` shard; `Some` exactly for trainable flat parameters.
+    pub exp_avg_sq: Option<Vec<f32>>,
+}
+
+impl FlatShard {
+    /// Borrows this shard for saving.
+    pub fn as_ref(&self) -> FlatShardRef<'_> {
+        FlatShardRef {
+            param: &self.param,
+            exp_avg: self.exp_avg.as_deref(),
+            exp_avg_sq: self.exp_avg_sq.as_deref(),
+        }
+    }
+
+    /// The buffer of `kind`, if present.
+    pub fn get(&self, kind: StateKind) -> Option<&[f32]> {
+        match kind {
+            StateKind::Param => Some(&self.param),
+            StateKind::ExpAvg => self.exp_avg.as_deref(),
+            StateKind::ExpAvgSq => self.exp_avg_sq.as_deref(),
+        }
+    }
+}
+
+/// One rank's shard of one flat parameter, borrowed from the engine's buffers for saving.
+/// Same lengths and rules as [`FlatShard`].
+#[derive(Debug, Clone, Copy)]
+pub struct FlatShardRef<'a> {
+    /// fp32 master shard.
+    pub param: &'a [f32],
+    /// Adam `exp_avg` shard (trainable flat parameters only).
+    pub exp_avg: Option<&'a [f32]>,
+    /// Adam `exp_avg_sq` shard (trainable flat parameters only).
+    pub exp_avg_sq: Option<&'a [f32]>,
+}
+
+impl<'a> FlatShardRef<'a> {
+    /// The buffer of `kind`, if present.
+    pub fn get(&self, kind: StateKind) -> Option<&'a [f32]> {
+        match kind {
+            StateKind::Param => Some(self.param),
+            StateKind::ExpAvg => self.exp_avg,
+            StateKind::ExpAvgSq => self.exp_avg_sq,
+        }
+    }
+}
+
+/// Everything one rank holds: `flats[u][k]` is its shard of flat parameter `k` of unit `u`
+/// (the order of `CheckpointLayout::units[u].flat_params`).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RankState {
+    /// The rank.
+    pub rank: u64,
+    /// Shards indexed `[unit][flat]`.
+    pub flats: Vec<Vec<FlatShard>>,
+}
+
+impl RankState {
+    /// Borrows every shard for saving, indexed `[unit][flat]`.
+    pub fn as_refs(&self) -> Vec<Vec<FlatShardRef<'_>>> {
+        self.flats
+            .iter()
+            .map(|u| u.iter().map(FlatShard::as_ref).collect())
+            .collect()
+    }
+}
+
+/// A full (unsharded) tensor: the model's parameter name, shape and f32 data in row-major order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FullTensor {
+    /// Parameter name.
+    pub name: String,
+    /// Shape (elements).
+    pub shape: Vec<u64>,
+    /// Row-major data (`product(shape)` elements).
+    pub data: Vec<f32>,
+}
