@@ -4,14 +4,28 @@
 //! parameter, gradient and optimizer state is laid out in per-rank flat shards, in which order
 //! units are unsharded, and how many bytes each rank holds in each phase of a step. The engine
 //! executes this plan and never invents layout at run time.
+//!
+//! Key design decision: the memory plan is not an estimate of model states but a ledger the
+//! engine must match byte for byte (`MEMORY-CONTRACT.md`); only activations are estimated
+//! (Korthikanti et al. 2022). Readers of model descriptions (`hf`) are the only code that does
+//! I/O, and they only produce a `ModelSpec`.
 
+pub mod config;
 pub mod error;
+pub mod hf;
 pub mod layout;
+pub mod memory;
+pub mod plan;
 pub mod presets;
+pub mod report;
+pub mod schedule;
 pub mod spec;
 
+pub use config::{GradSync, Optimizer, PlanConfig, Strategy};
 pub use error::PlanError;
-pub use layout::{
-    layout_units, FlatParamLayout, Segment, ShardSlice, ShardSpan, UnitLayout,
-};
+pub use layout::{layout_units, FlatParamLayout, Segment, ShardSlice, ShardSpan, UnitLayout};
+pub use memory::{Category, CategoryBytes, MemoryPlan, Phase, PhaseMemory, TimelinePoint};
+pub use plan::{min_world_sizes, plan, MinWorld, PaddingReport, RankPlacement, ShardPlan};
+pub use presets::{preset, PRESET_NAMES};
+pub use schedule::{Schedule, ScheduleStep, UseRole};
 pub use spec::{Architecture, Gpt2Config, LlamaConfig, ModelSpec, ParamSpec, UnitSpec};

@@ -1,0 +1,217 @@
+//! `PlanConfig`: how a model is to be trained (world size, sharding strategy, precision,
+//! optimizer, gradient accumulation, prefetch, batch shape, memory budget).
+
+use crate::error::PlanError;
+use fsdp_types::{Bytes, DType};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// How parameters, gradients and optimizer state are sharded over the world.
+///
+/// World = shard group x replicate group (`W = S * R`); rank `r` holds shard `r % S` and is
+/// replica `r / S`. The ZeRO stages (Rajbhandari et al. 2020, "ZeRO", sec. 5) map to:
+/// `FullShard` = ZeRO-3, `ShardGradOp` = ZeRO-2 (plus sharded master weights), `NoShard` = DDP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Strategy {
+    /// `S = W`, units resharded after forward and re-gathered for backward (FSDP FULL_SHARD).
+    FullShard,
+    /// `S = W`, units kept unsharded from forward until their backward (FSDP SHARD_GRAD_OP).
+    ShardGradOp,
+    /// `S = 1`: every rank holds everything; gradients are all-reduced (DDP).
+    NoShard,
+    /// Full shard inside groups of `shard_size` ranks, replicated across `W / shard_size`
+    /// groups (FSDP HYBRID_SHARD).
+    Hybrid {
+        /// Shard-group size `S`; must divide the world size.
+        shard_size: u64,
+    },
+    /// The fastest strategy whose peak fits `device_memory`, tried in the order NoShard,
+    /// ShardGradOp, Hybrid (smallest shard group first), FullShard.
+    Auto,
+}
+
+impl Strategy {
+    /// The command-line name: `full-shard`, `shard-grad-op`, `no-shard`, `hybrid`, `auto`.
+    pub fn cli_name(&self) -> &'static str {
+        match self {
+            Strategy::FullShard => "full-shard",
+            Strategy::ShardGradOp => "shard-grad-op",
+            Strategy::NoShard => "no-shard",
+            Strategy::Hybrid { .. } => "hybrid",
+            Strategy::Auto => "auto",
+        }
+    }
+
+    /// Shard-group size `S` for a world of `world_size` ranks (`Auto` has none: `None`).
+    pub fn shard_size(&self, world_size: u64) -> Option<u64> {
+        match self {
+            Strategy::FullShard | Strategy::ShardGradOp => Some(world_size),
+            Strategy::NoShard => Some(1),
+            Strategy::Hybrid { shard_size } => Some(*shard_size),
+            Strategy::Auto => None,
+        }
+    }
+
+    /// Whether a unit is resharded (its unsharded parameters freed) right after its forward.
+    /// True for `FullShard` and `Hybrid`; false for `ShardGradOp` and `NoShard`.
+    pub fn reshard_after_forward(&self) -> bool {
+        matches!(self, Strategy::FullShard | Strategy::Hybrid { .. })
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Strategy::Hybrid { shard_size } => write!(f, "hybrid (shard group {shard_size})"),
+            s => f.write_str(s.cli_name()),
+        }
+    }
+}
+
+/// The optimizer, which fixes the optimizer-state bytes per trainable element (all f32).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Optimizer {
+    /// AdamW (Loshchilov & Hutter 2019): `exp_avg` and `exp_avg_sq`, 8 bytes per element.
+    AdamW,
+    /// SGD: a momentum buffer (4 bytes per element) iff `momentum != 0`.
+    Sgd {
+        /// Momentum coefficient; 0 means no state.
+        momentum: f64,
+    },
+}
+
+impl Optimizer {
+    /// Optimizer-state bytes per trainable element: 8 (AdamW), 4 (SGD with momentum), 0.
+    pub fn state_bytes_per_element(&self) -> u64 {
+        match self {
+            Optimizer::AdamW => 8,
+            Optimizer::Sgd { momentum } if *momentum != 0.0 => 4,
+            Optimizer::Sgd { .. } => 0,
+        }
+    }
+}
+
+/// When gradients are reduced during gradient accumulation (real-world case BC-04).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum GradSync {
+    /// Reduce-scatter every micro-batch into the f32 gradient shards (the default: gradient
+    /// memory stays sharded).
+    #[default]
+    EveryMicroBatch,
+    /// Accumulate unsharded f32 gradients locally and reduce only on the last micro-batch
+    /// (`no_sync`): less communication, `4 * sum_T P_f` extra bytes per rank.
+    LastMicroBatch,
+}
+
+impl FromStr for GradSync {
+    type Err = PlanError;
+    /// Reads `every` / `every-micro-batch` or `last` / `last-micro-batch`.
+    fn from_str(s: &str) -> Result<Self, PlanError> {
+        match s {
+            "every" | "every-micro-batch" => Ok(GradSync::EveryMicroBatch),
+            "last" | "last-micro-batch" => Ok(GradSync::LastMicroBatch),
+            _ => Err(PlanError::InvalidConfig(format!(
+                "unknown gradient sync `{s}` (expected every-micro-batch or last-micro-batch)"
+            ))),
+        }
+    }
+}
+
+/// Everything about a training run that shapes the plan. Master weights are always f32.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanConfig {
+    /// Number of ranks `W` (at least 1).
+    pub world_size: u64,
+    /// Sharding strategy (`Auto` is resolved by `plan()`).
+    pub strategy: Strategy,
+    /// dtype of the unsharded parameters used in forward/backward (and sent by all-gather).
+    pub param_dtype: DType,
+    /// dtype of gradients in the reduce-scatter / all-reduce.
+    pub reduce_dtype: DType,
+    /// Optimizer.
+    pub optimizer: Optimizer,
+    /// Micro-batches per optimizer step (at least 1).
+    pub grad_accum: u64,
+    /// When gradients are reduced during accumulation.
+    pub grad_sync: GradSync,
+    /// Units gathered ahead of the one computing, forward and backward (PyTorch's default 1).
+    pub prefetch: u64,
+    /// Sequences per micro-batch per rank (at least 1).
+    pub micro_batch: u64,
+    /// Tokens per sequence (at least 1).
+    pub seq_len: u64,
+    /// Alignment of each parameter's offset in its flat parameter, in elements (at least 1).
+    pub alignment: u64,
+    /// Memory per device; needed by `Auto`, used by fit reports.
+    pub device_memory: Option<Bytes>,
+}
+
+impl PlanConfig {
+    /// Defaults for `world_size` ranks: full shard, f32 params and reduction, AdamW, one
+    /// micro-batch of 1 x 1024 tokens, sync every micro-batch, prefetch 1, alignment 1.
+    pub fn new(world_size: u64) -> Self {
+        PlanConfig {
+            world_size,
+            strategy: Strategy::FullShard,
+            param_dtype: DType::F32,
+            reduce_dtype: DType::F32,
+            optimizer: Optimizer::AdamW,
+            grad_accum: 1,
+            grad_sync: GradSync::EveryMicroBatch,
+            prefetch: 1,
+            micro_batch: 1,
+            seq_len: 1024,
+            alignment: 1,
+            device_memory: None,
+        }
+    }
+
+    /// Checks the values that need no model: world size, shard size, micro-batch, sequence
+    /// length, accumulation steps, alignment, optimizer momentum.
+    ///
+    /// Errors: `ZeroWorldSize`, `ShardSizeNotDivisor`, `ZeroAlignment`, `InvalidConfig`.
+    pub fn validate(&self) -> Result<(), PlanError> {
+        if self.world_size == 0 {
+            return Err(PlanError::ZeroWorldSize(0));
+        }
+        if let Strategy::Hybrid { shard_size } = self.strategy {
+            if shard_size == 0 || !self.world_size.is_multiple_of(shard_size) {
+                return Err(PlanError::ShardSizeNotDivisor {
+                    shard_size,
+                    world_size: self.world_size,
+                });
+            }
+        }
+        if self.alignment == 0 {
+            return Err(PlanError::ZeroAlignment);
+        }
+        for (v, what) in [
+            (self.micro_batch, "micro-batch size"),
+            (self.seq_len, "sequence length"),
+            (self.grad_accum, "gradient accumulation steps"),
+        ] {
+            if v == 0 {
+                return Err(PlanError::InvalidConfig(format!(
+                    "{what} must be at least 1, got 0"
+                )));
+            }
+        }
+        if let Optimizer::Sgd { momentum } = self.optimizer {
+            if !momentum.is_finite() || !(0.0..1.0).contains(&momentum) {
+                return Err(PlanError::InvalidConfig(format!(
+                    "SGD momentum must be in [0, 1), got {momentum}"
+                )));
+            }
+        }
+        if self.strategy == Strategy::Auto && self.device_memory.is_none() {
+            return Err(PlanError::InvalidConfig(
+                "strategy `auto` needs a device memory budget (--device-memory)".into(),
+            ));
+        }
+        Ok(())
+    }
+}

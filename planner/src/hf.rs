@@ -1,0 +1,542 @@
+//! Readers of Hugging Face model descriptions: `config.json`, the header of a `.safetensors`
+//! file, and a sharded model's `model.safetensors.index.json` with its files' headers. The only
+//! I/O in the planner; each reader returns a `ModelSpec` and touches no weights.
+//!
+//! Safetensors format (huggingface/safetensors, `README.md`): an 8-byte little-endian header
+//! length `N`, then `N` bytes of JSON mapping tensor names to `{dtype, shape, data_offsets}`
+//! (offsets relative to the byte after the header), then the data. Files are memory-mapped
+//! (memmap2), so only the header's pages are read.
+
+use crate::error::PlanError;
+use crate::presets::{gpt2_spec, llama_spec};
+use crate::spec::{Architecture, Gpt2Config, LlamaConfig, ModelSpec, ParamSpec, UnitSpec};
+use fsdp_types::DType;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// Largest safetensors header accepted (100 MB, the limit of the reference implementation).
+pub const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+fn bad(file: &str, problem: impl Into<String>) -> PlanError {
+    PlanError::BadFile {
+        file: file.to_string(),
+        problem: problem.into(),
+    }
+}
+
+fn io(path: &Path, e: std::io::Error) -> PlanError {
+    PlanError::Io {
+        path: path.display().to_string(),
+        source: e,
+    }
+}
+
+/// A model name from a path: the parent directory's name for `config.json` and index files,
+/// else the file stem.
+fn model_name(path: &Path) -> String {
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let generic = matches!(
+        stem.as_str(),
+        "config" | "model" | "model.safetensors.index" | "model.safetensors"
+    );
+    if generic {
+        if let Some(d) = path.canonicalize().ok().and_then(|p| {
+            p.parent()
+                .and_then(|d| d.file_name())
+                .map(|s| s.to_string_lossy().into_owned())
+        }) {
+            return d;
+        }
+    }
+    stem
+}
+
+/// Reads a Hugging Face `config.json` and builds the model's spec (see [`parse_hf_config`]).
+///
+/// Errors: `Io`, `BadFile` (JSON syntax, unsupported `model_type`, inconsistent sizes),
+/// `MissingField` (naming the field).
+pub fn read_hf_config(path: &Path) -> Result<ModelSpec, PlanError> {
+    let text = std::fs::read_to_string(path).map_err(|e| io(path, e))?;
+    parse_hf_config(&text, &path.display().to_string(), &model_name(path))
+}
+
+/// The architecture described by a `config.json`'s text: `Gpt2` for `model_type` `gpt2` (or
+/// an `n_embd` field), `Llama` for `llama`, `mistral`, `qwen2` (or a `hidden_size` field).
+///
+/// GPT-2 fields: `n_embd`, `n_layer`, `n_head`, `vocab_size` required; `n_positions` (or
+/// `n_ctx`) required; `tie_word_embeddings` defaults to true; biases always present.
+/// Llama fields: `hidden_size`, `num_hidden_layers`, `num_attention_heads`,
+/// `intermediate_size`, `vocab_size` required; `num_key_value_heads` defaults to
+/// `num_attention_heads`, `tie_word_embeddings` to false, `max_position_embeddings` to 2048
+/// (the defaults of `transformers`' config classes); q/k/v biases for `qwen2` only.
+///
+/// Errors: `BadFile`, `MissingField`.
+pub fn parse_hf_arch(text: &str, file: &str) -> Result<Architecture, PlanError> {
+    let v: Value =
+        serde_json::from_str(text).map_err(|e| bad(file, format!("not valid JSON: {e}")))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| bad(file, "expected a JSON object at the top level"))?;
+    let model_type = obj.get("model_type").and_then(Value::as_str).unwrap_or("");
+    let family = match model_type {
+        "gpt2" => "gpt2",
+        "llama" | "mistral" | "qwen2" => "llama",
+        "" if obj.contains_key("n_embd") => "gpt2",
+        "" if obj.contains_key("hidden_size") => "llama",
+        "" => {
+            return Err(bad(
+                file,
+                "no `model_type` and neither `n_embd` (GPT-2) nor `hidden_size` (Llama) found",
+            ))
+        }
+        other => {
+            return Err(bad(
+                file,
+                format!(
+                    "unsupported model_type `{other}` (supported: gpt2, llama, mistral, qwen2)"
+                ),
+            ))
+        }
+    };
+    let fam_name = if model_type.is_empty() {
+        family
+    } else {
+        model_type
+    };
+    let req = |k: &str| -> Result<u64, PlanError> {
+        match obj.get(k) {
+            None | Some(Value::Null) => Err(PlanError::MissingField {
+                file: file.to_string(),
+                field: k.to_string(),
+                family: fam_name.to_string(),
+            }),
+            Some(x) => match x.as_u64() {
+                Some(n) if n > 0 => Ok(n),
+                _ => Err(bad(
+                    file,
+                    format!("field `{k}` must be a positive integer, got {x}"),
+                )),
+            },
+        }
+    };
+    let opt = |k: &str| -> Result<Option<u64>, PlanError> {
+        match obj.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(_) => req(k).map(Some),
+        }
+    };
+    let flag = |k: &str, default: bool| -> Result<bool, PlanError> {
+        match obj.get(k) {
+            None | Some(Value::Null) => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(x) => Err(bad(
+                file,
+                format!("field `{k}` must be true or false, got {x}"),
+            )),
+        }
+    };
+    if family == "gpt2" {
+        let d = req("n_embd")?;
+        let n_layer = req("n_layer")?;
+        let n_head = req("n_head")?;
+        let vocab = req("vocab_size")?;
+        let n_positions = match opt("n_positions")? {
+            Some(n) => n,
+            None => match opt("n_ctx")? {
+                Some(n) => n,
+                None => req("n_positions")?,
+            },
+        };
+        if d % n_head != 0 {
+            return Err(bad(
+                file,
+                format!("n_embd {d} is not divisible by n_head {n_head}"),
+            ));
+        }
+        return Ok(Architecture::Gpt2(Gpt2Config {
+            vocab_size: vocab,
+            n_positions,
+            d_model: d,
+            n_layer,
+            n_head,
+            bias: true,
+            tied_head: flag("tie_word_embeddings", true)?,
+        }));
+    }
+    let d = req("hidden_size")?;
+    let n_layer = req("num_hidden_layers")?;
+    let n_head = req("num_attention_heads")?;
+    let ffn = req("intermediate_size")?;
+    let vocab = req("vocab_size")?;
+    let n_kv = opt("num_key_value_heads")?.unwrap_or(n_head);
+    let max_seq = opt("max_position_embeddings")?.unwrap_or(2048);
+    if d % n_head != 0 {
+        return Err(bad(
+            file,
+            format!("hidden_size {d} is not divisible by num_attention_heads {n_head}"),
+        ));
+    }
+    if n_head % n_kv != 0 {
+        return Err(bad(
+            file,
+            format!("num_attention_heads {n_head} is not a multiple of num_key_value_heads {n_kv}"),
+        ));
+    }
+    Ok(Architecture::Llama(LlamaConfig {
+        vocab_size: vocab,
+        d_model: d,
+        n_layer,
+        n_head,
+        n_kv_head: n_kv,
+        ffn_hidden: ffn,
+        max_seq,
+        tied_head: flag("tie_word_embeddings", false)?,
+        qkv_bias: model_type == "qwen2",
+    }))
+}
+
+/// Builds the spec of a `config.json`'s text with the built-in families' layouts
+/// ([`gpt2_spec`], [`llama_spec`]). `name` names the spec. Errors: as [`parse_hf_arch`].
+pub fn parse_hf_config(text: &str, file: &str, name: &str) -> Result<ModelSpec, PlanError> {
+    match parse_hf_arch(text, file)? {
+        Architecture::Gpt2(c) => Ok(gpt2_spec(name, &c)),
+        Architecture::Llama(c) => Ok(llama_spec(name, &c)),
+        Architecture::Generic => unreachable!("config.json always names a family"),
+    }
+}
+
+/// One tensor entry of a safetensors header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// Tensor name.
+    pub name: String,
+    /// The safetensors dtype tag (`F32`, `BF16`, `I64`, ...).
+    pub dtype: String,
+    /// Shape in elements.
+    pub shape: Vec<u64>,
+    /// `[begin, end)` byte offsets relative to the start of the data section.
+    pub data_offsets: (u64, u64),
+}
+
+/// Bytes per element of a safetensors dtype tag, None for unknown tags.
+pub fn safetensors_dtype_size(tag: &str) -> Option<u64> {
+    Some(match tag {
+        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => 1,
+        "U16" | "I16" | "F16" | "BF16" => 2,
+        "U32" | "I32" | "F32" => 4,
+        "U64" | "I64" | "F64" => 8,
+        _ => return None,
+    })
+}
+
+/// Parses and validates a safetensors header from the first bytes of a file of `file_len`
+/// bytes. `bytes` must hold at least the 8-byte length and the header itself when they fit in
+/// the file. Tensors are returned in data-offset order.
+///
+/// Checks: the file holds the 8-byte length; `8 + N <= file_len`; `N <= MAX_HEADER_BYTES`;
+/// the header is a JSON object; each entry has a known dtype, a shape and `data_offsets`
+/// `[b, e]` with `b <= e <= file_len - 8 - N` and `e - b = numel * dtype size`.
+///
+/// Errors: `BadFile` with the numbers.
+pub fn parse_safetensors_header(
+    bytes: &[u8],
+    file_len: u64,
+    file: &str,
+) -> Result<Vec<TensorInfo>, PlanError> {
+    if file_len < 8 || bytes.len() < 8 {
+        return Err(bad(
+            file,
+            format!("truncated safetensors file: {file_len} bytes, shorter than the 8-byte header length"),
+        ));
+    }
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
+    if n > MAX_HEADER_BYTES {
+        return Err(bad(
+            file,
+            format!("safetensors header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit"),
+        ));
+    }
+    if 8 + n > file_len || (bytes.len() as u64) < 8 + n {
+        return Err(bad(
+            file,
+            format!(
+                "truncated safetensors header: header length {n} needs {} bytes but the file has {file_len}",
+                8 + n
+            ),
+        ));
+    }
+    let data_len = file_len - 8 - n;
+    let header = &bytes[8..(8 + n) as usize];
+    let v: Value = serde_json::from_slice(header)
+        .map_err(|e| bad(file, format!("safetensors header is not valid JSON: {e}")))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| bad(file, "safetensors header is not a JSON object"))?;
+    let mut out = Vec::with_capacity(obj.len());
+    for (name, entry) in obj {
+        if name == "__metadata__" {
+            continue;
+        }
+        let dtype = entry
+            .get("dtype")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad(file, format!("tensor `{name}` has no dtype")))?;
+        let size = safetensors_dtype_size(dtype)
+            .ok_or_else(|| bad(file, format!("tensor `{name}` has unknown dtype `{dtype}`")))?;
+        let shape: Vec<u64> = entry
+            .get("shape")
+            .and_then(Value::as_array)
+            .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
+            .ok_or_else(|| bad(file, format!("tensor `{name}` has no valid shape")))?;
+        let offs = entry
+            .get("data_offsets")
+            .and_then(Value::as_array)
+            .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
+            .filter(|a| a.len() == 2)
+            .ok_or_else(|| bad(file, format!("tensor `{name}` has no valid data_offsets")))?;
+        let (b, e) = (offs[0], offs[1]);
+        if b > e || e > data_len {
+            return Err(bad(
+                file,
+                format!("tensor `{name}`: data_offsets [{b}, {e}] outside the {data_len}-byte data section"),
+            ));
+        }
+        let numel = shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| bad(file, format!("tensor `{name}`: shape {shape:?} overflows")))?;
+        if numel.checked_mul(size) != Some(e - b) {
+            return Err(bad(
+                file,
+                format!(
+                    "tensor `{name}`: shape {shape:?} x {size} bytes ({dtype}) = {} bytes but data_offsets span {} bytes",
+                    numel.saturating_mul(size),
+                    e - b
+                ),
+            ));
+        }
+        out.push(TensorInfo {
+            name: name.clone(),
+            dtype: dtype.to_string(),
+            shape,
+            data_offsets: (b, e),
+        });
+    }
+    out.sort_by(|x, y| {
+        x.data_offsets
+            .cmp(&y.data_offsets)
+            .then(x.name.cmp(&y.name))
+    });
+    Ok(out)
+}
+
+/// Reads the header of one `.safetensors` file through a memory map (weights are not read).
+/// Errors: `Io`, `BadFile` (see [`parse_safetensors_header`]).
+pub fn read_safetensors_header(path: &Path) -> Result<Vec<TensorInfo>, PlanError> {
+    let f = std::fs::File::open(path).map_err(|e| io(path, e))?;
+    let len = f.metadata().map_err(|e| io(path, e))?.len();
+    let file = path.display().to_string();
+    if len == 0 {
+        return Err(bad(
+            &file,
+            "truncated safetensors file: 0 bytes, shorter than the 8-byte header length",
+        ));
+    }
+    // SAFETY: the map is read-only and only read while `f` is open; a concurrent truncation
+    // of the file by another process could fault, as with any mapped read.
+    let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| io(path, e))?;
+    parse_safetensors_header(&map, len, &file)
+}
+
+/// Reads a `.safetensors` file's header, or a sharded model's `*.index.json` (its
+/// `weight_map` and every file's header), and builds a spec with [`spec_from_tensors`]. A
+/// `config.json` next to the file supplies the architecture and `tie_word_embeddings`;
+/// without one the spec is `Generic` (GPT-2 style names still imply a tied head when
+/// `lm_head.weight` is absent).
+///
+/// Errors: `Io`, `BadFile` (bad header, a name in the index missing from its file),
+/// `MissingField` (from config.json).
+pub fn read_safetensors_model(path: &Path) -> Result<ModelSpec, PlanError> {
+    let file = path.display().to_string();
+    let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+    let tensors: Vec<TensorInfo> = if file.ends_with(".json") {
+        let text = std::fs::read_to_string(path).map_err(|e| io(path, e))?;
+        let v: Value =
+            serde_json::from_str(&text).map_err(|e| bad(&file, format!("not valid JSON: {e}")))?;
+        let map = v
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| {
+                bad(
+                    &file,
+                    "no `weight_map` object (expected a model.safetensors.index.json)",
+                )
+            })?;
+        let mut by_file: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (name, f) in map {
+            let f = f.as_str().ok_or_else(|| {
+                bad(
+                    &file,
+                    format!("weight_map entry `{name}` is not a file name"),
+                )
+            })?;
+            by_file.entry(f.to_string()).or_default().push(name.clone());
+        }
+        let mut all = Vec::new();
+        for (f, names) in &by_file {
+            let p: PathBuf = dir.join(f);
+            let hdr = read_safetensors_header(&p)?;
+            for n in names {
+                if !hdr.iter().any(|t| &t.name == n) {
+                    return Err(bad(
+                        &file,
+                        format!("weight_map names `{n}` in `{f}`, but that file's header has no such tensor"),
+                    ));
+                }
+            }
+            all.extend(hdr.into_iter().filter(|t| names.contains(&t.name)));
+        }
+        all
+    } else {
+        read_safetensors_header(path)?
+    };
+    let cfg_path = dir.join("config.json");
+    let arch = if cfg_path.is_file() {
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| io(&cfg_path, e))?;
+        parse_hf_arch(&text, &cfg_path.display().to_string())?
+    } else {
+        Architecture::Generic
+    };
+    spec_from_tensors(&model_name(path), &tensors, arch, &file)
+}
+
+/// The block index of a tensor name: `(prefix, N)` for names with a `h.N.`, `layers.N.`,
+/// `blocks.N.` or `layer.N.` segment pair.
+fn block_of(name: &str) -> Option<(&str, u64)> {
+    let segs: Vec<&str> = name.split('.').collect();
+    segs.windows(2).find_map(|w| {
+        matches!(w[0], "h" | "layers" | "blocks" | "layer")
+            .then(|| w[1].parse::<u64>().ok().map(|n| (w[0], n)))
+            .flatten()
+    })
+}
+
+/// Whether a tensor is a non-trainable buffer a checkpoint may carry: GPT-2's causal masks
+/// (`attn.bias` / `attn.masked_bias` with 4 dims or 0 dims), rotary `inv_freq`.
+fn is_buffer(t: &TensorInfo) -> bool {
+    let n = &t.name;
+    ((n.ends_with("attn.bias") || n.ends_with("attn.masked_bias"))
+        && (t.shape.len() == 4 || t.shape.is_empty()))
+        || n.ends_with("rotary_emb.inv_freq")
+}
+
+/// Groups tensors into FSDP units by name: one unit per transformer block (`h.N`, `layers.N`,
+/// ...; blocks in numeric order), the others into `embed` (names containing `wte`, `wpe` or
+/// `embed`) and `head` (everything else: final norm, LM head). Inside a unit, tensors keep
+/// file order. Integer tensors and buffers (see `is_buffer`) are skipped.
+///
+/// Tied head: when the file has no `lm_head.weight` and the architecture says the head is tied
+/// (GPT-2 always unless its config says otherwise), `lm_head.weight` is added tied to the token
+/// embedding and `embed` and `head` become one root unit `root`, placed last, used first and
+/// last (as in the presets).
+///
+/// Errors: `BadFile` (no floating-point tensors).
+pub fn spec_from_tensors(
+    name: &str,
+    tensors: &[TensorInfo],
+    arch: Architecture,
+    file: &str,
+) -> Result<ModelSpec, PlanError> {
+    let mut blocks: BTreeMap<u64, (String, Vec<ParamSpec>)> = BTreeMap::new();
+    let mut embed = Vec::new();
+    let mut head = Vec::new();
+    for t in tensors {
+        let Some(dtype) = DType::from_safetensors(&t.dtype) else {
+            continue;
+        };
+        if is_buffer(t) {
+            continue;
+        }
+        let mut p = ParamSpec::new(t.name.clone(), &t.shape);
+        p.dtype = dtype;
+        if let Some((prefix, n)) = block_of(&t.name) {
+            blocks
+                .entry(n)
+                .or_insert_with(|| (format!("{prefix}.{n}"), Vec::new()))
+                .1
+                .push(p);
+        } else if t.name.contains("wte") || t.name.contains("wpe") || t.name.contains("embed") {
+            embed.push(p);
+        } else {
+            head.push(p);
+        }
+    }
+    if blocks.is_empty() && embed.is_empty() && head.is_empty() {
+        return Err(bad(file, "no floating-point tensors to plan"));
+    }
+    let gpt2_names = embed.iter().any(|p| p.name.ends_with("wte.weight"));
+    let tied_cfg = match &arch {
+        Architecture::Gpt2(c) => c.tied_head,
+        Architecture::Llama(c) => c.tied_head,
+        Architecture::Generic => gpt2_names,
+    };
+    let has_head = head
+        .iter()
+        .chain(&embed)
+        .any(|p| p.name.ends_with("lm_head.weight"));
+    let tok = embed
+        .iter()
+        .find(|p| p.name.ends_with("wte.weight") || p.name.ends_with("embed_tokens.weight"))
+        .map(|p| p.name.clone());
+    let mut units = Vec::new();
+    match (tied_cfg && !has_head, tok) {
+        (true, Some(tok)) => {
+            units.extend(blocks.into_values().map(|(n, ps)| UnitSpec {
+                name: n,
+                params: ps,
+            }));
+            let mut root = embed;
+            root.extend(head);
+            let mut lm = ParamSpec::new("lm_head.weight", &[0]);
+            let target = root
+                .iter()
+                .find(|p| p.name == tok)
+                .expect("tok is in embed");
+            lm.shape = target.shape.clone();
+            lm.dtype = target.dtype;
+            lm.tied_to = Some(tok);
+            root.push(lm);
+            units.push(UnitSpec {
+                name: "root".into(),
+                params: root,
+            });
+        }
+        _ => {
+            if !embed.is_empty() {
+                units.push(UnitSpec {
+                    name: "embed".into(),
+                    params: embed,
+                });
+            }
+            units.extend(blocks.into_values().map(|(n, ps)| UnitSpec {
+                name: n,
+                params: ps,
+            }));
+            if !head.is_empty() {
+                units.push(UnitSpec {
+                    name: "head".into(),
+                    params: head,
+                });
+            }
+        }
+    }
+    Ok(ModelSpec {
+        name: name.to_string(),
+        units,
+        arch,
+    })
+}

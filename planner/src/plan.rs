@@ -1,0 +1,382 @@
+//! `plan(spec, config) -> ShardPlan`: the pure, deterministic heart of the planner.
+
+use crate::config::{PlanConfig, Strategy};
+use crate::error::PlanError;
+use crate::layout::{layout_units, UnitLayout};
+use crate::memory::{memory_plan, MemoryPlan};
+use crate::schedule::{build_schedule, Schedule};
+use crate::spec::{Architecture, ModelSpec};
+use fsdp_types::{Bytes, Numel};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// Where one rank sits in the world: `shard_index = rank % S`, `replicate_index = rank / S`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankPlacement {
+    /// Global rank in `0..W`.
+    pub rank: u64,
+    /// Which shard of every flat parameter this rank holds, `0..S`.
+    pub shard_index: u64,
+    /// Which replica of the shard group this rank belongs to, `0..R`.
+    pub replicate_index: u64,
+}
+
+/// Padding added by the layout, in elements over the whole model (all shards of all flat
+/// params; real-world case BC-01).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PaddingReport {
+    /// Real (parameter) elements in flat params: tied parameters counted once.
+    pub real_numel: Numel,
+    /// Padded elements: `sum_A P_f`.
+    pub padded_numel: Numel,
+    /// `padded_numel - real_numel` (alignment gaps plus tail padding).
+    pub padding_numel: Numel,
+    /// Padding per unit, in unit order.
+    pub per_unit: Vec<Numel>,
+}
+
+/// The output of the planner: everything the engine needs to execute one training step on
+/// every rank, and the memory each rank will hold.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShardPlan {
+    /// The model's name.
+    pub model: String,
+    /// The model's architecture.
+    pub arch: Architecture,
+    /// Parameter elements (tied once).
+    pub numel: Numel,
+    /// Trainable parameter elements (tied once).
+    pub trainable_numel: Numel,
+    /// The configuration as given (`strategy` may be `Auto`).
+    pub config: PlanConfig,
+    /// The strategy executed (never `Auto`).
+    pub strategy: Strategy,
+    /// Why `Auto` chose `strategy` (None when the strategy was given).
+    pub auto_reason: Option<String>,
+    /// Shard-group size `S`.
+    pub shard_size: u64,
+    /// Replicate-group size `R = W / S`.
+    pub replicate_size: u64,
+    /// Flat-parameter layouts per unit, laid out for `S` shards.
+    pub units: Vec<UnitLayout>,
+    /// Forward/backward order, alive units, prefetch.
+    pub schedule: Schedule,
+    /// Bytes per rank (identical on every rank).
+    pub memory: MemoryPlan,
+    /// Padding added by the layout.
+    pub padding: PaddingReport,
+    /// SHA-256 (hex) of the canonical serialization of what every rank must agree on.
+    pub fingerprint: String,
+}
+
+impl ShardPlan {
+    /// The fingerprint (64 hex digits). Every rank computes the same value; ranks compare it to
+    /// rank 0's at start-up.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    /// World size `W`.
+    pub fn world_size(&self) -> u64 {
+        self.config.world_size
+    }
+
+    /// The placement of `rank`. Errors: `InvalidConfig` if `rank >= W`.
+    pub fn rank(&self, rank: u64) -> Result<RankPlacement, PlanError> {
+        if rank >= self.config.world_size {
+            return Err(PlanError::InvalidConfig(format!(
+                "rank {rank} is outside world size {}",
+                self.config.world_size
+            )));
+        }
+        Ok(RankPlacement {
+            rank,
+            shard_index: rank % self.shard_size,
+            replicate_index: rank / self.shard_size,
+        })
+    }
+
+    /// Every rank's placement, in rank order.
+    pub fn ranks(&self) -> Vec<RankPlacement> {
+        (0..self.config.world_size)
+            .map(|r| RankPlacement {
+                rank: r,
+                shard_index: r % self.shard_size,
+                replicate_index: r / self.shard_size,
+            })
+            .collect()
+    }
+
+    /// The memory plan of `rank`: the same for every rank, since all shards of a flat param
+    /// have `s_f` elements. Errors: `InvalidConfig` if `rank >= W`.
+    pub fn memory_for_rank(&self, rank: u64) -> Result<&MemoryPlan, PlanError> {
+        self.rank(rank)?;
+        Ok(&self.memory)
+    }
+
+    /// Padding elements inside shard `shard_index` over all flat params.
+    pub fn shard_padding_numel(&self, shard_index: u64) -> Numel {
+        self.units
+            .iter()
+            .flat_map(|u| &u.flat_params)
+            .map(|f| f.shard_numel() - f.shard_real_numel(shard_index))
+            .sum()
+    }
+
+    /// Whether the peak fits `device_memory` (None without a budget).
+    pub fn fits(&self) -> Option<bool> {
+        self.config.device_memory.map(|d| self.memory.peak <= d)
+    }
+}
+
+/// What every rank must agree on, serialized canonically (serde_json, fields in declaration
+/// order, no maps) and hashed with SHA-256.
+#[derive(Serialize)]
+struct FingerprintInput<'a> {
+    domain: &'static str,
+    model: &'a str,
+    arch: &'a Architecture,
+    config: &'a PlanConfig,
+    strategy: &'a Strategy,
+    shard_size: u64,
+    replicate_size: u64,
+    units: &'a [UnitLayout],
+    schedule: &'a Schedule,
+}
+
+/// Plans `spec` under `cfg`: lays every unit out in flat parameters for the shard group, builds
+/// the schedule and the memory plan, and fingerprints the result. Pure and deterministic: no
+/// I/O, no clock, no randomness; the same inputs give the same bytes on every rank.
+///
+/// `Strategy::Auto` tries NoShard, ShardGradOp, Hybrid (each shard-group size dividing `W`,
+/// smallest first) and FullShard, and keeps the first whose peak fits `device_memory`; if none
+/// fits it keeps FullShard (the least memory) and says so in `auto_reason`.
+///
+/// Errors: `ZeroWorldSize`, `ShardSizeNotDivisor`, `ZeroAlignment`, `InvalidConfig`
+/// (micro-batch, sequence length or accumulation 0; auto without a budget; a sequence longer
+/// than GPT-2's position table), `InvalidSpec`, `TiedAcrossUnits`.
+pub fn plan(spec: &ModelSpec, cfg: &PlanConfig) -> Result<ShardPlan, PlanError> {
+    cfg.validate()?;
+    if let Architecture::Gpt2(c) = &spec.arch {
+        if cfg.seq_len > c.n_positions {
+            return Err(PlanError::InvalidConfig(format!(
+                "sequence length {} exceeds the model's {} positions",
+                cfg.seq_len, c.n_positions
+            )));
+        }
+    }
+    if cfg.strategy != Strategy::Auto {
+        return plan_with(spec, cfg, cfg.strategy, None);
+    }
+    let budget = cfg.device_memory.expect("validated: auto has a budget");
+    let w = cfg.world_size;
+    let mut candidates = vec![Strategy::NoShard];
+    if w > 1 {
+        candidates.push(Strategy::ShardGradOp);
+        candidates.extend(
+            (2..w)
+                .filter(|s| w.is_multiple_of(*s))
+                .map(|s| Strategy::Hybrid { shard_size: s }),
+        );
+        candidates.push(Strategy::FullShard);
+    }
+    let mut rejected = Vec::new();
+    let mut last = None;
+    for s in candidates {
+        let p = plan_with(spec, cfg, s, None)?;
+        if p.memory.peak <= budget {
+            let why = if rejected.is_empty() {
+                format!(
+                    "{s} is the fastest strategy and fits: peak {} of {budget} ({} free)",
+                    p.memory.peak,
+                    budget - p.memory.peak
+                )
+            } else {
+                format!(
+                    "{s} is the fastest strategy that fits: peak {} of {budget} ({} free); faster ones do not fit: {}",
+                    p.memory.peak,
+                    budget - p.memory.peak,
+                    rejected.join(", ")
+                )
+            };
+            return plan_with(spec, cfg, s, Some(why));
+        }
+        rejected.push(format!("{s} needs {}", p.memory.peak));
+        last = Some(p);
+    }
+    let p = last.expect("at least one candidate");
+    let why = format!(
+        "nothing fits in {budget}: {}; keeping {} (the least memory), over by {}",
+        rejected.join(", "),
+        p.strategy,
+        p.memory.peak - budget
+    );
+    plan_with(spec, cfg, p.strategy, Some(why))
+}
+
+fn plan_with(
+    spec: &ModelSpec,
+    cfg: &PlanConfig,
+    strategy: Strategy,
+    auto_reason: Option<String>,
+) -> Result<ShardPlan, PlanError> {
+    let w = cfg.world_size;
+    let shard_size = strategy.shard_size(w).expect("resolved strategy");
+    let units = layout_units(spec, shard_size, cfg.alignment)?;
+    let schedule = build_schedule(spec, &units, strategy.reshard_after_forward(), cfg.prefetch);
+    let memory = memory_plan(&spec.arch, &units, &schedule, cfg, shard_size);
+    let per_unit: Vec<Numel> = units
+        .iter()
+        .map(|u| u.flat_params.iter().map(|f| f.padding_numel()).sum())
+        .collect();
+    let padded: Numel = units
+        .iter()
+        .flat_map(|u| &u.flat_params)
+        .map(|f| f.padded_numel)
+        .sum();
+    let real: Numel = units
+        .iter()
+        .flat_map(|u| &u.flat_params)
+        .map(|f| f.real_numel())
+        .sum();
+    let replicate_size = w / shard_size;
+    let input = FingerprintInput {
+        domain: "fsdp-plan-fingerprint/1",
+        model: &spec.name,
+        arch: &spec.arch,
+        config: cfg,
+        strategy: &strategy,
+        shard_size,
+        replicate_size,
+        units: &units,
+        schedule: &schedule,
+    };
+    let bytes = serde_json::to_vec(&input).expect("plan types serialize");
+    let fingerprint = hex(&Sha256::digest(&bytes));
+    Ok(ShardPlan {
+        model: spec.name.clone(),
+        arch: spec.arch,
+        numel: spec.numel(),
+        trainable_numel: spec.trainable_numel(),
+        config: cfg.clone(),
+        strategy,
+        auto_reason,
+        shard_size,
+        replicate_size,
+        units,
+        schedule,
+        memory,
+        padding: PaddingReport {
+            real_numel: real,
+            padded_numel: padded,
+            padding_numel: padded - real,
+            per_unit,
+        },
+        fingerprint,
+    })
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The smallest world size at which one strategy fits a budget.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MinWorld {
+    /// The strategy (for Hybrid: the shard-group size found, replicate size 1 or more).
+    pub strategy: Strategy,
+    /// Smallest world size that fits (for Hybrid: smallest shard-group size; the world may
+    /// be any multiple of it), or None if none up to [`MAX_SEARCH_WORLD`] fits.
+    pub world_size: Option<u64>,
+    /// The peak at that size (or at [`MAX_SEARCH_WORLD`] if none fits).
+    pub peak: Bytes,
+}
+
+/// Largest world size the fit search tries.
+pub const MAX_SEARCH_WORLD: u64 = 1 << 20;
+
+/// For each of full shard, shard-grad-op, no-shard and hybrid, the smallest world size whose
+/// peak fits `budget`, with every other setting of `cfg` kept. The peak falls with the world
+/// size except for padding (at most `alignment * W` elements per flat param), so the search
+/// doubles to the first fitting size and then bisects.
+///
+/// Hybrid with shard group `S` holds exactly what full shard holds at `W = S` (the replicas
+/// add no bytes), so its answer is the full-shard one read as a shard-group size.
+///
+/// Errors: as [`plan`].
+pub fn min_world_sizes(
+    spec: &ModelSpec,
+    cfg: &PlanConfig,
+    budget: Bytes,
+) -> Result<Vec<MinWorld>, PlanError> {
+    let peak_at = |s: Strategy, w: u64| -> Result<Bytes, PlanError> {
+        let mut c = cfg.clone();
+        c.world_size = w;
+        c.strategy = s;
+        c.device_memory = None;
+        Ok(plan(spec, &c)?.memory.peak)
+    };
+    let mut out = Vec::new();
+    for s in [
+        Strategy::FullShard,
+        Strategy::ShardGradOp,
+        Strategy::NoShard,
+    ] {
+        let p1 = peak_at(s, 1)?;
+        if p1 <= budget {
+            out.push(MinWorld {
+                strategy: s,
+                world_size: Some(1),
+                peak: p1,
+            });
+            continue;
+        }
+        if s == Strategy::NoShard {
+            out.push(MinWorld {
+                strategy: s,
+                world_size: None,
+                peak: p1,
+            });
+            continue;
+        }
+        let mut hi = 2;
+        let mut p_hi = peak_at(s, hi)?;
+        while p_hi > budget && hi < MAX_SEARCH_WORLD {
+            hi *= 2;
+            p_hi = peak_at(s, hi)?;
+        }
+        if p_hi > budget {
+            out.push(MinWorld {
+                strategy: s,
+                world_size: None,
+                peak: p_hi,
+            });
+            continue;
+        }
+        let mut lo = hi / 2; // does not fit
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            let p = peak_at(s, mid)?;
+            if p <= budget {
+                hi = mid;
+                p_hi = p;
+            } else {
+                lo = mid;
+            }
+        }
+        out.push(MinWorld {
+            strategy: s,
+            world_size: Some(hi),
+            peak: p_hi,
+        });
+    }
+    let fs = out[0].clone();
+    out.push(MinWorld {
+        strategy: Strategy::Hybrid {
+            shard_size: fs.world_size.unwrap_or(0),
+        },
+        world_size: fs.world_size,
+        peak: fs.peak,
+    });
+    Ok(out)
+}
