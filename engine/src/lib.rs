@@ -3,3 +3,4 @@
 //! step the optimizer on the local shard.
 
 pub mod cli;
+pub mod model;

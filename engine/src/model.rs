@@ -1,0 +1,728 @@
+//! The GPT-2 style decoder (Radford et al. 2019, "Language Models are Unsupervised Multitask
+//! Learners"; architecture of Vaswani et al. 2017 with pre-LayerNorm as in GPT-2 §2.3) computed
+//! one FSDP unit at a time on candle-core tensors.
+//!
+//! The model owns no parameters: the engine unshards a unit (all-gathers its flat parameter),
+//! builds one tensor per parameter (views of the unsharded flat parameter, in the unit's
+//! declaration order from the [`ModelSpec`]) and calls [`Gpt::forward_stage`] or
+//! [`Gpt::head_loss`]. Backward is candle autograd over the same call (unit-level recompute:
+//! make the parameters and the stage input `Var`s, recompute, backpropagate `(y * g_y).sum()`).
+//!
+//! Parameter names, shapes and unit structure are those of
+//! [`fsdp_planner::presets::gpt2_spec`] (Hugging Face `GPT2LMHeadModel` naming, Conv1D weights
+//! stored `[in, out]` so a linear layer is `y = x @ W + b`).
+//!
+//! On the CPU the hot elementwise parts (LayerNorm, causal softmax, bias + GELU, cross-entropy)
+//! run as fused candle custom ops with hand-written backward passes ([`ops`]); on other devices
+//! the same math is composed from candle's primitive tensor ops. Both paths are tested against
+//! each other.
+
+pub mod ops;
+
+use candle_core::{DType, Device, Tensor, D};
+use fsdp_planner::presets::{byte_gpt_config, gpt2_spec, openai_gpt2_config};
+use fsdp_planner::{Gpt2Config, ModelSpec};
+use rand_chacha::rand_core::{RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// LayerNorm epsilon, as GPT-2 (`layer_norm_epsilon = 1e-5`).
+pub const LN_EPS: f64 = 1e-5;
+/// Standard deviation of the GPT-2 weight initialisation (`initializer_range = 0.02`).
+pub const INIT_STD: f64 = 0.02;
+
+/// Errors building a model: a bad configuration or an unknown preset name.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// `d_model` is not a multiple of `n_head`.
+    #[error("model {name}: d_model {d_model} is not a multiple of n_head {n_head}")]
+    HeadsDoNotDivide {
+        /// Model name.
+        name: String,
+        /// Model width.
+        d_model: u64,
+        /// Number of attention heads.
+        n_head: u64,
+    },
+    /// A size that must be positive is zero.
+    #[error("model {name}: {field} must be > 0 (got 0)")]
+    ZeroSize {
+        /// Model name.
+        name: String,
+        /// The configuration field (`vocab_size`, `n_positions`, `d_model`, `n_layer`, `n_head`).
+        field: &'static str,
+    },
+    /// The preset name is not one of the known byte-level or OpenAI GPT-2 presets.
+    #[error("unknown model preset {name:?}; known: tiny, mini, small, base, gpt2, gpt2-medium, gpt2-large, gpt2-xl")]
+    UnknownPreset {
+        /// The name asked for.
+        name: String,
+    },
+    /// A tensor operation failed (e.g. while evaluating).
+    #[error("tensor operation failed: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+/// One step of the forward schedule: which computation a unit performs.
+///
+/// With an untied head the embedding, each block and the head are separate units. With a tied
+/// head the `root` unit holds the embeddings, the final norm and the (tied) LM head, and is used
+/// twice: [`Stage::Embed`] first and [`Stage::Head`] last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Stage {
+    /// Token + position embedding: u32 token ids `[B, T]` -> hidden `[B, T, D]`.
+    Embed,
+    /// Transformer block `layer` (0-based): hidden `[B, T, D]` -> `[B, T, D]`.
+    Block(usize),
+    /// Final LayerNorm + LM head: hidden `[B, T, D]` -> logits `[B, T, V]` (or a loss, through
+    /// [`Gpt::head_loss`]).
+    Head,
+}
+
+/// Positions of the parameters of each kind inside their unit's parameter list.
+#[derive(Debug, Clone, Copy)]
+struct LnIdx {
+    w: usize,
+    b: Option<usize>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct LinIdx {
+    w: usize,
+    b: Option<usize>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct BlockIdx {
+    ln_1: LnIdx,
+    c_attn: LinIdx,
+    attn_proj: LinIdx,
+    ln_2: LnIdx,
+    c_fc: LinIdx,
+    mlp_proj: LinIdx,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct EmbedIdx {
+    wte: usize,
+    wpe: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct HeadIdx {
+    ln_f: LnIdx,
+    lm_head: usize,
+}
+
+/// A GPT-2 style decoder: configuration, its [`ModelSpec`] (units and parameters in
+/// declaration order) and the forward/backward math of each stage.
+///
+/// Shapes below: `B` micro-batch size (sequences), `T` sequence length (tokens, `T <=
+/// n_positions`), `D = d_model`, `V = vocab_size`, `H = n_head`.
+#[derive(Debug, Clone)]
+pub struct Gpt {
+    /// Hyper-parameters.
+    pub cfg: Gpt2Config,
+    /// The planner's description of the units and parameters (from `gpt2_spec`).
+    pub spec: ModelSpec,
+    embed_unit: usize,
+    head_unit: usize,
+    embed: EmbedIdx,
+    head: HeadIdx,
+    blocks: Vec<BlockIdx>,
+}
+
+fn find(spec: &ModelSpec, unit: usize, name: &str) -> Option<usize> {
+    spec.units[unit].params.iter().position(|p| p.name == name)
+}
+
+impl Gpt {
+    /// Builds the model `name` from `cfg`: validates the configuration and derives the spec with
+    /// [`gpt2_spec`].
+    ///
+    /// Errors: [`ModelError::ZeroSize`] if any of `vocab_size`, `n_positions`, `d_model`,
+    /// `n_layer`, `n_head` is 0; [`ModelError::HeadsDoNotDivide`] if `d_model % n_head != 0`.
+    pub fn new(name: &str, cfg: Gpt2Config) -> Result<Self, ModelError> {
+        for (field, v) in [
+            ("vocab_size", cfg.vocab_size),
+            ("n_positions", cfg.n_positions),
+            ("d_model", cfg.d_model),
+            ("n_layer", cfg.n_layer),
+            ("n_head", cfg.n_head),
+        ] {
+            if v == 0 {
+                return Err(ModelError::ZeroSize {
+                    name: name.to_string(),
+                    field,
+                });
+            }
+        }
+        if !cfg.d_model.is_multiple_of(cfg.n_head) {
+            return Err(ModelError::HeadsDoNotDivide {
+                name: name.to_string(),
+                d_model: cfg.d_model,
+                n_head: cfg.n_head,
+            });
+        }
+        let spec = gpt2_spec(name, &cfg);
+        let l = cfg.n_layer as usize;
+        let (embed_unit, head_unit, first_block) = if cfg.tied_head {
+            (l, l, 0)
+        } else {
+            (0, l + 1, 1)
+        };
+        let idx = |unit: usize, n: &str| {
+            find(&spec, unit, n).unwrap_or_else(|| panic!("gpt2_spec has no parameter {n}"))
+        };
+        let opt = |unit: usize, n: &str| find(&spec, unit, n);
+        let embed = EmbedIdx {
+            wte: idx(embed_unit, "transformer.wte.weight"),
+            wpe: idx(embed_unit, "transformer.wpe.weight"),
+        };
+        let head = HeadIdx {
+            ln_f: LnIdx {
+                w: idx(head_unit, "transformer.ln_f.weight"),
+                b: opt(head_unit, "transformer.ln_f.bias"),
+            },
+            lm_head: idx(head_unit, "lm_head.weight"),
+        };
+        let blocks = (0..l)
+            .map(|i| {
+                let u = first_block + i;
+                let p = format!("transformer.h.{i}");
+                let ln = |s: &str| LnIdx {
+                    w: idx(u, &format!("{p}.{s}.weight")),
+                    b: opt(u, &format!("{p}.{s}.bias")),
+                };
+                let lin = |s: &str| LinIdx {
+                    w: idx(u, &format!("{p}.{s}.weight")),
+                    b: opt(u, &format!("{p}.{s}.bias")),
+                };
+                BlockIdx {
+                    ln_1: ln("ln_1"),
+                    c_attn: lin("attn.c_attn"),
+                    attn_proj: lin("attn.c_proj"),
+                    ln_2: ln("ln_2"),
+                    c_fc: lin("mlp.c_fc"),
+                    mlp_proj: lin("mlp.c_proj"),
+                }
+            })
+            .collect();
+        Ok(Gpt {
+            cfg,
+            spec,
+            embed_unit,
+            head_unit,
+            embed,
+            head,
+            blocks,
+        })
+    }
+
+    /// Builds a preset by name: the byte-level presets `tiny`, `mini`, `small`, `base`
+    /// ([`byte_gpt_config`], vocabulary 256, untied head) or the OpenAI GPT-2 sizes `gpt2`,
+    /// `gpt2-medium`, `gpt2-large`, `gpt2-xl` ([`openai_gpt2_config`], tied head).
+    ///
+    /// Errors: [`ModelError::UnknownPreset`] for any other name.
+    pub fn from_preset(name: &str) -> Result<Self, ModelError> {
+        let cfg = byte_gpt_config(name)
+            .or_else(|| openai_gpt2_config(name))
+            .ok_or_else(|| ModelError::UnknownPreset {
+                name: name.to_string(),
+            })?;
+        Gpt::new(name, cfg)
+    }
+
+    /// Number of transformer blocks `L`.
+    pub fn n_layer(&self) -> usize {
+        self.cfg.n_layer as usize
+    }
+
+    /// Model width `D`.
+    pub fn d_model(&self) -> usize {
+        self.cfg.d_model as usize
+    }
+
+    /// The unit index (into `spec.units`) that computes `stage`.
+    ///
+    /// Untied: `Embed -> 0`, `Block(i) -> i + 1`, `Head -> L + 1`. Tied: `Block(i) -> i`,
+    /// `Embed -> L`, `Head -> L` (the root unit). Panics if `Block(i)` has `i >= L`.
+    pub fn unit_of(&self, stage: Stage) -> usize {
+        match stage {
+            Stage::Embed => self.embed_unit,
+            Stage::Head => self.head_unit,
+            Stage::Block(i) => {
+                assert!(
+                    i < self.n_layer(),
+                    "block {i} of a {}-layer model",
+                    self.n_layer()
+                );
+                if self.cfg.tied_head {
+                    i
+                } else {
+                    i + 1
+                }
+            }
+        }
+    }
+
+    /// The forward schedule: `(stage, unit index)` in execution order, `L + 2` entries.
+    ///
+    /// Untied: `[(Embed, 0), (Block(0), 1), ..., (Block(L-1), L), (Head, L + 1)]`.
+    /// Tied: `[(Embed, L), (Block(0), 0), ..., (Block(L-1), L - 1), (Head, L)]`.
+    /// Backward runs it in reverse.
+    pub fn stages(&self) -> Vec<(Stage, usize)> {
+        let mut s = Vec::with_capacity(self.n_layer() + 2);
+        s.push((Stage::Embed, self.unit_of(Stage::Embed)));
+        for i in 0..self.n_layer() {
+            s.push((Stage::Block(i), self.unit_of(Stage::Block(i))));
+        }
+        s.push((Stage::Head, self.unit_of(Stage::Head)));
+        s
+    }
+
+    /// Deterministic GPT-2 initialisation from `seed`: the same values on every rank and every
+    /// platform.
+    ///
+    /// Returns `[unit][param][element]`: per unit (spec order), per parameter in declaration
+    /// order with tied parameters EXCLUDED, the flattened row-major f32 values (`numel`
+    /// elements). Values (Radford et al. 2019 §2.3; Hugging Face `GPT2PreTrainedModel`):
+    /// embeddings, attention/MLP input weights and an untied LM head ~ N(0, 0.02); the
+    /// residual projections `attn.c_proj.weight` and `mlp.c_proj.weight` ~ N(0,
+    /// 0.02/sqrt(2 L)); biases 0; LayerNorm weights 1.
+    ///
+    /// Randomness: unit `u` draws from ChaCha8 (Bernstein 2008) keyed by `seed` (bytes 0..8,
+    /// little-endian) and `u` (bytes 8..16); parameters of the unit consume the stream in
+    /// declaration order. Normal deviates come from Marsaglia's polar method with a
+    /// software logarithm ([`det_ln`]) that uses only IEEE-754 correctly rounded operations,
+    /// so no platform `libm` enters the result.
+    pub fn init_params(&self, seed: u64) -> Vec<Vec<Vec<f32>>> {
+        let resid_std = INIT_STD / (2.0 * self.cfg.n_layer as f64).sqrt();
+        self.spec
+            .units
+            .iter()
+            .enumerate()
+            .map(|(u, unit)| {
+                let mut key = [0u8; 32];
+                key[..8].copy_from_slice(&seed.to_le_bytes());
+                key[8..16].copy_from_slice(&(u as u64).to_le_bytes());
+                let mut normal = PolarNormal::new(ChaCha8Rng::from_seed(key));
+                unit.params
+                    .iter()
+                    .filter(|p| p.tied_to.is_none())
+                    .map(|p| {
+                        let n = p.numel().0 as usize;
+                        let name = p.name.as_str();
+                        if p.shape.len() == 1 {
+                            // LayerNorm gain or a bias.
+                            let is_ln_weight = name.ends_with(".weight");
+                            vec![if is_ln_weight { 1.0 } else { 0.0 }; n]
+                        } else {
+                            let std = if name.ends_with("attn.c_proj.weight")
+                                || name.ends_with("mlp.c_proj.weight")
+                            {
+                                resid_std
+                            } else {
+                                INIT_STD
+                            };
+                            (0..n).map(|_| (normal.sample() * std) as f32).collect()
+                        }
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Builds candle tensors for every unit from [`Gpt::init_params`]-style values: per unit,
+    /// ALL parameters in declaration order with shapes from the spec, a tied parameter being a
+    /// clone (same storage) of its target's tensor. This is the `unit_params` argument of
+    /// [`Gpt::forward_stage`] for a single-process model.
+    ///
+    /// Errors: a candle error if a value vector's length does not match its parameter's numel.
+    pub fn params_to_tensors(
+        &self,
+        values: &[Vec<Vec<f32>>],
+        device: &Device,
+    ) -> candle_core::Result<Vec<Vec<Tensor>>> {
+        let mut out: Vec<Vec<Tensor>> = Vec::with_capacity(self.spec.units.len());
+        for (u, unit) in self.spec.units.iter().enumerate() {
+            let mut ts: Vec<Tensor> = Vec::with_capacity(unit.params.len());
+            let mut k = 0;
+            for p in &unit.params {
+                let shape: Vec<usize> = p.shape.iter().map(|&s| s as usize).collect();
+                match &p.tied_to {
+                    None => {
+                        ts.push(Tensor::from_slice(&values[u][k], shape, device)?);
+                        k += 1;
+                    }
+                    Some(target) => {
+                        let j = unit
+                            .params
+                            .iter()
+                            .position(|q| &q.name == target)
+                            .ok_or_else(|| {
+                                candle_core::Error::Msg(format!(
+                                    "{}: tied target {target} not in unit {}",
+                                    p.name, unit.name
+                                ))
+                            })?;
+                        ts.push(ts[j].clone());
+                    }
+                }
+            }
+            out.push(ts);
+        }
+        Ok(out)
+    }
+
+    /// Forward of one stage.
+    ///
+    /// `unit_params`: ALL parameters of the stage's unit ([`Gpt::unit_of`]) in declaration
+    /// order (a tied parameter passed as its target's tensor), shapes from the spec, all of one
+    /// float dtype (f32 in training; f64 works on the CPU for gradient checks).
+    /// - `Embed`: `x` u32 token ids `[B, T]` -> hidden `[B, T, D]` (`wte[x] + wpe[0..T]`).
+    /// - `Block(i)`: hidden `[B, T, D]` -> `[B, T, D]`:
+    ///   `x + attn(ln_1(x))`, then `+ mlp(ln_2(.))` (pre-LayerNorm, causal multi-head
+    ///   self-attention with softmax(q k^T / sqrt(D/H)), 4x MLP with tanh-GELU).
+    /// - `Head`: hidden `[B, T, D]` -> logits `[B, T, V]` (`ln_f(x) @ lm_head.weight^T`).
+    ///
+    /// A stage need not use every parameter of its unit (the tied `root` unit's `Embed` stage
+    /// uses only `wte`/`wpe`, its `Head` stage only `ln_f` and `lm_head`): after backward,
+    /// `grads.get(param)` is `None` for the unused ones, meaning a zero gradient.
+    ///
+    /// Errors: wrong parameter count or shapes, `T > n_positions`, a token id `>= V`, or a
+    /// dtype mismatch.
+    pub fn forward_stage(
+        &self,
+        stage: Stage,
+        unit_params: &[Tensor],
+        x: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        self.check_params(stage, unit_params)?;
+        match stage {
+            Stage::Embed => self.embed_fwd(unit_params, x),
+            Stage::Block(i) => self.block_fwd(&self.blocks[i], unit_params, x),
+            Stage::Head => {
+                let (b, t, _) = x.dims3()?;
+                let logits = self.logits(unit_params, x)?;
+                logits.reshape((b, t, self.cfg.vocab_size as usize))
+            }
+        }
+    }
+
+    /// Head stage with the loss: hidden `x` `[B, T, D]` and `targets` u32 `[B, T]` -> a scalar
+    /// (0-dim tensor, dtype of `x`): the SUM over the `B*T` tokens of the cross-entropy
+    /// `-log softmax(logits)[target]` in nats. The engine divides by the global token count
+    /// exactly once.
+    ///
+    /// Errors: as [`Gpt::forward_stage`] for `Head`; a target `>= V`; `targets` not `[B, T]`.
+    pub fn head_loss(
+        &self,
+        unit_params: &[Tensor],
+        x: &Tensor,
+        targets: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        self.check_params(Stage::Head, unit_params)?;
+        let (b, t, _) = x.dims3()?;
+        let (tb, tt) = targets.dims2()?;
+        if (tb, tt) != (b, t) {
+            candle_core::bail!("head_loss: targets are [{tb}, {tt}], hidden is [{b}, {t}, _]");
+        }
+        let logits = self.logits(unit_params, x)?;
+        let targets = targets.flatten_all()?;
+        if use_fused(&logits) {
+            ops::cross_entropy_sum(&logits, &targets)
+        } else {
+            cross_entropy_sum_ref(&logits, &targets)
+        }
+    }
+
+    /// Whole-model forward as ONE autograd graph (the single-process reference): `params` per
+    /// unit as for [`Gpt::forward_stage`] (e.g. from [`Gpt::params_to_tensors`], or `Var`s),
+    /// `ids` and `targets` u32 `[B, T]` -> the summed cross-entropy scalar of
+    /// [`Gpt::head_loss`]. Errors: as the stages.
+    pub fn forward_loss(
+        &self,
+        params: &[Vec<Tensor>],
+        ids: &Tensor,
+        targets: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        if params.len() != self.spec.units.len() {
+            candle_core::bail!(
+                "forward_loss: {} units of parameters for a {}-unit model",
+                params.len(),
+                self.spec.units.len()
+            );
+        }
+        let mut x = ids.clone();
+        for (stage, unit) in self.stages() {
+            if stage == Stage::Head {
+                return self.head_loss(&params[unit], &x, targets);
+            }
+            x = self.forward_stage(stage, &params[unit], &x)?;
+        }
+        unreachable!("stages() ends with Head")
+    }
+
+    fn check_params(&self, stage: Stage, params: &[Tensor]) -> candle_core::Result<()> {
+        let unit = &self.spec.units[self.unit_of(stage)];
+        if params.len() != unit.params.len() {
+            candle_core::bail!(
+                "{stage:?}: unit {} has {} parameters, got {} tensors",
+                unit.name,
+                unit.params.len(),
+                params.len()
+            );
+        }
+        for (p, t) in unit.params.iter().zip(params) {
+            let want: Vec<usize> = p.shape.iter().map(|&s| s as usize).collect();
+            if t.dims() != want.as_slice() {
+                candle_core::bail!("{}: expected shape {want:?}, got {:?}", p.name, t.dims());
+            }
+        }
+        Ok(())
+    }
+
+    fn embed_fwd(&self, p: &[Tensor], ids: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        if ids.dtype() != DType::U32 {
+            candle_core::bail!("Embed: token ids must be u32, got {:?}", ids.dtype());
+        }
+        if t as u64 > self.cfg.n_positions {
+            candle_core::bail!(
+                "Embed: sequence length {t} exceeds n_positions {}",
+                self.cfg.n_positions
+            );
+        }
+        let d = self.d_model();
+        let (wte, wpe) = (&p[self.embed.wte], &p[self.embed.wpe]);
+        if use_fused(wte) {
+            return ops::embedding(wte, wpe, ids)?.reshape((b, t, d));
+        }
+        let v = self.cfg.vocab_size as u32;
+        let flat = ids.flatten_all()?;
+        let max = flat.max(0)?.to_scalar::<u32>()?;
+        if max >= v {
+            candle_core::bail!("Embed: token id {max} >= vocab_size {v}");
+        }
+        let tok = wte.index_select(&flat, 0)?.reshape((b, t, d))?;
+        tok.broadcast_add(&wpe.narrow(0, 0, t)?)
+    }
+
+    fn block_fwd(&self, ix: &BlockIdx, p: &[Tensor], x: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let h = self.n_head_usize();
+        let hd = d / h;
+        let x2 = x.reshape((b * t, d))?;
+        // Attention sub-block.
+        let a = layer_norm(&x2, &p[ix.ln_1.w], ix.ln_1.b.map(|i| &p[i]))?;
+        let qkv = linear(&a, &p[ix.c_attn.w], ix.c_attn.b.map(|i| &p[i]))?; // [BT, 3D]
+        let qkv = qkv.reshape((b, t, 3, h, hd))?.permute((2, 0, 3, 1, 4))?; // [3, B, H, T, hd]
+        let q = qkv.get(0)?.contiguous()?;
+        let k = qkv.get(1)?.contiguous()?;
+        let v = qkv.get(2)?.contiguous()?;
+        let scores = q.matmul(&k.t()?)?; // [B, H, T, T]
+        let scale = 1.0 / (hd as f64).sqrt();
+        let att = if use_fused(&scores) {
+            ops::causal_softmax(&scores, scale)?
+        } else {
+            causal_softmax_ref(&scores, scale)?
+        };
+        let y = att.matmul(&v)?; // [B, H, T, hd]
+        let y = y.transpose(1, 2)?.reshape((b * t, d))?;
+        let y = linear(&y, &p[ix.attn_proj.w], ix.attn_proj.b.map(|i| &p[i]))?;
+        let x2 = (x2 + y)?;
+        // MLP sub-block.
+        let m = layer_norm(&x2, &p[ix.ln_2.w], ix.ln_2.b.map(|i| &p[i]))?;
+        let f = m.matmul(&p[ix.c_fc.w])?;
+        let f = if use_fused(&f) {
+            ops::bias_gelu(&f, ix.c_fc.b.map(|i| &p[i]))?
+        } else {
+            match ix.c_fc.b {
+                Some(bi) => f.broadcast_add(&p[bi])?.gelu()?,
+                None => f.gelu()?,
+            }
+        };
+        let y = linear(&f, &p[ix.mlp_proj.w], ix.mlp_proj.b.map(|i| &p[i]))?;
+        (x2 + y)?.reshape((b, t, d))
+    }
+
+    /// `ln_f(x) @ lm_head^T` as `[B*T, V]`.
+    fn logits(&self, p: &[Tensor], x: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let x2 = x.reshape((b * t, d))?;
+        let h = layer_norm(&x2, &p[self.head.ln_f.w], self.head.ln_f.b.map(|i| &p[i]))?;
+        h.matmul(&p[self.head.lm_head].t()?)
+    }
+
+    fn n_head_usize(&self) -> usize {
+        self.cfg.n_head as usize
+    }
+}
+
+/// Whether the fused CPU custom ops serve this tensor (CPU, f32 or f64).
+fn use_fused(t: &Tensor) -> bool {
+    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+}
+
+/// `x @ w (+ b)` for `x` `[N, in]`, `w` `[in, out]`, `b` `[out]`.
+fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    let y = x.matmul(w)?;
+    match b {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
+    }
+}
+
+/// LayerNorm over the last dim of `x` `[N, D]` (Ba et al. 2016), eps [`LN_EPS`].
+fn layer_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    if use_fused(x) {
+        ops::layer_norm(x, w, b, LN_EPS)
+    } else {
+        layer_norm_ref(x, w, b, LN_EPS)
+    }
+}
+
+/// Reference LayerNorm from candle primitives (any device): `(x - mean) / sqrt(var + eps) * w
+/// + b`, biased variance over the last dim.
+pub fn layer_norm_ref(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    eps: f64,
+) -> candle_core::Result<Tensor> {
+    let mean = x.mean_keepdim(D::Minus1)?;
+    let xc = x.broadcast_sub(&mean)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+    let xhat = xc.broadcast_div(&(var + eps)?.sqrt()?)?;
+    let y = xhat.broadcast_mul(w)?;
+    match b {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
+    }
+}
+
+/// Reference causal softmax from candle primitives: `softmax(scale * s + mask)` over the last
+/// dim of `s` `[..., T, T]`, where `mask[i][j] = -inf` for `j > i`.
+pub fn causal_softmax_ref(s: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
+    let t = s.dim(D::Minus1)?;
+    let mask: Vec<f32> = (0..t * t)
+        .map(|k| {
+            if k % t > k / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (t, t), s.device())?.to_dtype(s.dtype())?;
+    let z = s.affine(scale, 0.0)?.broadcast_add(&mask)?;
+    let max = z.max_keepdim(D::Minus1)?.detach();
+    let e = z.broadcast_sub(&max)?.exp()?;
+    let sum = e.sum_keepdim(D::Minus1)?;
+    e.broadcast_div(&sum)
+}
+
+/// Reference summed cross-entropy from candle primitives: `logits` `[N, V]`, `targets` u32
+/// `[N]` -> scalar `sum_n (logsumexp(logits_n) - logits_n[target_n])`.
+pub fn cross_entropy_sum_ref(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    let n = logits.dim(0)?;
+    let max = logits.max_keepdim(D::Minus1)?.detach();
+    let lse = (logits
+        .broadcast_sub(&max)?
+        .exp()?
+        .sum_keepdim(D::Minus1)?
+        .log()?
+        + max)?;
+    let picked = logits.gather(&targets.reshape((n, 1))?, D::Minus1)?;
+    (lse - picked)?.sum_all()
+}
+
+/// Natural logarithm of a positive, finite, normal `x` using only IEEE-754 correctly rounded
+/// operations (+, -, *, /), so it gives the same bits on every platform (unlike a platform
+/// `libm`). Method: `x = m * 2^e` with `m` in `[sqrt(1/2), sqrt(2))`, then `ln m = 2 atanh(s)`,
+/// `s = (m - 1)/(m + 1)`, summed as the odd power series `2 (s + s^3/3 + s^5/5 + ...)` to 14
+/// terms (`|s| < 0.172`, truncation error below 1e-17). Accuracy: within a few ulp of `ln`.
+pub fn det_ln(x: f64) -> f64 {
+    debug_assert!(x.is_finite() && x > 0.0 && x.is_normal());
+    let bits = x.to_bits();
+    let mut e = ((bits >> 52) & 0x7ff) as i64 - 1023;
+    let mut m = f64::from_bits((bits & 0x000f_ffff_ffff_ffff) | 0x3ff0_0000_0000_0000);
+    if m > std::f64::consts::SQRT_2 {
+        m *= 0.5;
+        e += 1;
+    }
+    let s = (m - 1.0) / (m + 1.0);
+    let s2 = s * s;
+    let mut term = s;
+    let mut sum = 0.0;
+    for k in 0..14 {
+        sum += term / (2 * k + 1) as f64;
+        term *= s2;
+    }
+    2.0 * sum + e as f64 * std::f64::consts::LN_2
+}
+
+/// Standard normal deviates by Marsaglia's polar method (Marsaglia & Bray 1964) over a
+/// ChaCha8 stream: uniforms `u, v` in `(-1, 1)` from 53 random bits each, rejected unless
+/// `0 < s = u^2 + v^2 < 1`, then `u * f` and `v * f` with `f = sqrt(-2 ln s / s)` ([`det_ln`];
+/// `sqrt` is correctly rounded by IEEE-754), so results are platform independent.
+struct PolarNormal {
+    rng: ChaCha8Rng,
+    spare: Option<f64>,
+}
+
+impl PolarNormal {
+    fn new(rng: ChaCha8Rng) -> Self {
+        PolarNormal { rng, spare: None }
+    }
+
+    fn uniform(&mut self) -> f64 {
+        // 53 random bits -> [0, 1) -> (-1, 1).
+        let u = (self.rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
+        2.0 * u - 1.0
+    }
+
+    fn sample(&mut self) -> f64 {
+        if let Some(z) = self.spare.take() {
+            return z;
+        }
+        loop {
+            let u = self.uniform();
+            let v = self.uniform();
+            let s = u * u + v * v;
+            if s > 0.0 && s < 1.0 && s.is_normal() {
+                let f = (-2.0 * det_ln(s) / s).sqrt();
+                self.spare = Some(v * f);
+                return u * f;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn det_ln_matches_std_ln() {
+        for &x in &[
+            1e-300, 1e-10, 0.001, 0.3, 0.5, 0.7, 0.99999, 1.0, 1.5, 2.0, 1e10,
+        ] {
+            let (a, b) = (det_ln(x), x.ln());
+            assert!(
+                (a - b).abs() <= 4.0 * f64::EPSILON * b.abs().max(1.0),
+                "{x}: {a} vs {b}"
+            );
+        }
+    }
+
+    #[test]
+    fn polar_normal_moments() {
+        let mut n = PolarNormal::new(ChaCha8Rng::from_seed([7; 32]));
+        let xs: Vec<f64> = (0..200_000).map(|_| n.sample()).collect();
+        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+        let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / xs.len() as f64;
+        assert!(mean.abs() < 0.01, "mean {mean}");
+        assert!((var - 1.0).abs() < 0.01, "var {var}");
+    }
+}

@@ -1,0 +1,786 @@
+//! Fused CPU custom ops for the GPT hot path, each with a hand-written backward pass that
+//! candle's autograd calls: LayerNorm, causal softmax, bias + GELU, summed cross-entropy.
+//!
+//! Composed from candle primitives, each of these is 5-10 full passes over memory and as many
+//! temporaries in the autograd graph; fused, it is one pass forward and one backward. Each op
+//! works on contiguous f32 or f64 CPU tensors (inputs are made contiguous first, a no-op when
+//! they already are) and computes row by row, sequentially, so results are deterministic.
+//! They are tested against the reference compositions in [`crate::model`]
+//! (`layer_norm_ref`, `causal_softmax_ref`, `cross_entropy_sum_ref`, `Tensor::gelu`).
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Tensor};
+
+/// The float element types the fused ops accept.
+trait Flt: Copy + Send + Sync + 'static + std::fmt::Debug {
+    fn of(v: f64) -> Self;
+    fn f(self) -> f64;
+    fn slice(s: &CpuStorage) -> Option<&[Self]>;
+    fn wrap(v: Vec<Self>) -> CpuStorage;
+    fn zero() -> Self;
+    fn add(self, o: Self) -> Self;
+    fn sub(self, o: Self) -> Self;
+    fn mul(self, o: Self) -> Self;
+    fn exp(self) -> Self;
+    fn tanh(self) -> Self;
+    fn max(self, o: Self) -> Self;
+}
+
+macro_rules! impl_flt {
+    ($t:ty, $var:ident) => {
+        impl Flt for $t {
+            #[inline(always)]
+            fn of(v: f64) -> Self {
+                v as $t
+            }
+            #[inline(always)]
+            fn f(self) -> f64 {
+                self as f64
+            }
+            fn slice(s: &CpuStorage) -> Option<&[Self]> {
+                match s {
+                    CpuStorage::$var(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn wrap(v: Vec<Self>) -> CpuStorage {
+                CpuStorage::$var(v)
+            }
+            #[inline(always)]
+            fn zero() -> Self {
+                0.0
+            }
+            #[inline(always)]
+            fn add(self, o: Self) -> Self {
+                self + o
+            }
+            #[inline(always)]
+            fn sub(self, o: Self) -> Self {
+                self - o
+            }
+            #[inline(always)]
+            fn mul(self, o: Self) -> Self {
+                self * o
+            }
+            #[inline(always)]
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            #[inline(always)]
+            fn tanh(self) -> Self {
+                <$t>::tanh(self)
+            }
+            #[inline(always)]
+            fn max(self, o: Self) -> Self {
+                <$t>::max(self, o)
+            }
+        }
+    };
+}
+impl_flt!(f32, F32);
+impl_flt!(f64, F64);
+
+/// The contiguous element slice of `s` under layout `l`.
+fn view<'a, T: Flt>(op: &str, s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [T]> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("{op}: input is not contiguous")))?;
+    let v = T::slice(s).ok_or_else(|| {
+        candle_core::Error::Msg(format!("{op}: dtype {:?} is not supported", s.dtype()))
+    })?;
+    Ok(&v[a..b])
+}
+
+fn u32_view<'a>(op: &str, s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [u32]> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("{op}: targets not contiguous")))?;
+    match s {
+        CpuStorage::U32(v) => Ok(&v[a..b]),
+        _ => candle_core::bail!("{op}: targets must be u32, got {:?}", s.dtype()),
+    }
+}
+
+/// Dispatches a generic body over f32 / f64 storage.
+macro_rules! dispatch {
+    ($op:expr, $s:expr, $body:ident ( $($arg:expr),* )) => {
+        match $s {
+            CpuStorage::F32(_) => $body::<f32>($($arg),*),
+            CpuStorage::F64(_) => $body::<f64>($($arg),*),
+            other => candle_core::bail!("{}: dtype {:?} is not supported", $op, other.dtype()),
+        }
+    };
+}
+
+// ---------------------------------------------------------------------------------------------
+// LayerNorm (Ba, Kiros & Hinton 2016): y = (x - mean) * rstd * w + b over the last dim.
+
+struct LayerNorm {
+    eps: f64,
+}
+
+/// Per-row mean and `1 / sqrt(var + eps)` (biased variance), accumulated in f64.
+#[inline]
+fn row_stats<T: Flt>(row: &[T], eps: f64) -> (T, T) {
+    let d = row.len() as f64;
+    let mean = row.iter().map(|v| v.f()).sum::<f64>() / d;
+    let var = row.iter().map(|v| (v.f() - mean).powi(2)).sum::<f64>() / d;
+    (T::of(mean), T::of(1.0 / (var + eps).sqrt()))
+}
+
+fn ln_fwd<T: Flt>(
+    eps: f64,
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    s3: &CpuStorage,
+    l3: &Layout,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let x = view::<T>("layer_norm", s1, l1)?;
+    let w = view::<T>("layer_norm", s2, l2)?;
+    let b = view::<T>("layer_norm", s3, l3)?;
+    let d = w.len();
+    let mut y = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(d) {
+        let (mean, rstd) = row_stats(row, eps);
+        for j in 0..d {
+            y.push(row[j].sub(mean).mul(rstd).mul(w[j]).add(b[j]));
+        }
+    }
+    Ok((T::wrap(y), l1.shape().clone()))
+}
+
+impl CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "fused-layer-norm"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        dispatch!(self.name(), s1, ln_fwd(self.eps, s1, l1, s2, l2, s3, l3))
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let n = x.elem_count() / w.elem_count();
+        let packed = x.apply_op3_no_bwd(w, &grad.contiguous()?, &LayerNormBwd { eps: self.eps })?;
+        let dx = packed.narrow(0, 0, n)?.reshape(x.shape())?;
+        let dw = packed.get(n)?;
+        let db = packed.get(n + 1)?;
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+/// Backward of LayerNorm: inputs `(x [N, D], w [D], g [N, D])`, output packed `[N + 2, D]` =
+/// rows `dx`, then `dw = sum_n g * xhat`, then `db = sum_n g`.
+/// `dx = rstd * (g w - mean(g w) - xhat * mean(g w xhat))`.
+struct LayerNormBwd {
+    eps: f64,
+}
+
+fn ln_bwd<T: Flt>(
+    eps: f64,
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    s3: &CpuStorage,
+    l3: &Layout,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let x = view::<T>("layer_norm_bwd", s1, l1)?;
+    let w = view::<T>("layer_norm_bwd", s2, l2)?;
+    let g = view::<T>("layer_norm_bwd", s3, l3)?;
+    let d = w.len();
+    let n = x.len() / d;
+    let mut out = vec![T::zero(); (n + 2) * d];
+    let (dx, rest) = out.split_at_mut(n * d);
+    let (dw, db) = rest.split_at_mut(d);
+    let mut xhat = vec![T::zero(); d];
+    let mut gw = vec![T::zero(); d];
+    for ((xr, gr), dxr) in x
+        .chunks_exact(d)
+        .zip(g.chunks_exact(d))
+        .zip(dx.chunks_exact_mut(d))
+    {
+        let (mean, rstd) = row_stats(xr, eps);
+        let mut s_gw = 0.0f64;
+        let mut s_gwx = 0.0f64;
+        for j in 0..d {
+            xhat[j] = xr[j].sub(mean).mul(rstd);
+            gw[j] = gr[j].mul(w[j]);
+            s_gw += gw[j].f();
+            s_gwx += gw[j].f() * xhat[j].f();
+            dw[j] = dw[j].add(gr[j].mul(xhat[j]));
+            db[j] = db[j].add(gr[j]);
+        }
+        let m_gw = T::of(s_gw / d as f64);
+        let m_gwx = T::of(s_gwx / d as f64);
+        for j in 0..d {
+            dxr[j] = rstd.mul(gw[j].sub(m_gw).sub(xhat[j].mul(m_gwx)));
+        }
+    }
+    Ok((T::wrap(out), Shape::from((n + 2, d))))
+}
+
+impl CustomOp3 for LayerNormBwd {
+    fn name(&self) -> &'static str {
+        "fused-layer-norm-bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        dispatch!(self.name(), s1, ln_bwd(self.eps, s1, l1, s2, l2, s3, l3))
+    }
+}
+
+/// Fused LayerNorm over the last dim: `x` `[N, D]`, `w` `[D]`, optional `b` `[D]` (zeros when
+/// absent) -> `[N, D]`. Gradients flow to `x`, `w` and `b`. Errors: non-f32/f64 dtype, shapes
+/// that do not match.
+pub fn layer_norm(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    eps: f64,
+) -> candle_core::Result<Tensor> {
+    let d = w.elem_count();
+    if x.dim(candle_core::D::Minus1)? != d {
+        candle_core::bail!("layer_norm: x {:?} vs weight [{d}]", x.dims());
+    }
+    let zeros;
+    let b = match b {
+        Some(b) => b,
+        None => {
+            zeros = w.zeros_like()?;
+            &zeros
+        }
+    };
+    x.contiguous()?
+        .apply_op3(&w.contiguous()?, &b.contiguous()?, LayerNorm { eps })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causal softmax: y[i, j] = softmax_j(scale * s[i, j]) over j <= i, 0 for j > i, rows i taken
+// modulo T in a [..., T, T] tensor (Vaswani et al. 2017, §3.2.1, with the decoder mask).
+
+struct CausalSoftmax {
+    scale: f64,
+}
+
+fn csm_fwd<T: Flt>(
+    scale: f64,
+    s: &CpuStorage,
+    l: &Layout,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let x = view::<T>("causal_softmax", s, l)?;
+    let t = *l.dims().last().unwrap_or(&1);
+    let sc = T::of(scale);
+    let mut y = vec![T::zero(); x.len()];
+    for (r, (xr, yr)) in x.chunks_exact(t).zip(y.chunks_exact_mut(t)).enumerate() {
+        let i = r % t;
+        let valid = &xr[..=i];
+        let mut m = valid[0].mul(sc);
+        for &v in &valid[1..] {
+            m = m.max(v.mul(sc));
+        }
+        let mut sum = T::zero();
+        for j in 0..=i {
+            let e = xr[j].mul(sc).sub(m).exp();
+            yr[j] = e;
+            sum = sum.add(e);
+        }
+        let inv = T::of(1.0 / sum.f());
+        for v in &mut yr[..=i] {
+            *v = v.mul(inv);
+        }
+    }
+    Ok((T::wrap(y), l.shape().clone()))
+}
+
+impl CustomOp1 for CausalSoftmax {
+    fn name(&self) -> &'static str {
+        "fused-causal-softmax"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        dispatch!(self.name(), s, csm_fwd(self.scale, s, l))
+    }
+    fn bwd(
+        &self,
+        _arg: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let dx =
+            res.apply_op2_no_bwd(&grad.contiguous()?, &CausalSoftmaxBwd { scale: self.scale })?;
+        Ok(Some(dx))
+    }
+}
+
+/// Backward of the causal softmax: inputs `(y, g)`, output `scale * y * (g - sum_j g_j y_j)`.
+struct CausalSoftmaxBwd {
+    scale: f64,
+}
+
+fn csm_bwd<T: Flt>(
+    scale: f64,
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let y = view::<T>("causal_softmax_bwd", s1, l1)?;
+    let g = view::<T>("causal_softmax_bwd", s2, l2)?;
+    let t = *l1.dims().last().unwrap_or(&1);
+    let sc = T::of(scale);
+    let mut dx = vec![T::zero(); y.len()];
+    for (r, ((yr, gr), dr)) in y
+        .chunks_exact(t)
+        .zip(g.chunks_exact(t))
+        .zip(dx.chunks_exact_mut(t))
+        .enumerate()
+    {
+        let i = r % t;
+        let mut dot = T::zero();
+        for j in 0..=i {
+            dot = dot.add(gr[j].mul(yr[j]));
+        }
+        for j in 0..=i {
+            dr[j] = sc.mul(yr[j]).mul(gr[j].sub(dot));
+        }
+    }
+    Ok((T::wrap(dx), l1.shape().clone()))
+}
+
+impl CustomOp2 for CausalSoftmaxBwd {
+    fn name(&self) -> &'static str {
+        "fused-causal-softmax-bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        dispatch!(self.name(), s1, csm_bwd(self.scale, s1, l1, s2, l2))
+    }
+}
+
+/// Fused scaled causal softmax over the last dim of attention scores `s` `[..., T, T]`:
+/// `softmax(scale * s + mask)` with `mask[i][j] = -inf` for `j > i` (masked entries are exactly
+/// 0). Gradient flows to `s`. Errors: non-f32/f64 dtype, last two dims not equal.
+pub fn causal_softmax(s: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
+    let dims = s.dims();
+    if dims.len() < 2 || dims[dims.len() - 1] != dims[dims.len() - 2] {
+        candle_core::bail!("causal_softmax: scores must be [..., T, T], got {dims:?}");
+    }
+    s.contiguous()?.apply_op1(CausalSoftmax { scale })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bias + GELU, tanh approximation (Hendrycks & Gimpel 2016, as GPT-2):
+// gelu(z) = 0.5 z (1 + tanh(c (z + 0.044715 z^3))), c = sqrt(2 / pi).
+
+const GELU_C: f64 = 0.797_884_560_802_865_4; // sqrt(2 / pi)
+const GELU_A: f64 = 0.044_715;
+
+struct BiasGelu;
+
+fn bg_fwd<T: Flt>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let x = view::<T>("bias_gelu", s1, l1)?;
+    let b = view::<T>("bias_gelu", s2, l2)?;
+    let f = b.len();
+    let (c, a, half, one) = (T::of(GELU_C), T::of(GELU_A), T::of(0.5), T::of(1.0));
+    let mut y = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(f) {
+        for j in 0..f {
+            let z = row[j].add(b[j]);
+            let u = c.mul(z.add(a.mul(z).mul(z).mul(z)));
+            y.push(half.mul(z).mul(one.add(u.tanh())));
+        }
+    }
+    Ok((T::wrap(y), l1.shape().clone()))
+}
+
+impl CustomOp2 for BiasGelu {
+    fn name(&self) -> &'static str {
+        "fused-bias-gelu"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        dispatch!(self.name(), s1, bg_fwd(s1, l1, s2, l2))
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let dz = x.apply_op3_no_bwd(b, &grad.contiguous()?, &BiasGeluBwd)?;
+        let db = dz.sum(0)?;
+        Ok((Some(dz), Some(db)))
+    }
+}
+
+/// Backward of bias + GELU: inputs `(x [N, F], b [F], g [N, F])`, output `g * gelu'(x + b)`,
+/// `gelu'(z) = 0.5 (1 + tanh u) + 0.5 z (1 - tanh^2 u) c (1 + 3 a z^2)`.
+struct BiasGeluBwd;
+
+fn bg_bwd<T: Flt>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    s3: &CpuStorage,
+    l3: &Layout,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let x = view::<T>("bias_gelu_bwd", s1, l1)?;
+    let b = view::<T>("bias_gelu_bwd", s2, l2)?;
+    let g = view::<T>("bias_gelu_bwd", s3, l3)?;
+    let f = b.len();
+    let (c, a, a3, half, one) = (
+        T::of(GELU_C),
+        T::of(GELU_A),
+        T::of(3.0 * GELU_A),
+        T::of(0.5),
+        T::of(1.0),
+    );
+    let mut dz = Vec::with_capacity(x.len());
+    for (row, gr) in x.chunks_exact(f).zip(g.chunks_exact(f)) {
+        for j in 0..f {
+            let z = row[j].add(b[j]);
+            let z2 = z.mul(z);
+            let th = c.mul(z.add(a.mul(z2).mul(z))).tanh();
+            let d = half.mul(one.add(th)).add(
+                half.mul(z)
+                    .mul(one.sub(th.mul(th)))
+                    .mul(c)
+                    .mul(one.add(a3.mul(z2))),
+            );
+            dz.push(gr[j].mul(d));
+        }
+    }
+    Ok((T::wrap(dz), l1.shape().clone()))
+}
+
+impl CustomOp3 for BiasGeluBwd {
+    fn name(&self) -> &'static str {
+        "fused-bias-gelu-bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        dispatch!(self.name(), s1, bg_bwd(s1, l1, s2, l2, s3, l3))
+    }
+}
+
+/// Fused `gelu(x + b)` (tanh approximation): `x` `[N, F]`, optional bias `b` `[F]` (zeros when
+/// absent) -> `[N, F]`. Gradients flow to `x` and `b`. Errors: non-f32/f64 dtype, shapes.
+pub fn bias_gelu(x: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    let f = x.dim(candle_core::D::Minus1)?;
+    let zeros;
+    let b = match b {
+        Some(b) => b,
+        None => {
+            zeros = Tensor::zeros(f, x.dtype(), x.device())?;
+            &zeros
+        }
+    };
+    if b.elem_count() != f {
+        candle_core::bail!("bias_gelu: x {:?} vs bias {:?}", x.dims(), b.dims());
+    }
+    x.contiguous()?.apply_op2(&b.contiguous()?, BiasGelu)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Summed cross-entropy: loss = sum_n (logsumexp(z_n) - z_n[t_n]); dz = g (softmax(z) - onehot).
+
+struct CrossEntropySum;
+
+fn ce_fwd<T: Flt>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let z = view::<T>("cross_entropy", s1, l1)?;
+    let t = u32_view("cross_entropy", s2, l2)?;
+    let v = *l1.dims().last().unwrap_or(&1);
+    let mut total = 0.0f64;
+    for (row, &tg) in z.chunks_exact(v).zip(t) {
+        if tg as usize >= v {
+            candle_core::bail!("cross_entropy: target {tg} >= vocab size {v}");
+        }
+        total += lse(row) - row[tg as usize].f();
+    }
+    Ok((T::wrap(vec![T::of(total)]), Shape::from(())))
+}
+
+/// `log sum_j exp(z_j)` with the max subtracted, accumulated in f64.
+#[inline]
+fn lse<T: Flt>(row: &[T]) -> f64 {
+    let m = row.iter().fold(f64::NEG_INFINITY, |m, v| m.max(v.f()));
+    m + row.iter().map(|v| (v.f() - m).exp()).sum::<f64>().ln()
+}
+
+impl CustomOp2 for CrossEntropySum {
+    fn name(&self) -> &'static str {
+        "fused-cross-entropy-sum"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        dispatch!(self.name(), s1, ce_fwd(s1, l1, s2, l2))
+    }
+    fn bwd(
+        &self,
+        z: &Tensor,
+        t: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = grad.reshape(1)?.to_dtype(z.dtype())?;
+        let dz = z.apply_op3_no_bwd(t, &g, &CrossEntropyBwd)?;
+        Ok((Some(dz), None))
+    }
+}
+
+/// Backward of the summed cross-entropy: inputs `(z [N, V], t u32 [N], g [1])`, output
+/// `g * (softmax(z_n) - onehot(t_n))` per row.
+struct CrossEntropyBwd;
+
+fn ce_bwd<T: Flt>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    s3: &CpuStorage,
+    l3: &Layout,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let z = view::<T>("cross_entropy_bwd", s1, l1)?;
+    let t = u32_view("cross_entropy_bwd", s2, l2)?;
+    let g = view::<T>("cross_entropy_bwd", s3, l3)?[0].f();
+    let v = *l1.dims().last().unwrap_or(&1);
+    let mut dz = Vec::with_capacity(z.len());
+    for (row, &tg) in z.chunks_exact(v).zip(t) {
+        let l = lse(row);
+        for (j, x) in row.iter().enumerate() {
+            let p = (x.f() - l).exp();
+            let d = if j == tg as usize { p - 1.0 } else { p };
+            dz.push(T::of(g * d));
+        }
+    }
+    Ok((T::wrap(dz), l1.shape().clone()))
+}
+
+impl CustomOp3 for CrossEntropyBwd {
+    fn name(&self) -> &'static str {
+        "fused-cross-entropy-bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        dispatch!(self.name(), s1, ce_bwd(s1, l1, s2, l2, s3, l3))
+    }
+}
+
+/// Fused summed cross-entropy: `logits` `[N, V]`, `targets` u32 `[N]` -> a 0-dim scalar of the
+/// logits' dtype, `sum_n (logsumexp(logits_n) - logits_n[targets_n])` (accumulated in f64).
+/// Gradient flows to `logits`. Errors: a target `>= V`, `N` mismatch, non-f32/f64 dtype.
+pub fn cross_entropy_sum(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    let (n, _v) = logits.dims2()?;
+    if targets.elem_count() != n {
+        candle_core::bail!(
+            "cross_entropy: {n} logit rows but {} targets",
+            targets.elem_count()
+        );
+    }
+    logits
+        .contiguous()?
+        .apply_op2(&targets.contiguous()?, CrossEntropySum)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Token + position embedding: h[n] = wte[ids[n]] + wpe[n mod T].
+
+struct Embedding {
+    t: usize,
+}
+
+fn emb_fwd<T: Flt>(
+    t: usize,
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    s3: &CpuStorage,
+    l3: &Layout,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let wte = view::<T>("embedding", s1, l1)?;
+    let wpe = view::<T>("embedding", s2, l2)?;
+    let ids = u32_view("embedding", s3, l3)?;
+    let (v, d) = l1.shape().dims2()?;
+    let mut h = Vec::with_capacity(ids.len() * d);
+    for (n, &id) in ids.iter().enumerate() {
+        if id as usize >= v {
+            candle_core::bail!("Embed: token id {id} >= vocab_size {v}");
+        }
+        let tok = &wte[id as usize * d..(id as usize + 1) * d];
+        let p = n % t;
+        let pos = &wpe[p * d..(p + 1) * d];
+        h.extend(tok.iter().zip(pos).map(|(a, b)| a.add(*b)));
+    }
+    Ok((T::wrap(h), Shape::from((ids.len(), d))))
+}
+
+impl CustomOp3 for Embedding {
+    fn name(&self) -> &'static str {
+        "fused-embedding"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        dispatch!(self.name(), s1, emb_fwd(self.t, s1, l1, s2, l2, s3, l3))
+    }
+    fn bwd(
+        &self,
+        wte: &Tensor,
+        wpe: &Tensor,
+        ids: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let v = wte.dim(0)?;
+        let p = wpe.dim(0)?;
+        let packed = grad
+            .contiguous()?
+            .apply_op2_no_bwd(ids, &EmbeddingBwd { t: self.t, v, p })?;
+        Ok((
+            Some(packed.narrow(0, 0, v)?),
+            Some(packed.narrow(0, v, p)?),
+            None,
+        ))
+    }
+}
+
+/// Backward of the embedding: inputs `(g [N, D], ids u32 [N])`, output packed `[V + P, D]`:
+/// `dwte` (rows of `g` added into row `ids[n]`, in order `n = 0, 1, ...`) then `dwpe` (row
+/// `p` = sum over sequences of `g[b T + p]`, rows `>= T` zero). The result is a fresh sum, so
+/// candle adds it to any other gradient of `wte` (a tied LM head) as ONE term: the total is
+/// the same bits whether the stages run in one graph or one unit at a time.
+struct EmbeddingBwd {
+    t: usize,
+    v: usize,
+    p: usize,
+}
+
+fn emb_bwd<T: Flt>(
+    (t, v, p): (usize, usize, usize),
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let g = view::<T>("embedding_bwd", s1, l1)?;
+    let ids = u32_view("embedding_bwd", s2, l2)?;
+    let d = g.len() / ids.len().max(1);
+    let mut out = vec![T::zero(); (v + p) * d];
+    let (dwte, dwpe) = out.split_at_mut(v * d);
+    for (n, (&id, gr)) in ids.iter().zip(g.chunks_exact(d)).enumerate() {
+        let row = &mut dwte[id as usize * d..(id as usize + 1) * d];
+        for (a, b) in row.iter_mut().zip(gr) {
+            *a = a.add(*b);
+        }
+        let pos = n % t;
+        let row = &mut dwpe[pos * d..(pos + 1) * d];
+        for (a, b) in row.iter_mut().zip(gr) {
+            *a = a.add(*b);
+        }
+    }
+    Ok((T::wrap(out), Shape::from((v + p, d))))
+}
+
+impl CustomOp2 for EmbeddingBwd {
+    fn name(&self) -> &'static str {
+        "fused-embedding-bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        dispatch!(
+            self.name(),
+            s1,
+            emb_bwd((self.t, self.v, self.p), s1, l1, s2, l2)
+        )
+    }
+}
+
+/// Fused token + position embedding: `wte` `[V, D]`, `wpe` `[P, D]`, `ids` u32 `[B, T]` (`T <=
+/// P`) -> `[B * T, D]`, row `b T + i` = `wte[ids[b][i]] + wpe[i]`. Gradients flow to `wte` and
+/// `wpe`. Errors: a token id `>= V`, `T > P`, non-f32/f64 dtype.
+pub fn embedding(wte: &Tensor, wpe: &Tensor, ids: &Tensor) -> candle_core::Result<Tensor> {
+    let (_b, t) = ids.dims2()?;
+    let p = wpe.dim(0)?;
+    if t > p {
+        candle_core::bail!("Embed: sequence length {t} exceeds n_positions {p}");
+    }
+    wte.contiguous()?.apply_op3(
+        &wpe.contiguous()?,
+        &ids.flatten_all()?.contiguous()?,
+        Embedding { t },
+    )
+}
