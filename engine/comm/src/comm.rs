@@ -1,0 +1,384 @@
+//! The [`Communicator`] trait every transport implements, and the [`PendingOp`] handle of a
+//! started collective.
+
+use crate::buf::{Buf, BufMut, OwnedBuf};
+use crate::error::{CallDesc, CommError, OpKind};
+use crate::topology::{Group, ReduceOp, Topology};
+use fsdp_types::DType;
+
+/// The buffers a finished started collective hands back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completed {
+    /// The send buffer, unchanged (all-gather and reduce-scatter); `None` for in-place calls.
+    pub send: Option<OwnedBuf>,
+    /// The result: the gathered buffer, the reduced shard, or the in-place buffer.
+    pub buf: OwnedBuf,
+}
+
+/// A backend's waitable completion of a started collective (see [`PendingOp::deferred`]).
+pub trait PendingWait: Send {
+    /// Blocks until the collective finished on this rank and returns its buffers.
+    ///
+    /// Errors: whatever the collective failed with (mismatch, peer exit, timeout, ...).
+    fn wait(self: Box<Self>) -> Result<Completed, CommError>;
+    /// True when [`PendingWait::wait`] would return without blocking.
+    fn is_complete(&self) -> bool;
+}
+
+enum Inner {
+    Ready(Result<Completed, CommError>),
+    Deferred(Box<dyn PendingWait>),
+}
+
+/// A started collective: issue with `Communicator::start_*`, compute, then [`PendingOp::wait`].
+///
+/// The buffers were moved into the operation and come back from `wait`. Collectives complete in
+/// the order each rank issued them; a synchronous call waits for the rank's started ones first.
+/// Dropping a `PendingOp` without waiting lets the collective finish and drops its buffers.
+pub struct PendingOp {
+    call: CallDesc,
+    inner: Inner,
+}
+
+impl std::fmt::Debug for PendingOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingOp")
+            .field("call", &self.call)
+            .field("complete", &self.is_complete())
+            .finish()
+    }
+}
+
+impl PendingOp {
+    /// A handle whose collective already finished (used by backends that run eagerly).
+    pub fn ready(call: CallDesc, result: Result<Completed, CommError>) -> PendingOp {
+        PendingOp {
+            call,
+            inner: Inner::Ready(result),
+        }
+    }
+
+    /// A handle that completes when `pending` does.
+    pub fn deferred(call: CallDesc, pending: Box<dyn PendingWait>) -> PendingOp {
+        PendingOp {
+            call,
+            inner: Inner::Deferred(pending),
+        }
+    }
+
+    /// The call this handle stands for.
+    pub fn call(&self) -> &CallDesc {
+        &self.call
+    }
+
+    /// True when `wait` would return without blocking.
+    pub fn is_complete(&self) -> bool {
+        match &self.inner {
+            Inner::Ready(_) => true,
+            Inner::Deferred(p) => p.is_complete(),
+        }
+    }
+
+    /// Blocks until the collective finished; returns the result buffer (the gathered buffer of
+    /// `group size x shard` elements, the reduced shard, or the in-place buffer).
+    ///
+    /// Errors: the collective's [`CommError`].
+    pub fn wait(self) -> Result<OwnedBuf, CommError> {
+        self.wait_all().map(|c| c.buf)
+    }
+
+    /// Like [`PendingOp::wait`], also handing back the send buffer for reuse.
+    ///
+    /// Errors: the collective's [`CommError`].
+    pub fn wait_all(self) -> Result<Completed, CommError> {
+        match self.inner {
+            Inner::Ready(r) => r,
+            Inner::Deferred(p) => p.wait(),
+        }
+    }
+}
+
+/// Collective communication over the ranks of a [`Topology`]; one value per rank.
+///
+/// The calls know buffers and ranks, nothing of FSDP. Every rank of a group must make the same
+/// calls on that group in the same order, with the same collective, reduction, dtype and element
+/// counts; a backend reports a difference as [`CommError::MismatchedCalls`] and a peer that
+/// stops calling as [`CommError::PeerExited`] or [`CommError::Timeout`], never a hang.
+/// Reductions sum in rank order and `Avg` divides by the group size once (see [`ReduceOp`]).
+/// Algorithms: reduce-scatter + all-gather composition of all-reduce as in Thakur, Rabenseifner
+/// and Gropp, "Optimization of Collective Communication Operations in MPICH" (IJHPCA 2005), 4.4.
+pub trait Communicator: Send {
+    /// This rank, `0 <= rank < world_size`.
+    fn rank(&self) -> usize;
+
+    /// The topology (world, shard and replicate sizes).
+    fn topology(&self) -> Topology;
+
+    /// Number of ranks `W`.
+    fn world_size(&self) -> usize {
+        self.topology().world_size
+    }
+
+    /// Number of ranks in `group`.
+    fn group_size(&self, group: Group) -> usize {
+        self.topology().group_size(group)
+    }
+
+    /// This rank's position in `group`.
+    fn group_rank(&self, group: Group) -> usize {
+        self.topology().group_rank(group, self.rank())
+    }
+
+    /// Short backend name for messages (`threads`, `mpi`, `nccl`).
+    fn backend_name(&self) -> &'static str;
+
+    /// Gathers every group rank's `send` (n elements) into `recv` (`group size x n` elements,
+    /// shard `i` from group rank `i` at offset `i x n`).
+    ///
+    /// Errors: [`CommError::SizeMismatch`] / [`CommError::DTypeMismatch`] for bad buffers;
+    /// mismatch, peer exit, timeout.
+    fn all_gather(&self, group: Group, send: Buf<'_>, recv: BufMut<'_>) -> Result<(), CommError>;
+
+    /// Reduces every group rank's `send` (`group size x n` elements) element-wise with `op` and
+    /// writes elements `[i x n, (i+1) x n)` of the result to group rank `i`'s `recv` (n elements).
+    ///
+    /// Errors: as [`Communicator::all_gather`].
+    fn reduce_scatter(
+        &self,
+        group: Group,
+        op: ReduceOp,
+        send: Buf<'_>,
+        recv: BufMut<'_>,
+    ) -> Result<(), CommError>;
+
+    /// Reduces `buf` (n elements, the same n on every rank) element-wise with `op` over the
+    /// group, in place.
+    ///
+    /// Errors: mismatch, peer exit, timeout.
+    fn all_reduce(&self, group: Group, op: ReduceOp, buf: BufMut<'_>) -> Result<(), CommError>;
+
+    /// Copies group rank `root`'s `buf` into every other group rank's `buf` (same length).
+    ///
+    /// Errors: [`CommError::InvalidRoot`]; mismatch, peer exit, timeout.
+    fn broadcast(&self, group: Group, root: usize, buf: BufMut<'_>) -> Result<(), CommError>;
+
+    /// Returns once every rank of the group called `barrier` on it.
+    ///
+    /// Errors: mismatch, peer exit, timeout.
+    fn barrier(&self, group: Group) -> Result<(), CommError>;
+
+    /// Starts an all-gather of `send` into `recv` (`group size x send.len()` elements, same
+    /// dtype); [`PendingOp::wait`] returns the filled `recv`. The default runs it eagerly.
+    ///
+    /// Errors: bad buffers immediately; communication errors from `wait`.
+    fn start_all_gather(
+        &self,
+        group: Group,
+        send: OwnedBuf,
+        mut recv: OwnedBuf,
+    ) -> Result<PendingOp, CommError> {
+        let call = describe(self, OpKind::AllGather, group, None, &send, &recv, None, 0)?;
+        let r = self.all_gather(group, send.as_buf(), recv.as_buf_mut());
+        Ok(PendingOp::ready(
+            call,
+            r.map(|()| Completed {
+                send: Some(send),
+                buf: recv,
+            }),
+        ))
+    }
+
+    /// Starts a reduce-scatter of `send` (`group size x recv.len()` elements) into `recv`;
+    /// [`PendingOp::wait`] returns the reduced `recv`. The default runs it eagerly.
+    ///
+    /// Errors: bad buffers immediately; communication errors from `wait`.
+    fn start_reduce_scatter(
+        &self,
+        group: Group,
+        op: ReduceOp,
+        send: OwnedBuf,
+        mut recv: OwnedBuf,
+    ) -> Result<PendingOp, CommError> {
+        let call = describe(
+            self,
+            OpKind::ReduceScatter,
+            group,
+            Some(op),
+            &send,
+            &recv,
+            None,
+            0,
+        )?;
+        let r = self.reduce_scatter(group, op, send.as_buf(), recv.as_buf_mut());
+        Ok(PendingOp::ready(
+            call,
+            r.map(|()| Completed {
+                send: Some(send),
+                buf: recv,
+            }),
+        ))
+    }
+
+    /// Starts an in-place all-reduce of `buf`; [`PendingOp::wait`] returns it reduced. The
+    /// default runs it eagerly.
+    ///
+    /// Errors: communication errors from `wait`.
+    fn start_all_reduce(
+        &self,
+        group: Group,
+        op: ReduceOp,
+        mut buf: OwnedBuf,
+    ) -> Result<PendingOp, CommError> {
+        let call = describe(
+            self,
+            OpKind::AllReduce,
+            group,
+            Some(op),
+            &buf,
+            &buf,
+            None,
+            0,
+        )?;
+        let r = self.all_reduce(group, op, buf.as_buf_mut());
+        Ok(PendingOp::ready(
+            call,
+            r.map(|()| Completed { send: None, buf }),
+        ))
+    }
+
+    /// Starts a broadcast from group rank `root`; [`PendingOp::wait`] returns `buf` holding the
+    /// root's elements. The default runs it eagerly.
+    ///
+    /// Errors: [`CommError::InvalidRoot`] immediately; communication errors from `wait`.
+    fn start_broadcast(
+        &self,
+        group: Group,
+        root: usize,
+        mut buf: OwnedBuf,
+    ) -> Result<PendingOp, CommError> {
+        let call = describe(
+            self,
+            OpKind::Broadcast,
+            group,
+            None,
+            &buf,
+            &buf,
+            Some(root),
+            0,
+        )?;
+        let r = self.broadcast(group, root, buf.as_buf_mut());
+        Ok(PendingOp::ready(
+            call,
+            r.map(|()| Completed { send: None, buf }),
+        ))
+    }
+}
+
+/// Checks the buffers of one call on the calling rank and describes it (with call number `seq`).
+///
+/// Errors: [`CommError::DTypeMismatch`], [`CommError::SizeMismatch`], [`CommError::InvalidRoot`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn describe<C: Communicator + ?Sized>(
+    comm: &C,
+    op: OpKind,
+    group: Group,
+    reduce: Option<ReduceOp>,
+    send: &OwnedBuf,
+    recv: &OwnedBuf,
+    root: Option<usize>,
+    seq: u64,
+) -> Result<CallDesc, CommError> {
+    check_call(
+        comm.rank(),
+        comm.topology(),
+        op,
+        group,
+        reduce,
+        send.dtype(),
+        send.len(),
+        recv.dtype(),
+        recv.len(),
+        root,
+        seq,
+    )
+}
+
+/// Validates one call's buffers against its group size and returns its description.
+///
+/// Errors: [`CommError::DTypeMismatch`], [`CommError::SizeMismatch`], [`CommError::InvalidRoot`].
+#[allow(clippy::too_many_arguments)]
+pub fn check_call(
+    rank: usize,
+    topology: Topology,
+    op: OpKind,
+    group: Group,
+    reduce: Option<ReduceOp>,
+    send_dtype: DType,
+    send_numel: usize,
+    recv_dtype: DType,
+    recv_numel: usize,
+    root: Option<usize>,
+    seq: u64,
+) -> Result<CallDesc, CommError> {
+    let g = topology.group_size(group);
+    if send_dtype != recv_dtype {
+        return Err(CommError::DTypeMismatch {
+            rank,
+            op,
+            send: send_dtype,
+            recv: recv_dtype,
+        });
+    }
+    let size_err = |what, expected, got| CommError::SizeMismatch {
+        rank,
+        op,
+        group,
+        group_size: g,
+        what,
+        expected,
+        got,
+    };
+    match op {
+        OpKind::AllGather => {
+            let expected = send_numel.saturating_mul(g);
+            if recv_numel != expected {
+                return Err(size_err("recv", expected, recv_numel));
+            }
+        }
+        OpKind::ReduceScatter => {
+            let expected = recv_numel.saturating_mul(g);
+            if send_numel != expected {
+                return Err(size_err("send", expected, send_numel));
+            }
+        }
+        OpKind::AllReduce | OpKind::Broadcast | OpKind::Barrier => {
+            if send_numel != recv_numel {
+                return Err(size_err("recv", send_numel, recv_numel));
+            }
+        }
+    }
+    if let Some(root) = root {
+        if root >= g {
+            return Err(CommError::InvalidRoot {
+                rank,
+                group,
+                root,
+                group_size: g,
+            });
+        }
+    }
+    Ok(CallDesc {
+        op,
+        group,
+        reduce,
+        dtype: if op == OpKind::Barrier {
+            None
+        } else {
+            Some(send_dtype)
+        },
+        send_numel,
+        recv_numel,
+        root,
+        seq,
+    })
+}
