@@ -3,4 +3,10 @@
 //! step the optimizer on the local shard.
 
 pub mod cli;
+pub mod error;
+pub mod memory;
 pub mod model;
+pub mod optim;
+pub mod runtime;
+
+pub use error::EngineError;

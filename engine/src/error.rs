@@ -1,0 +1,80 @@
+//! The one error type of the `fsdp` engine crate.
+//!
+//! Every variant carries the numbers that made it fail (step, rank, bytes, counts), so a caller
+//! can print it as it is. The CLI maps configuration variants to exit code 2 and run failures
+//! to exit code 1.
+
+/// Everything the engine (step loop, optimizer, memory ledger, training driver) can reject.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// A configuration that cannot run (bad flag combination, sizes that do not fit the model).
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// The planner rejected the model or the configuration.
+    #[error("plan: {0}")]
+    Plan(#[from] fsdp_planner::PlanError),
+    /// A kernel rejected its arguments (length mismatch, bad hyper-parameter, bad spans).
+    #[error("kernel: {0}")]
+    Kernel(#[from] fsdp_kernels::KernelError),
+    /// A collective failed (mismatched call, dead peer, timeout).
+    #[error("collective on rank {rank}: {message}")]
+    Comm {
+        /// The rank that observed the failure.
+        rank: usize,
+        /// The communicator's message.
+        message: String,
+    },
+    /// candle-core failed while computing a unit's forward or backward.
+    #[error("compute: {0}")]
+    Compute(#[from] candle_core::Error),
+    /// Ranks disagree on something that must be identical everywhere (plan fingerprint,
+    /// initial weights, number of batches). `detail` names the ranks and the values.
+    #[error("ranks disagree on {what}: {detail}")]
+    RankMismatch {
+        /// What differs (`plan fingerprint`, `initial weights`, `number of batches`, ...).
+        what: &'static str,
+        /// Per-rank values, e.g. `rank 2: 8 batches, others: 4`.
+        detail: String,
+    },
+    /// The loss became NaN or infinite.
+    #[error("step {step}: the loss is {loss} (not finite); stopping")]
+    NonFiniteLoss {
+        /// 1-based optimizer step.
+        step: u64,
+        /// The offending loss value.
+        loss: f64,
+    },
+    /// Engine-owned live bytes of one category exceeded what the plan allows.
+    #[error("step {step}, phase {phase}: {category} live bytes {measured} exceed the plan's {planned} B on rank {rank}")]
+    MemoryOverPlan {
+        /// 1-based optimizer step.
+        step: u64,
+        /// Rank that measured it.
+        rank: usize,
+        /// Phase name (`forward`, `backward`, `optimizer_step`).
+        phase: &'static str,
+        /// Category name (`param_shards`, ...).
+        category: &'static str,
+        /// Measured live bytes.
+        measured: u64,
+        /// Planned bytes.
+        planned: u64,
+    },
+    /// A state import (checkpoint resume) whose sizes do not match this engine's layout.
+    #[error("state import: {0}")]
+    State(String),
+    /// Reading training data failed.
+    #[error("data: {0}")]
+    Data(String),
+    /// A rank thread panicked.
+    #[error("rank {rank} panicked: {message}")]
+    RankPanicked {
+        /// The rank.
+        rank: usize,
+        /// The panic payload, if it was a string.
+        message: String,
+    },
+}
+
+/// The engine's result type.
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;

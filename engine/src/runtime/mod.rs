@@ -1,0 +1,19 @@
+//! The FSDP runtime: FSDP units and their state transitions ([`unit`]), the per-rank step loop
+//! executing a plan ([`engine`]), the model interface it runs ([`staged`]), the collectives
+//! wrapper ([`collectives`]), small models for real-world cases ([`toy`]), the GPT adapter
+//! ([`gpt`]) and the single-process reference used by the parity tests ([`reference`]).
+
+pub mod collectives;
+pub mod engine;
+pub mod gpt;
+pub mod reference;
+pub mod staged;
+pub mod toy;
+pub mod unit;
+
+pub use engine::{
+    Accumulated, Clip, EngineConfig, FlatShardState, InitSync, NormType, RankEngine, RankState,
+    StepStats,
+};
+pub use staged::{MicroBatch, StagedModel};
+pub use unit::{FlatShard, FsdpUnit, UnitState};

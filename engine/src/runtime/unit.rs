@@ -1,0 +1,495 @@
+//! FSDP units on one rank: their flat-parameter shards (master fp32, gradient, optimizer state)
+//! and the named state transitions sharded -> unsharding -> unsharded -> resharded.
+//!
+//! Layout comes from the plan ([`fsdp_planner::FlatParamLayout`]): a flat parameter is its
+//! parameters concatenated with alignment gaps, padded to a multiple of the shard-group size,
+//! cut into equal contiguous shards (Zhao et al. 2023, "PyTorch FSDP", sec. 3.2.1).
+//!
+//! Unsharded parameters are separate candle tensors per parameter (variables for trainable
+//! ones), so autograd stops at each parameter and its gradient is copied once into the unit's
+//! flat gradient; views of one flat variable would make candle's `narrow` backward build a
+//! zero-padded flat-sized tensor per parameter. With a shard group of more than one rank the
+//! all-gather fills the unsharded flat buffer (`P_f` elements, counted in `unsharded_params`),
+//! which is cut into the parameter tensors and dropped. With a shard group of one rank the
+//! shard IS the unsharded parameter: the master weights are stored as those per-parameter
+//! tensors, no copy is made and `unsharded_params` stays 0 (MEMORY-CONTRACT.md).
+
+use crate::error::{EngineError, Result};
+use crate::memory::{Category, MemoryLedger};
+use crate::optim::Optimizer;
+use crate::runtime::collectives::Collectives;
+use candle_core::{CpuStorage, Device, InplaceOp1, Layout, Storage, Tensor, Var};
+use fsdp_comm::{Buf, BufMut, Group};
+use fsdp_kernels::Span;
+use fsdp_planner::{FlatParamLayout, UnitLayout, UnitSpec};
+use std::cell::RefCell;
+
+/// Where an FSDP unit is in its life cycle within a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnitState {
+    /// Only the local shard exists (start of a step, after the optimizer step).
+    Sharded,
+    /// The all-gather of the unit's flat parameters is in flight.
+    Unsharding,
+    /// The unsharded parameters exist.
+    Unsharded,
+    /// The unsharded parameters were freed after use in this step.
+    Resharded,
+}
+
+/// Storage of a master fp32 shard.
+#[derive(Debug)]
+enum Master {
+    /// Shard group > 1: the shard as one flat buffer of `s_f` elements.
+    Flat(Vec<f32>),
+    /// Shard group of one: one tensor per segment (variables when trainable); padding and
+    /// alignment gaps are implicit zeros.
+    Parts(Vec<Tensor>),
+}
+
+/// One flat parameter of a unit on this rank.
+#[derive(Debug)]
+pub struct FlatShard {
+    /// The plan's layout of this flat parameter.
+    pub layout: FlatParamLayout,
+    /// This rank's shard index in the shard group.
+    pub shard_index: u64,
+    master: Master,
+    /// The fp32 accumulated gradient shard (`s_f` elements); empty for frozen flat params.
+    pub grad: Vec<f32>,
+    /// Optimizer state buffers (`s_f` elements each): AdamW `[exp_avg, exp_avg_sq]`, SGD
+    /// `[momentum]` or none; empty for frozen flat params.
+    pub state: Vec<Vec<f32>>,
+    /// The real spans of this shard with their weight-decay flags (padding excluded).
+    pub spans: Vec<Span>,
+}
+
+impl FlatShard {
+    /// Shard length `s_f` (elements).
+    pub fn shard_numel(&self) -> usize {
+        self.layout.shard_numel().0 as usize
+    }
+
+    /// Padded length `P_f` (elements).
+    pub fn padded_numel(&self) -> usize {
+        self.layout.padded_numel.0 as usize
+    }
+
+    /// A copy of the master shard (`s_f` elements, padding zero).
+    pub fn param_vec(&self) -> Result<Vec<f32>> {
+        match &self.master {
+            Master::Flat(v) => Ok(v.clone()),
+            Master::Parts(parts) => {
+                let mut out = vec![0f32; self.shard_numel()];
+                for (seg, t) in self.layout.segments.iter().zip(parts) {
+                    let r = seg_range(seg);
+                    with_f32(t, |x| out[r].copy_from_slice(x))?;
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    /// Overwrites the master shard with `values` (`s_f` elements; padding must be zero).
+    ///
+    /// Errors: [`EngineError::State`] on a length mismatch.
+    pub fn set_param(&mut self, values: &[f32]) -> Result<()> {
+        if values.len() != self.shard_numel() {
+            return Err(EngineError::State(format!(
+                "unit {} flat param: {} elements given, shard has {}",
+                self.layout.unit,
+                values.len(),
+                self.shard_numel()
+            )));
+        }
+        match &mut self.master {
+            Master::Flat(v) => v.copy_from_slice(values),
+            Master::Parts(parts) => {
+                for (seg, t) in self.layout.segments.iter().zip(parts.iter()) {
+                    let r = seg_range(seg);
+                    mut_f32(t, |x| x.copy_from_slice(&values[r]))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One optimizer step on this shard (trainable only) with the plan's spans: padding is
+    /// never read or written, weight decay only where the span says so.
+    pub(crate) fn step(&mut self, opt: &Optimizer, step: u64) -> Result<()> {
+        let FlatShard {
+            master,
+            grad,
+            state,
+            spans,
+            layout,
+            ..
+        } = self;
+        match master {
+            Master::Flat(p) => {
+                let mut st: Vec<&mut [f32]> = state.iter_mut().map(|s| s.as_mut_slice()).collect();
+                opt.step_shard(p, grad, &mut st, spans, step)
+            }
+            Master::Parts(parts) => {
+                let mut err = None;
+                for (seg, t) in layout.segments.iter().zip(parts.iter()) {
+                    let r = seg_range(seg);
+                    let sp = [Span::new(0, r.len(), seg.weight_decay)];
+                    let mut st: Vec<&mut [f32]> =
+                        state.iter_mut().map(|s| &mut s[r.clone()]).collect();
+                    let g = &grad[r.clone()];
+                    mut_f32(t, |x| {
+                        if let Err(e) = opt.step_shard(x, g, &mut st, &sp, step) {
+                            err = Some(e);
+                        }
+                    })?;
+                    if let Some(e) = err.take() {
+                        return Err(e);
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+fn seg_range(seg: &fsdp_planner::Segment) -> std::ops::Range<usize> {
+    let r = seg.range();
+    r.start as usize..r.end as usize
+}
+
+type MutFn<'a> = Box<dyn FnOnce(&mut [f32]) + 'a>;
+
+/// A candle in-place op handing a closure the f32 elements of a contiguous CPU tensor.
+struct MutSlice<'a>(RefCell<Option<MutFn<'a>>>);
+
+impl InplaceOp1 for MutSlice<'_> {
+    fn name(&self) -> &'static str {
+        "fsdp-mut-slice"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let (start, end) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("master tensor is not contiguous".into()))?;
+        let CpuStorage::F32(v) = storage else {
+            candle_core::bail!("master tensor is not f32");
+        };
+        if let Some(f) = self.0.borrow_mut().take() {
+            f(&mut v[start..end]);
+        }
+        Ok(())
+    }
+}
+
+/// Runs `f` on the f32 elements of the contiguous CPU tensor `t`, mutably, through a candle
+/// in-place op (other handles of the same storage see the change).
+///
+/// Errors: a non-contiguous, non-f32 or non-CPU tensor.
+pub fn mut_f32<'a>(t: &Tensor, f: impl FnOnce(&mut [f32]) + 'a) -> Result<()> {
+    let op = MutSlice(RefCell::new(Some(Box::new(f))));
+    t.inplace_op1(&op)?;
+    Ok(())
+}
+
+/// Runs `f` on the f32 elements of `t` (made contiguous first if needed; CPU only).
+///
+/// Errors: a non-f32 or non-CPU tensor.
+pub fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    let owned;
+    let t = if t.is_contiguous() {
+        t
+    } else {
+        owned = t.contiguous()?;
+        &owned
+    };
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        return Err(EngineError::Config(
+            "the engine's flat buffers live on the CPU in this build".into(),
+        ));
+    };
+    let all = cpu.as_slice::<f32>()?;
+    let start = layout.start_offset();
+    Ok(f(&all[start..start + t.elem_count()]))
+}
+
+/// Where a unit parameter (declaration order) lives.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum ParamLoc {
+    /// Segment `segment` of flat parameter `flat`.
+    Flat { flat: usize, segment: usize },
+    /// Tied to the parameter with this declaration index (same tensor).
+    Tied(usize),
+}
+
+/// One FSDP unit on one rank.
+#[derive(Debug)]
+pub struct FsdpUnit {
+    /// Unit index in the model.
+    pub index: usize,
+    /// Unit name.
+    pub name: String,
+    /// Flat parameters (trainable first, then frozen), as the plan lays them out.
+    pub flats: Vec<FlatShard>,
+    /// Life-cycle state.
+    pub state: UnitState,
+    pub(crate) locs: Vec<ParamLoc>,
+    shapes: Vec<Vec<usize>>,
+    /// Parameter tensors in declaration order (variables for trainable ones; while unsharded).
+    pub(crate) vars: Vec<Tensor>,
+    /// The same parameters detached (no graph is recorded through them).
+    pub(crate) plain: Vec<Tensor>,
+    /// Unsharded flat gradients, per trainable flat parameter (while backpropagated, or
+    /// accumulated across micro-batches without sync).
+    pub(crate) flat_grads: Vec<Vec<f32>>,
+    /// Whether unsharding copies (shard group > 1).
+    copies: bool,
+}
+
+impl FsdpUnit {
+    /// Builds the unit's shards from the full initial values `full_flat[f]` (padded flat
+    /// parameter `f`, `P_f` elements), keeping this rank's shard `shard_index`, and records
+    /// param/grad/optimizer shard bytes in the ledger.
+    pub(crate) fn new(
+        index: usize,
+        spec: &UnitSpec,
+        layout: &UnitLayout,
+        full_flat: &[Vec<f32>],
+        shard_index: u64,
+        state_buffers: usize,
+        ledger: &mut MemoryLedger,
+    ) -> Result<Self> {
+        let mut flats = Vec::with_capacity(layout.flat_params.len());
+        let copies = layout.flat_params.first().is_some_and(|f| f.shard_size > 1);
+        for (f, fl) in layout.flat_params.iter().enumerate() {
+            let shard = fl.shard_of(&full_flat[f], shard_index);
+            let n = shard.len();
+            ledger.alloc(Category::ParamShards, 4 * n as u64);
+            let (grad, state) = if fl.trainable {
+                ledger.alloc(Category::GradShards, 4 * n as u64);
+                ledger.alloc(Category::OptimizerState, 4 * (n * state_buffers) as u64);
+                (vec![0.0; n], vec![vec![0.0; n]; state_buffers])
+            } else {
+                (Vec::new(), Vec::new())
+            };
+            let spans = fl
+                .shard_spans(shard_index)
+                .into_iter()
+                .map(|s| {
+                    Span::new(
+                        s.range.start as usize,
+                        (s.range.end - s.range.start) as usize,
+                        s.weight_decay,
+                    )
+                })
+                .collect();
+            let master = if copies {
+                Master::Flat(shard)
+            } else {
+                let mut parts = Vec::with_capacity(fl.segments.len());
+                for seg in &fl.segments {
+                    let shape: Vec<usize> = seg.shape.iter().map(|&d| d as usize).collect();
+                    let data = fl.view(&shard, parts.len()).to_vec();
+                    let t = if fl.trainable {
+                        Var::from_vec(data, shape.as_slice(), &Device::Cpu)?
+                            .as_tensor()
+                            .clone()
+                    } else {
+                        Tensor::from_vec(data, shape.as_slice(), &Device::Cpu)?
+                    };
+                    parts.push(t);
+                }
+                Master::Parts(parts)
+            };
+            flats.push(FlatShard {
+                layout: fl.clone(),
+                shard_index,
+                master,
+                grad,
+                state,
+                spans,
+            });
+        }
+        let mut locs = Vec::with_capacity(spec.params.len());
+        for p in &spec.params {
+            if let Some(t) = &p.tied_to {
+                let j = spec
+                    .params
+                    .iter()
+                    .position(|q| &q.name == t)
+                    .ok_or_else(|| {
+                        EngineError::Config(format!("{} tied to unknown {t}", p.name))
+                    })?;
+                locs.push(ParamLoc::Tied(j));
+                continue;
+            }
+            let found = layout.flat_params.iter().enumerate().find_map(|(f, fl)| {
+                fl.segments
+                    .iter()
+                    .position(|s| s.name == p.name)
+                    .map(|k| ParamLoc::Flat {
+                        flat: f,
+                        segment: k,
+                    })
+            });
+            locs.push(found.ok_or_else(|| {
+                EngineError::Config(format!("parameter {} is in no flat parameter", p.name))
+            })?);
+        }
+        let shapes = spec
+            .params
+            .iter()
+            .map(|p| p.shape.iter().map(|&d| d as usize).collect())
+            .collect();
+        Ok(FsdpUnit {
+            index,
+            name: spec.name.clone(),
+            flats,
+            state: UnitState::Sharded,
+            locs,
+            shapes,
+            vars: Vec::new(),
+            plain: Vec::new(),
+            flat_grads: Vec::new(),
+            copies,
+        })
+    }
+
+    /// Whether the unit holds trainable parameters.
+    pub fn trainable(&self) -> bool {
+        self.flats.iter().any(|f| f.layout.trainable)
+    }
+
+    /// `sum of P_f` over all flat parameters (elements).
+    pub fn padded_numel(&self) -> u64 {
+        self.flats.iter().map(|f| f.layout.padded_numel.0).sum()
+    }
+
+    /// Whether the unit is unsharded now.
+    pub fn is_unsharded(&self) -> bool {
+        self.state == UnitState::Unsharded
+    }
+
+    /// Transition sharded/resharded -> unsharding -> unsharded: all-gathers every flat
+    /// parameter over the shard group into a `P_f`-element buffer and cuts it into parameter
+    /// tensors (shard group of one: the master tensors themselves).
+    ///
+    /// Errors: a collective failure; a unit already unsharded (engine bug).
+    pub(crate) fn unshard(
+        &mut self,
+        comm: &mut Collectives<'_>,
+        ledger: &mut MemoryLedger,
+    ) -> Result<()> {
+        if matches!(self.state, UnitState::Unsharded | UnitState::Unsharding) {
+            return Err(EngineError::Config(format!(
+                "unit {} unsharded twice (state {:?})",
+                self.name, self.state
+            )));
+        }
+        self.state = UnitState::Unsharding;
+        // Per flat parameter, per segment: the parameter tensor.
+        let mut per_flat: Vec<Vec<Tensor>> = Vec::with_capacity(self.flats.len());
+        for fs in &self.flats {
+            match &fs.master {
+                Master::Parts(parts) => per_flat.push(parts.clone()),
+                Master::Flat(shard) => {
+                    let p = fs.padded_numel();
+                    ledger.alloc(Category::UnshardedParams, 4 * p as u64);
+                    let mut full = vec![0f32; p];
+                    comm.all_gather(Group::Shard, Buf::F32(shard), BufMut::F32(&mut full))?;
+                    let mut ts = Vec::with_capacity(fs.layout.segments.len());
+                    for (k, seg) in fs.layout.segments.iter().enumerate() {
+                        let shape: Vec<usize> = seg.shape.iter().map(|&d| d as usize).collect();
+                        let data = fs.layout.view(&full, k);
+                        ts.push(if fs.layout.trainable {
+                            Var::from_slice(data, shape.as_slice(), &Device::Cpu)?
+                                .as_tensor()
+                                .clone()
+                        } else {
+                            Tensor::from_slice(data, shape.as_slice(), &Device::Cpu)?
+                        });
+                    }
+                    per_flat.push(ts);
+                }
+            }
+        }
+        let mut vars: Vec<Tensor> = Vec::with_capacity(self.locs.len());
+        for (i, loc) in self.locs.iter().enumerate() {
+            let t = match *loc {
+                ParamLoc::Flat { flat, segment } => per_flat[flat][segment].clone(),
+                ParamLoc::Tied(j) => vars[j].clone(),
+            };
+            debug_assert_eq!(t.dims(), self.shapes[i].as_slice());
+            vars.push(t);
+        }
+        self.plain = vars.iter().map(|t| t.detach()).collect();
+        self.vars = vars;
+        self.state = UnitState::Unsharded;
+        Ok(())
+    }
+
+    /// Transition unsharded -> resharded: frees the unsharded parameters.
+    pub(crate) fn reshard(&mut self, ledger: &mut MemoryLedger) {
+        if self.state != UnitState::Unsharded {
+            return;
+        }
+        if self.copies {
+            ledger.free(Category::UnshardedParams, 4 * self.padded_numel());
+        }
+        self.vars.clear();
+        self.plain.clear();
+        self.state = UnitState::Resharded;
+    }
+
+    /// Allocates zeroed unsharded f32 gradient buffers for the trainable flat parameters
+    /// (no-op if they exist).
+    pub(crate) fn alloc_flat_grads(&mut self, ledger: &mut MemoryLedger) {
+        if !self.flat_grads.is_empty() {
+            return;
+        }
+        for fs in self.flats.iter().filter(|f| f.layout.trainable) {
+            ledger.alloc(Category::UnshardedGrads, 4 * fs.padded_numel() as u64);
+            self.flat_grads.push(vec![0.0; fs.padded_numel()]);
+        }
+    }
+
+    /// Frees the unsharded gradient buffers.
+    pub(crate) fn free_flat_grads(&mut self, ledger: &mut MemoryLedger) {
+        for g in self.flat_grads.drain(..) {
+            ledger.free(Category::UnshardedGrads, 4 * g.len() as u64);
+        }
+    }
+
+    /// Copies (`add == false`) or adds the gradients of this unit's trainable parameters from
+    /// `grads` into the unsharded flat gradients. Parameters without a gradient contribute 0.
+    pub(crate) fn gather_grads(
+        &mut self,
+        grads: &candle_core::backprop::GradStore,
+        add: bool,
+    ) -> Result<()> {
+        let mut t_index = 0;
+        for fs in self.flats.iter() {
+            if !fs.layout.trainable {
+                continue;
+            }
+            let buf = &mut self.flat_grads[t_index];
+            t_index += 1;
+            for seg in &fs.layout.segments {
+                let var = &self.vars[seg.param_index];
+                let Some(g) = grads.get(var) else { continue };
+                let dst = &mut buf[seg_range(seg)];
+                with_f32(g, |src| {
+                    if add {
+                        for (d, s) in dst.iter_mut().zip(src) {
+                            *d += *s;
+                        }
+                    } else {
+                        dst.copy_from_slice(src);
+                    }
+                })?;
+            }
+        }
+        Ok(())
+    }
+}
