@@ -579,7 +579,7 @@ pub fn render_svg(plan: &ShardPlan) -> String {
     let peak_point = plan.memory.phase(plan.memory.peak_phase).at_peak;
     for (i, cat) in Category::ALL.iter().enumerate().rev() {
         let row = (Category::ALL.len() - 1 - i) as f64;
-        let yy = top + 20.0 + row * 24.0;
+        let yy = top + 20.0 + row * 36.0;
         let _ = writeln!(
             s,
             r#"<rect x="{lx:.1}" y="{yy:.1}" width="14" height="14" fill="{}"/>"#,
@@ -596,7 +596,7 @@ pub fn render_svg(plan: &ShardPlan) -> String {
             s,
             r##"<text x="{:.1}" y="{:.1}" font-size="11" fill="#555">{}</text>"##,
             lx + 20.0,
-            yy + 23.0 - 1.0,
+            yy + 26.0,
             peak_point.get(*cat)
         );
     }

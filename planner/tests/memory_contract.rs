@@ -1,0 +1,266 @@
+//! The memory plan against MEMORY-CONTRACT.md on models small enough to compute by hand:
+//! alive units per schedule position (prefetch, keep-after-forward, the tied root), and bytes
+//! per category.
+
+use fsdp_planner::{
+    plan, Architecture, GradSync, ModelSpec, ParamSpec, Phase, PlanConfig, Strategy, UnitSpec,
+};
+use fsdp_types::DType;
+
+/// `n` units of one `[10]` parameter each; optionally a tied root unit last.
+fn chain(n: usize, tied_root: bool) -> ModelSpec {
+    let mut units: Vec<UnitSpec> = (0..n)
+        .map(|i| UnitSpec {
+            name: format!("b{i}"),
+            params: vec![ParamSpec::new(format!("b{i}.w"), &[10])],
+        })
+        .collect();
+    if tied_root {
+        let mut t = ParamSpec::new("lm_head.weight", &[6, 5]);
+        t.tied_to = Some("wte".into());
+        units.push(UnitSpec {
+            name: "root".into(),
+            params: vec![ParamSpec::new("wte", &[6, 5]), t],
+        });
+    }
+    ModelSpec {
+        name: "chain".into(),
+        units,
+        arch: Architecture::Generic,
+    }
+}
+
+fn cfg(w: u64, s: Strategy) -> PlanConfig {
+    let mut c = PlanConfig::new(w);
+    c.strategy = s;
+    c.param_dtype = DType::BF16;
+    c
+}
+
+#[test]
+fn full_shard_alive_sets_and_bytes() {
+    let p = plan(&chain(4, false), &cfg(2, Strategy::FullShard)).unwrap();
+    let alive: Vec<Vec<usize>> = p.schedule.forward.iter().map(|s| s.alive.clone()).collect();
+    assert_eq!(alive, vec![vec![0, 1], vec![1, 2], vec![2, 3], vec![3]]);
+    let balive: Vec<Vec<usize>> = p
+        .schedule
+        .backward
+        .iter()
+        .map(|s| s.alive.clone())
+        .collect();
+    assert_eq!(balive, vec![vec![2, 3], vec![1, 2], vec![0, 1], vec![0]]);
+    assert_eq!(p.schedule.forward[0].prefetch, vec![1]);
+    let t = &p.memory.timeline;
+    // param shards: 4 units x 5 elements x 4 B; low precision x 2 B; grads 4 B; AdamW 8 B.
+    assert_eq!(t[0].bytes.param_shards.0, 80);
+    assert_eq!(t[0].bytes.param_shards_low_precision.0, 40);
+    assert_eq!(t[0].bytes.grad_shards.0, 80);
+    assert_eq!(t[0].bytes.optimizer_state.0, 160);
+    assert_eq!(t[0].bytes.unsharded_params.0, 2 * 20);
+    assert_eq!(t[3].bytes.unsharded_params.0, 2 * 10);
+    // Backward of unit 3: its f32 flat gradient (10 x 4 B) and its reduce-scatter output.
+    assert_eq!(t[4].bytes.unsharded_grads.0, 40);
+    assert_eq!(t[4].bytes.staging.0, 20);
+    assert_eq!(t[4].bytes.activations.0, 0);
+    let f = p.memory.phase(Phase::Forward);
+    assert_eq!(f.peak_total.0, 80 + 40 + 80 + 160 + 40);
+    assert_eq!(f.peak_unit, "b0");
+    let b = p.memory.phase(Phase::Backward);
+    assert_eq!(b.peak_total.0, 360 + 40 + 40 + 20);
+    assert_eq!(p.memory.peak.0, 460);
+    assert_eq!(p.memory.peak_phase, Phase::Backward);
+    assert_eq!(p.memory.phase(Phase::OptimizerStep).peak_total.0, 360);
+}
+
+#[test]
+fn keep_after_forward_and_prefetch_depth() {
+    let mut c = cfg(2, Strategy::ShardGradOp);
+    c.prefetch = 2;
+    let p = plan(&chain(4, false), &c).unwrap();
+    let alive: Vec<Vec<usize>> = p.schedule.forward.iter().map(|s| s.alive.clone()).collect();
+    assert_eq!(
+        alive,
+        vec![
+            vec![0, 1, 2],
+            vec![0, 1, 2, 3],
+            vec![0, 1, 2, 3],
+            vec![0, 1, 2, 3]
+        ]
+    );
+    let balive: Vec<Vec<usize>> = p
+        .schedule
+        .backward
+        .iter()
+        .map(|s| s.alive.clone())
+        .collect();
+    assert_eq!(
+        balive,
+        vec![vec![0, 1, 2, 3], vec![0, 1, 2], vec![0, 1], vec![0]]
+    );
+    assert!(!p.schedule.reshard_after_forward);
+    let mut c0 = cfg(2, Strategy::FullShard);
+    c0.prefetch = 0;
+    let p0 = plan(&chain(4, false), &c0).unwrap();
+    assert!(p0.schedule.forward.iter().all(|s| s.alive == vec![s.unit]));
+}
+
+#[test]
+fn tied_root_is_used_first_and_last_and_stays_unsharded() {
+    let p = plan(&chain(2, true), &cfg(2, Strategy::FullShard)).unwrap();
+    assert_eq!(p.schedule.root_unit, Some(2));
+    let labels: Vec<&str> = p
+        .schedule
+        .forward
+        .iter()
+        .map(|s| s.label.as_str())
+        .collect();
+    assert_eq!(labels, ["root (embedding)", "b0", "b1", "root (head)"]);
+    assert!(p.schedule.forward.iter().all(|s| s.alive.contains(&2)));
+    assert!(p.schedule.backward.iter().all(|s| s.alive.contains(&2)));
+    // Root's gradient buffer lives from its head backward to its embedding backward; it is
+    // reduce-scattered once, at the end.
+    let g: Vec<Vec<usize>> = p
+        .schedule
+        .backward
+        .iter()
+        .map(|s| s.grads_alive.clone())
+        .collect();
+    assert_eq!(g, vec![vec![2], vec![1, 2], vec![0, 2], vec![2]]);
+    let rs: Vec<bool> = p
+        .schedule
+        .backward
+        .iter()
+        .map(|s| s.reduce_scatter)
+        .collect();
+    assert_eq!(rs, [false, true, true, true]);
+    // Root holds 30 elements (the tied head takes none): f32 grads 120 B + unit b0 40 B.
+    assert_eq!(p.memory.timeline[4 + 2].bytes.unsharded_grads.0, 160);
+    assert_eq!(p.padding.real_numel.0, 50);
+}
+
+#[test]
+fn no_copy_when_unsharded_f32_and_copy_in_bf16() {
+    let mut c = PlanConfig::new(4);
+    c.strategy = Strategy::NoShard;
+    let p = plan(&chain(3, false), &c).unwrap();
+    assert_eq!(p.shard_size, 1);
+    assert_eq!(p.replicate_size, 4);
+    assert_eq!(p.memory.phase(Phase::Backward).max.unsharded_params.0, 0);
+    assert_eq!(p.memory.phase(Phase::Backward).max.staging.0, 0);
+    let p = plan(&chain(3, false), &cfg(4, Strategy::NoShard)).unwrap();
+    assert_eq!(p.memory.phase(Phase::Backward).max.unsharded_params.0, 60);
+    assert_eq!(p.rank(3).unwrap().replicate_index, 3);
+}
+
+#[test]
+fn hybrid_places_ranks_and_sync_last_reduces_on_last_micro_batch_only() {
+    let mut c = cfg(8, Strategy::Hybrid { shard_size: 2 });
+    c.grad_accum = 3;
+    c.grad_sync = GradSync::LastMicroBatch;
+    c.reduce_dtype = DType::BF16;
+    let p = plan(&chain(4, false), &c).unwrap();
+    assert_eq!((p.shard_size, p.replicate_size), (2, 4));
+    let r5 = p.rank(5).unwrap();
+    assert_eq!((r5.shard_index, r5.replicate_index), (1, 2));
+    let mbs: Vec<u64> = p.memory.timeline.iter().map(|t| t.micro_batch).collect();
+    assert_eq!(mbs.first(), Some(&0));
+    assert_eq!(mbs.last(), Some(&2));
+    for t in &p.memory.timeline {
+        match (t.phase, t.micro_batch) {
+            (Phase::OptimizerStep, _) => assert_eq!(t.bytes.unsharded_grads.0, 0),
+            (Phase::Backward, 2) => {
+                // persistent f32 (4 x 10 x 4 B) + bf16 cast of the unit reduced (10 x 2 B)
+                assert_eq!(t.bytes.unsharded_grads.0, 160 + 20);
+                assert_eq!(t.bytes.staging.0, 10);
+            }
+            _ => {
+                assert_eq!(t.bytes.unsharded_grads.0, 160);
+                assert_eq!(t.bytes.staging.0, 0);
+            }
+        }
+    }
+}
+
+#[test]
+fn activations_follow_the_documented_formulas() {
+    let spec = fsdp_planner::preset("tiny").unwrap(); // d 128, 4 layers, 4 heads, vocab 256
+    let mut c = PlanConfig::new(1);
+    c.seq_len = 64;
+    c.micro_batch = 2;
+    let p = plan(&spec, &c).unwrap();
+    let (s, b, h, a, v, e) = (64u64, 2u64, 128u64, 4u64, 256u64, 4u64);
+    let hidden = e * s * b * h;
+    let block = e * s * b * (16 * h + a * s);
+    let t = &p.memory.timeline;
+    // Forward step 1 (h.0) under recompute: inputs of embed (ids) and h.0 kept + h.0 live.
+    assert_eq!(t[1].bytes.activations.0, 4 * s * b + hidden + block);
+    // Head forward: all inputs + final norm + logits and f32 log-softmax.
+    let inputs = 4 * s * b + 5 * hidden;
+    assert_eq!(
+        t[5].bytes.activations.0,
+        inputs + hidden + s * b * v * (e + 4)
+    );
+    // Keep-after-forward keeps the whole graph.
+    c.strategy = Strategy::ShardGradOp;
+    let k = plan(&spec, &c).unwrap();
+    let all = 4 * s * b + 2 * hidden + 4 * block + hidden + s * b * v * (e + 4);
+    assert_eq!(k.memory.timeline[5].bytes.activations.0, all);
+}
+
+#[test]
+fn config_errors_carry_numbers() {
+    let s = chain(2, false);
+    let e = |c: PlanConfig| plan(&s, &c).unwrap_err().to_string();
+    assert!(e(PlanConfig::new(0)).contains("at least 1, got 0"));
+    assert!(e(cfg(6, Strategy::Hybrid { shard_size: 4 }))
+        .contains("shard size 4 does not divide world size 6"));
+    let mut c = PlanConfig::new(2);
+    c.micro_batch = 0;
+    assert!(e(c).contains("micro-batch size must be at least 1"));
+    let mut c = PlanConfig::new(2);
+    c.strategy = Strategy::Auto;
+    assert!(e(c).contains("device memory"));
+    let mut c = PlanConfig::new(2);
+    c.alignment = 0;
+    assert!(e(c).contains("alignment"));
+    let mut split = chain(2, true);
+    let t = split.units[2].params.pop().unwrap();
+    split.units[0].params.push(t);
+    let msg = plan(&split, &PlanConfig::new(2)).unwrap_err().to_string();
+    assert!(
+        msg.contains("lm_head.weight") && msg.contains("root"),
+        "{msg}"
+    );
+    let gpt = fsdp_planner::preset("gpt2").unwrap();
+    let mut c = PlanConfig::new(1);
+    c.seq_len = 2048;
+    assert!(plan(&gpt, &c)
+        .unwrap_err()
+        .to_string()
+        .contains("1024 positions"));
+}
+
+#[test]
+fn auto_picks_the_fastest_strategy_that_fits() {
+    let spec = fsdp_planner::preset("llama3-8b").unwrap();
+    let mut c = PlanConfig::new(8);
+    c.strategy = Strategy::Auto;
+    c.device_memory = Some(fsdp_types::Bytes(80 << 30));
+    let p = plan(&spec, &c).unwrap();
+    // DDP needs ~137 GiB; shard-grad-op at W=8 fits 80 GiB.
+    assert_eq!(p.strategy, Strategy::ShardGradOp);
+    let why = p.auto_reason.as_deref().unwrap();
+    assert!(why.contains("no-shard needs"), "{why}");
+    c.device_memory = Some(fsdp_types::Bytes(30 << 30));
+    let p = plan(&spec, &c).unwrap();
+    assert!(matches!(
+        p.strategy,
+        Strategy::Hybrid { .. } | Strategy::FullShard
+    ));
+    assert!(p.memory.peak.0 <= 30 << 30);
+    c.device_memory = Some(fsdp_types::Bytes(1 << 30));
+    let p = plan(&spec, &c).unwrap();
+    assert_eq!(p.strategy, Strategy::FullShard);
+    assert!(p.auto_reason.clone().unwrap().starts_with("nothing fits"));
+    assert_eq!(p.fits(), Some(false));
+}
