@@ -3,6 +3,7 @@
 
 use clap::{Parser, Subcommand};
 
+pub mod ckpt;
 pub mod plan;
 
 /// Errors surfaced by the CLI, with the exit code each maps to.
@@ -40,11 +41,14 @@ pub struct Cli {
 pub enum Command {
     /// Plan the sharding and memory of a model: "will it fit on N devices, and how?"
     Plan(plan::PlanArgs),
+    /// Inspect, consolidate or reshard a sharded checkpoint (offline).
+    Ckpt(ckpt::CkptArgs),
 }
 
 /// Runs one parsed command line.
 pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
         Command::Plan(a) => plan::run(a),
+        Command::Ckpt(a) => ckpt::run(a),
     }
 }

@@ -1,0 +1,357 @@
+//! `fsdp ckpt inspect | consolidate | reshard` end to end through the binary, including bad
+//! input (exit code 2, the file and the problem named).
+
+use fsdp_checkpoints::{
+    read_full, save_checkpoint, CheckpointLayout, FlatShard, RankState, TrainState,
+};
+use fsdp_planner::{Architecture, ModelSpec, ParamSpec, UnitSpec};
+use std::path::Path;
+use std::process::Command;
+
+/// BC-01's parameters (46 elements) in two units, plus a frozen one.
+fn model() -> ModelSpec {
+    let p = |n: &str, s: &[u64], t: bool| {
+        let mut p = ParamSpec::new(n, s);
+        p.trainable = t;
+        p
+    };
+    ModelSpec {
+        name: "cli-test".into(),
+        arch: Architecture::Generic,
+        units: vec![
+            UnitSpec {
+                name: "enc".into(),
+                params: vec![p("enc.A", &[7, 3], true), p("enc.B", &[5], true)],
+            },
+            UnitSpec {
+                name: "head".into(),
+                params: vec![p("head.C", &[1, 17], true), p("head.D", &[3], false)],
+            },
+        ],
+    }
+}
+
+/// Element k of the parameters (declaration order) is k + 0.5; moments -k and k + 0.25.
+fn value(k: usize, which: u8) -> f32 {
+    match which {
+        0 => k as f32 + 0.5,
+        1 => -(k as f32),
+        _ => k as f32 + 0.25,
+    }
+}
+
+fn rank_state(layout: &CheckpointLayout, rank: u64) -> RankState {
+    let spec = &layout.spec;
+    let mut start = std::collections::HashMap::new();
+    let mut k = 0usize;
+    for p in spec.units.iter().flat_map(|u| &u.params) {
+        start.insert(p.name.clone(), k);
+        k += p.numel().as_usize();
+    }
+    let s = layout.shard_index(rank);
+    let flats = layout
+        .units
+        .iter()
+        .map(|ul| {
+            ul.flat_params
+                .iter()
+                .map(|f| {
+                    let cut = |which: u8| {
+                        let data: Vec<Vec<f32>> = f
+                            .segments
+                            .iter()
+                            .map(|sg| {
+                                (0..sg.numel.as_usize())
+                                    .map(|i| value(start[&sg.name] + i, which))
+                                    .collect()
+                            })
+                            .collect();
+                        let parts: Vec<&[f32]> = data.iter().map(Vec::as_slice).collect();
+                        f.shard_of(&f.flatten(&parts), s)
+                    };
+                    FlatShard {
+                        param: cut(0),
+                        exp_avg: f.trainable.then(|| cut(1)),
+                        exp_avg_sq: f.trainable.then(|| cut(2)),
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    RankState { rank, flats }
+}
+
+fn make_ckpt(root: &Path, w: u64) {
+    let layout = CheckpointLayout::full_shard(model(), w, 1).unwrap();
+    let ranks: Vec<RankState> = (0..w).map(|r| rank_state(&layout, r)).collect();
+    let refs: Vec<_> = ranks.iter().map(|r| r.as_refs()).collect();
+    let train = TrainState {
+        step: 3,
+        data_position: 96,
+        ..TrainState::default()
+    };
+    save_checkpoint(root, &layout, &refs, &train, 2).unwrap();
+}
+
+fn fsdp(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_fsdp"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn inspect_lists_params_and_verifies_checksums() {
+    let t = tempfile::tempdir().unwrap();
+    make_ckpt(t.path(), 3);
+    let (code, out, err) = fsdp(&["ckpt", "inspect", s(t.path())]);
+    assert_eq!(code, 0, "{err}");
+    for want in [
+        "enc.A",
+        "[7, 3]",
+        "head.C",
+        "[1, 17]",
+        "f32",
+        "world size   3",
+        "step         3",
+        "verified",
+        "rank-00002.safetensors",
+    ] {
+        assert!(out.contains(want), "missing `{want}` in:\n{out}");
+    }
+    let (code, out, _) = fsdp(&["ckpt", "inspect", "--json", s(t.path())]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["world_size"], 3);
+    assert_eq!(v["train"]["data_position"], 96);
+}
+
+#[test]
+fn consolidate_writes_original_names_and_values() {
+    let t = tempfile::tempdir().unwrap();
+    make_ckpt(&t.path().join("ck"), 4);
+    let out = t.path().join("model.safetensors");
+    let opt = t.path().join("optim.safetensors");
+    let (code, stdout, err) = fsdp(&[
+        "ckpt",
+        "consolidate",
+        s(&t.path().join("ck")),
+        "-o",
+        s(&out),
+        "--optimizer-out",
+        s(&opt),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        stdout.contains("4 tensors") && stdout.contains("46"),
+        "{stdout}"
+    );
+    let full = read_full(&out).unwrap();
+    full.check_strict(&model()).unwrap();
+    let names: Vec<&str> = full.tensors.keys().map(String::as_str).collect();
+    assert_eq!(names, ["enc.A", "enc.B", "head.C", "head.D"]);
+    let all: Vec<f32> = ["enc.A", "enc.B", "head.C", "head.D"]
+        .iter()
+        .flat_map(|n| full.tensors[*n].data.clone())
+        .collect();
+    assert_eq!(all, (0..46).map(|k| value(k, 0)).collect::<Vec<_>>());
+    let o = read_full(&opt).unwrap();
+    assert_eq!(
+        o.tensors["head.C.exp_avg_sq"].data,
+        (26..43).map(|k| value(k, 2)).collect::<Vec<_>>()
+    );
+    assert!(
+        !o.tensors.contains_key("head.D.exp_avg"),
+        "frozen params have no moments"
+    );
+}
+
+#[test]
+fn consolidated_file_reads_in_python_safetensors() {
+    let has_python = Command::new("python3")
+        .args(["-c", "import safetensors, numpy"])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !has_python {
+        eprintln!("SKIPPED: python3 with safetensors + numpy not installed");
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    make_ckpt(&t.path().join("ck"), 3);
+    let out = t.path().join("model.safetensors");
+    assert_eq!(
+        fsdp(&[
+            "ckpt",
+            "consolidate",
+            s(&t.path().join("ck")),
+            "-o",
+            s(&out)
+        ])
+        .0,
+        0
+    );
+    let script = format!(
+        "from safetensors.numpy import load_file\nfrom safetensors import safe_open\n\
+         d = load_file({:?})\n\
+         assert sorted(d) == ['enc.A','enc.B','head.C','head.D'], sorted(d)\n\
+         assert d['enc.A'].shape == (7,3) and d['head.C'].shape == (1,17) and d['head.D'].shape == (3,)\n\
+         assert str(d['enc.A'].dtype) == 'float32'\n\
+         import numpy as np\n\
+         allv = np.concatenate([d[k].ravel() for k in ['enc.A','enc.B','head.C','head.D']])\n\
+         assert (allv == np.arange(46, dtype=np.float32) + 0.5).all()\n\
+         with safe_open({:?}, 'np') as f: assert f.metadata()['format'] == 'pt'\n\
+         print('python ok')\n",
+        s(&out),
+        s(&out)
+    );
+    let o = Command::new("python3")
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("python ok"));
+}
+
+#[test]
+fn reshard_cli_changes_world_size_and_keeps_values() {
+    let t = tempfile::tempdir().unwrap();
+    make_ckpt(&t.path().join("ck"), 2);
+    for (w, strategy) in [("5", "full-shard"), ("3", "ddp"), ("8", "full-shard")] {
+        let d2 = t.path().join(format!("r{w}"));
+        let (code, out, err) = fsdp(&[
+            "ckpt",
+            "reshard",
+            s(&t.path().join("ck")),
+            "--world-size",
+            w,
+            "--strategy",
+            strategy,
+            "-o",
+            s(&d2),
+        ]);
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains(&format!("world size {w}")), "{out}");
+        let ck =
+            fsdp_checkpoints::Checkpoint::open(&d2, fsdp_checkpoints::Verify::Checksums).unwrap();
+        assert_eq!(ck.manifest().world_size.to_string(), w);
+        assert_eq!(ck.manifest().train.step, 3);
+        let p = ck.consolidate(fsdp_checkpoints::StateKind::Param).unwrap();
+        let all: Vec<f32> = p.iter().flat_map(|t| t.data.clone()).collect();
+        assert_eq!(all, (0..46).map(|k| value(k, 0)).collect::<Vec<_>>());
+    }
+    let (code, _, err) = fsdp(&[
+        "ckpt",
+        "reshard",
+        s(&t.path().join("ck")),
+        "--world-size",
+        "6",
+        "--strategy",
+        "hybrid",
+        "--shard-size",
+        "4",
+        "-o",
+        s(&t.path().join("x")),
+    ]);
+    assert_eq!(code, 2);
+    assert!(err.contains("does not divide"), "{err}");
+}
+
+#[test]
+fn bad_input_exits_2_naming_file_and_problem() {
+    let t = tempfile::tempdir().unwrap();
+    let cases: Vec<(&str, Box<dyn Fn(&Path)>, &str)> = vec![
+        (
+            "truncated",
+            Box::new(|d: &Path| {
+                let f = d.join("rank-00001.safetensors");
+                let n = std::fs::metadata(&f).unwrap().len();
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&f)
+                    .unwrap()
+                    .set_len(n / 2)
+                    .unwrap();
+            }),
+            "rank-00001.safetensors: size is",
+        ),
+        (
+            "flipped",
+            Box::new(|d: &Path| {
+                let f = d.join("rank-00000.safetensors");
+                let mut b = std::fs::read(&f).unwrap();
+                let i = b.len() - 5;
+                b[i] ^= 0x40;
+                std::fs::write(&f, b).unwrap();
+            }),
+            "rank-00000.safetensors: SHA-256 checksum mismatch",
+        ),
+        (
+            "missing",
+            Box::new(|d: &Path| std::fs::remove_file(d.join("rank-00002.safetensors")).unwrap()),
+            "rank-00002.safetensors: missing rank file",
+        ),
+        (
+            "version",
+            Box::new(|d: &Path| {
+                let m = d.join("manifest.json");
+                let s = std::fs::read_to_string(&m)
+                    .unwrap()
+                    .replace("\"format_version\": 1", "\"format_version\": 7");
+                std::fs::write(&m, s).unwrap();
+            }),
+            "unknown checkpoint format version 7",
+        ),
+        (
+            "other-model",
+            Box::new(|d: &Path| {
+                let m = d.join("manifest.json");
+                let s = std::fs::read_to_string(&m).unwrap().replacen("17", "18", 1);
+                std::fs::write(&m, s).unwrap();
+            }),
+            "manifest.json",
+        ),
+    ];
+    for (name, corrupt, want) in cases {
+        let root = t.path().join(name);
+        make_ckpt(&root, 3);
+        let dir = fsdp_checkpoints::resolve_checkpoint_dir(&root).unwrap();
+        corrupt(&dir);
+        for args in [
+            vec!["ckpt", "inspect", s(&root)],
+            vec![
+                "ckpt",
+                "consolidate",
+                s(&root),
+                "-o",
+                s(&t.path().join("o.safetensors")),
+            ],
+            vec![
+                "ckpt",
+                "reshard",
+                s(&root),
+                "--world-size",
+                "2",
+                "-o",
+                s(&t.path().join("o")),
+            ],
+        ] {
+            let (code, _, err) = fsdp(&args);
+            assert_eq!(code, 2, "{name} {args:?}: {err}");
+            assert!(err.contains(want), "{name} {args:?}: `{want}` not in {err}");
+            assert!(!err.contains("panicked"), "{err}");
+        }
+    }
+    let (code, _, err) = fsdp(&["ckpt", "inspect", s(&t.path().join("nothing-here"))]);
+    assert_eq!(code, 2);
+    assert!(err.contains("no checkpoint found"), "{err}");
+}
