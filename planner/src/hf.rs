@@ -429,7 +429,7 @@ fn block_of(name: &str) -> Option<(&str, u64)> {
 /// (`attn.bias` / `attn.masked_bias` with 4 dims or 0 dims), rotary `inv_freq`.
 fn is_buffer(t: &TensorInfo) -> bool {
     let n = &t.name;
-    ((n.ends_with("attn.bias") || n.ends_with("attn.masked_bias"))
+    ((n.ends_with(".attn.bias") || n.ends_with(".attn.masked_bias"))
         && (t.shape.len() == 4 || t.shape.is_empty()))
         || n.ends_with("rotary_emb.inv_freq")
 }
