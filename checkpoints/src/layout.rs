@@ -1,7 +1,7 @@
 //! [`CheckpointLayout`]: the sharding a checkpoint was saved with (or is loaded into).
 
 use crate::error::{CkptError, Result};
-use fsdp_planner::{layout_units, FlatParamLayout, ModelSpec, UnitLayout};
+use fsdp_planner::{layout_units, FlatParamLayout, ModelSpec, ShardPlan, UnitLayout};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
@@ -57,6 +57,28 @@ impl CheckpointLayout {
             units,
             plan_fingerprint,
         })
+    }
+
+    /// The layout of a planner `ShardPlan` for `spec`: its world and shard sizes, alignment and
+    /// unit layouts, and the plan's own fingerprint (so a checkpoint names the exact plan it
+    /// was saved under).
+    ///
+    /// Errors: `InvalidArgument` when the plan's units differ from `layout_units(spec, S,
+    /// alignment)` (a plan of another model); as [`CheckpointLayout::new`].
+    pub fn from_plan(spec: ModelSpec, plan: &ShardPlan) -> Result<Self> {
+        let l = Self::new(
+            spec,
+            plan.world_size(),
+            plan.shard_size,
+            plan.config.alignment,
+        )?;
+        if l.units != plan.units {
+            return Err(CkptError::InvalidArgument(format!(
+                "the plan (model `{}`) does not lay out model `{}`: unit layouts differ",
+                plan.model, l.spec.name
+            )));
+        }
+        Ok(l.with_plan_fingerprint(plan.fingerprint()))
     }
 
     /// Fully sharded (FSDP / ZeRO-3) layout: `shard_size = world_size`.

@@ -307,3 +307,33 @@ fn shard_file_is_not_a_full_checkpoint() {
     assert!(e.to_string().contains("SHARD"), "{e}");
     let _ = StateKind::Param;
 }
+
+#[test]
+fn layout_from_plan_carries_the_plan_fingerprint() {
+    use fsdp_planner::{plan, PlanConfig, Strategy};
+    let spec = model();
+    for (w, strategy, s) in [
+        (4, Strategy::FullShard, 4),
+        (3, Strategy::NoShard, 1),
+        (4, Strategy::Hybrid { shard_size: 2 }, 2),
+    ] {
+        let mut cfg = PlanConfig::new(w);
+        cfg.strategy = strategy;
+        cfg.seq_len = 8;
+        let p = plan(&spec, &cfg).unwrap();
+        let l = CheckpointLayout::from_plan(spec.clone(), &p).unwrap();
+        assert_eq!((l.world_size, l.shard_size), (w, s));
+        assert_eq!(l.plan_fingerprint, p.fingerprint());
+        let t = tempfile::tempdir().unwrap();
+        let r = Reference::new(&spec);
+        save(t.path(), &l, &r, &TrainState::default());
+        let ck = Checkpoint::open(t.path(), Verify::Checksums).unwrap();
+        assert_eq!(ck.manifest().plan_fingerprint, p.fingerprint());
+        assert_eq!(ck.manifest().replicate_size, w / s);
+        assert_eq!(
+            ck.manifest().files.len() as u64,
+            s,
+            "only replicate 0 writes"
+        );
+    }
+}
