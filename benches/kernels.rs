@@ -1,6 +1,7 @@
 //! Bench: memory bandwidth of the CPU flat-buffer kernels against memcpy.
 //!
-//! Run: `cargo bench --bench kernels` (optional argument: elements per buffer, default 8Mi).
+//! Run: `cargo bench -p fsdp-suite --bench kernels` (optional argument after `--`: elements per
+//! buffer, default 8Mi = 8388608).
 //! Prints a table and one JSON line per kernel: bytes moved per call (reads + writes of the
 //! buffers the kernel touches), best time over the repetitions, GB/s (10^9 bytes per second),
 //! and the ratio to memcpy's GB/s. AdamW moves 28 bytes per element (reads p, g, m, v; writes
@@ -39,7 +40,10 @@ fn main() {
     let mut dst = vec![0.0f32; n];
     let mut half = vec![bf16::ZERO; n];
     // Two spans, the second not decayed, as a flat shard of weights + biases would have.
-    let spans = [Span::new(0, n - n / 64, true), Span::new(n - n / 64, n / 64, false)];
+    let spans = [
+        Span::new(0, n - n / 64, true),
+        Span::new(n - n / 64, n / 64, false),
+    ];
     let adam = AdamWConfig::default();
     let sgd = SgdConfig {
         lr: 1e-2,
@@ -50,7 +54,11 @@ fn main() {
     let mut step = 0u64;
     let f4 = 4 * n as u64;
     let rows: Vec<(&str, u64, Duration)> = vec![
-        ("memcpy", 2 * f4, best_of(|| dst.copy_from_slice(black_box(&g)))),
+        (
+            "memcpy",
+            2 * f4,
+            best_of(|| dst.copy_from_slice(black_box(&g))),
+        ),
         (
             "adamw_step",
             7 * f4,
