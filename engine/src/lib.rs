@@ -3,6 +3,7 @@
 //! step the optimizer on the local shard.
 
 pub mod cli;
+pub mod data;
 pub mod error;
 pub mod memory;
 pub mod model;

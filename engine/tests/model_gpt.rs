@@ -166,13 +166,15 @@ fn init_is_deterministic_and_follows_gpt2() {
     assert!((s_proj - 0.01).abs() < 0.001, "c_proj std {s_proj}");
     let s_fcp = std(&b0[10]);
     assert!((s_fcp - 0.01).abs() < 0.0007, "mlp.c_proj std {s_fcp}");
-    // Fixed values pin the generator across platforms and versions.
+    // Fixed values pin the generator (ChaCha8 + polar method + det_ln) across platforms and
+    // versions: a change here changes every initial weight.
     let first: Vec<u32> = b0[2][..3].iter().map(|x| x.to_bits()).collect();
-    let again: Vec<u32> = g.init_params(42)[0][2][..3]
-        .iter()
-        .map(|x| x.to_bits())
-        .collect();
-    assert_eq!(first, again);
+    assert_eq!(
+        first,
+        [3164075817, 3168181422, 3138727656],
+        "init changed: {:?}",
+        &b0[2][..3]
+    );
 }
 
 #[test]

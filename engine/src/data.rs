@@ -1,0 +1,486 @@
+//! Training text and the distributed sampler.
+//!
+//! - [`TextData`]: a text file mapped with memmap2 (or the project's own source and
+//!   documentation embedded at build time, [`TextData::embedded`]), tokenised as bytes: token
+//!   id = byte value (`u8 -> u32`, vocabulary 256). The last 10% of the bytes
+//!   (`len / 10`, rounded down) are the held-out validation split; the first 90% are the
+//!   training split.
+//! - [`Sampler`]: PyTorch `DistributedSampler` semantics over fixed windows. The training
+//!   split is cut into non-overlapping windows of `seq_len + 1` bytes at stride `seq_len`
+//!   (consecutive windows share one byte: window `w`'s last byte, a target, is window `w + 1`'s
+//!   first input), so it holds `n = (train_len - 1) / seq_len` windows. Epoch `e` visits them in
+//!   a seeded random order (Fisher-Yates over ChaCha8 keyed by `seed + e`); the epochs'
+//!   orders concatenated form one global stream of windows. Global micro-batch
+//!   `g = (step * grad_accum + k) * world + rank` takes stream positions `g*B .. (g+1)*B`,
+//!   wrapping into the next epoch. So within a step every rank's micro-batches are disjoint,
+//!   every rank runs the same number of steps (the stream never ends), and the single-process
+//!   reference that accumulates micro-batches `g` in rank order sees exactly the same
+//!   windows.
+
+use candle_core::{Device, Tensor};
+use memmap2::Mmap;
+use rand_chacha::rand_core::{RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+/// The embedded default corpus: every `*.rs`, `*.md`, `*.toml` file of this workspace at build
+/// time (see `engine/build.rs`), each preceded by a `// ---- path ----` line.
+static EMBEDDED: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/corpus.txt"));
+
+/// The display name of the embedded corpus in messages.
+pub const EMBEDDED_NAME: &str = "<embedded: fsdp-rs source and docs>";
+
+/// Errors reading text or building a sampler. Each names the source and the numbers.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    /// The file could not be opened or mapped.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The path given.
+        path: PathBuf,
+        /// The operating-system error.
+        source: std::io::Error,
+    },
+    /// The file has 0 bytes.
+    #[error("{path} is empty: nothing to train on")]
+    Empty {
+        /// The path given.
+        path: PathBuf,
+    },
+    /// A split is too short for one window of `seq_len + 1` bytes.
+    #[error("{source_name}: the {split} split has {bytes} bytes, fewer than one window of seq_len + 1 = {need} bytes (the file has {total} bytes; validation is the last 10%)")]
+    TooShort {
+        /// The file path or [`EMBEDDED_NAME`].
+        source_name: String,
+        /// `train` or `validation`.
+        split: &'static str,
+        /// Bytes in the split.
+        bytes: usize,
+        /// Bytes needed (`seq_len + 1`).
+        need: usize,
+        /// Bytes in the whole text.
+        total: usize,
+    },
+    /// A sampler parameter is out of range (`seq_len`, `micro_batch`, `grad_accum`,
+    /// `world_size` must be >= 1; `rank < world_size`; `k < grad_accum`).
+    #[error("sampler: {what} = {value} is out of range ({rule})")]
+    BadConfig {
+        /// The parameter.
+        what: &'static str,
+        /// Its value.
+        value: u64,
+        /// The rule it breaks.
+        rule: &'static str,
+    },
+}
+
+enum Bytes {
+    Mapped(Mmap),
+    Static(&'static [u8]),
+    Owned(Vec<u8>),
+}
+
+/// A byte-tokenised text: a memory-mapped file, the embedded corpus or an owned buffer.
+/// Cloning is cheap (shared). Token ids are the byte values, `0..256`.
+#[derive(Clone)]
+pub struct TextData {
+    bytes: Arc<Bytes>,
+    name: String,
+}
+
+impl std::fmt::Debug for TextData {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextData")
+            .field("name", &self.name)
+            .field("bytes", &self.len())
+            .finish()
+    }
+}
+
+impl TextData {
+    /// Maps the file at `path` read-only (memmap2; the file must not be truncated while
+    /// mapped). Errors: [`DataError::Io`] (missing, unreadable) or [`DataError::Empty`], both
+    /// naming the path.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, DataError> {
+        let path = path.as_ref();
+        let io = |source| DataError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let file = File::open(path).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        if len == 0 {
+            return Err(DataError::Empty {
+                path: path.to_path_buf(),
+            });
+        }
+        // SAFETY: read-only mapping of a regular file; the training text is not modified
+        // while it is being read (documented requirement above).
+        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+        Ok(TextData {
+            bytes: Arc::new(Bytes::Mapped(map)),
+            name: path.display().to_string(),
+        })
+    }
+
+    /// The project's own source code and documentation, embedded at build time (several
+    /// hundred KiB of real text; see the module docs of `engine/build.rs`).
+    pub fn embedded() -> Self {
+        TextData {
+            bytes: Arc::new(Bytes::Static(EMBEDDED)),
+            name: EMBEDDED_NAME.to_string(),
+        }
+    }
+
+    /// Text from an owned buffer (tests, generated data); `name` is used in messages.
+    pub fn from_bytes(name: impl Into<String>, bytes: Vec<u8>) -> Self {
+        TextData {
+            bytes: Arc::new(Bytes::Owned(bytes)),
+            name: name.into(),
+        }
+    }
+
+    /// The source name: the path, or [`EMBEDDED_NAME`].
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// All bytes.
+    pub fn bytes(&self) -> &[u8] {
+        match &*self.bytes {
+            Bytes::Mapped(m) => m,
+            Bytes::Static(s) => s,
+            Bytes::Owned(v) => v,
+        }
+    }
+
+    /// Length in bytes (= tokens).
+    pub fn len(&self) -> usize {
+        self.bytes().len()
+    }
+
+    /// Whether the text has no bytes (only possible through [`TextData::from_bytes`]).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Byte offset where the validation split starts: `len - len / 10`.
+    pub fn split_at(&self) -> usize {
+        self.len() - self.len() / 10
+    }
+
+    /// The training split: bytes `[0, split_at)`, the first 90%.
+    pub fn train(&self) -> &[u8] {
+        &self.bytes()[..self.split_at()]
+    }
+
+    /// The validation split: bytes `[split_at, len)`, the last `len / 10` bytes.
+    pub fn val(&self) -> &[u8] {
+        &self.bytes()[self.split_at()..]
+    }
+}
+
+/// Shape of the data stream: the same on every rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SamplerConfig {
+    /// Tokens per sequence `T` (each window is `T + 1` bytes).
+    pub seq_len: usize,
+    /// Sequences per micro-batch `B`, per rank.
+    pub micro_batch: usize,
+    /// Micro-batches per optimizer step, per rank.
+    pub grad_accum: usize,
+    /// Number of ranks `W` consuming the stream.
+    pub world_size: usize,
+    /// Seed of the window order (epoch `e` uses `seed + e`).
+    pub seed: u64,
+}
+
+/// One micro-batch: `B` sequences of `T` tokens, row-major.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Batch {
+    /// Input token ids `[B * T]` (row `b` = window bytes `0..T`).
+    pub inputs: Vec<u32>,
+    /// Target token ids `[B * T]` (row `b` = window bytes `1..T+1`: the next byte).
+    pub targets: Vec<u32>,
+    /// Sequences `B`.
+    pub batch: usize,
+    /// Tokens per sequence `T`.
+    pub seq_len: usize,
+    /// The windows used, by index into their split (window `w` starts at byte `w * T`).
+    pub windows: Vec<usize>,
+}
+
+impl Batch {
+    /// Number of target tokens `B * T`.
+    pub fn tokens(&self) -> usize {
+        self.batch * self.seq_len
+    }
+
+    /// `(inputs, targets)` as u32 tensors of shape `[B, T]` on `device`.
+    pub fn to_tensors(&self, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
+        let shape = (self.batch, self.seq_len);
+        Ok((
+            Tensor::from_slice(&self.inputs, shape, device)?,
+            Tensor::from_slice(&self.targets, shape, device)?,
+        ))
+    }
+}
+
+/// The seeded distributed sampler (see the module docs for the exact order).
+pub struct Sampler {
+    data: TextData,
+    cfg: SamplerConfig,
+    n_train: usize,
+    n_val: usize,
+    /// The most recently used epoch orders (at most 2), to avoid reshuffling per batch.
+    cache: Mutex<Vec<(u64, Arc<Vec<u32>>)>>,
+}
+
+impl std::fmt::Debug for Sampler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sampler")
+            .field("data", &self.data)
+            .field("cfg", &self.cfg)
+            .field("train_windows", &self.n_train)
+            .field("val_windows", &self.n_val)
+            .finish()
+    }
+}
+
+fn windows_in(len: usize, t: usize) -> usize {
+    if len < t + 1 {
+        0
+    } else {
+        (len - 1) / t
+    }
+}
+
+/// Uniform integer in `[0, n)` by rejection (no modulo bias), `n >= 1`.
+fn below(rng: &mut ChaCha8Rng, n: u64) -> u64 {
+    let zone = u64::MAX - (u64::MAX - n + 1) % n;
+    loop {
+        let x = rng.next_u64();
+        if x <= zone {
+            return x % n;
+        }
+    }
+}
+
+/// The window order of epoch `epoch`: a Fisher-Yates shuffle (Knuth, TAOCP vol. 2, Algorithm
+/// P) of `0..n` driven by ChaCha8 keyed by `seed + epoch` (little-endian, key bytes 0..8) and
+/// the tag `b"windows"` (bytes 8..15).
+pub fn epoch_order(n: usize, seed: u64, epoch: u64) -> Vec<u32> {
+    let mut key = [0u8; 32];
+    key[..8].copy_from_slice(&seed.wrapping_add(epoch).to_le_bytes());
+    key[8..15].copy_from_slice(b"windows");
+    let mut rng = ChaCha8Rng::from_seed(key);
+    let mut order: Vec<u32> = (0..n as u32).collect();
+    for i in (1..n).rev() {
+        let j = below(&mut rng, i as u64 + 1) as usize;
+        order.swap(i, j);
+    }
+    order
+}
+
+impl Sampler {
+    /// A sampler over `data` with `cfg`.
+    ///
+    /// Errors: [`DataError::BadConfig`] if a size is 0; [`DataError::TooShort`] if the
+    /// training or validation split holds less than one window of `seq_len + 1` bytes.
+    pub fn new(data: TextData, cfg: SamplerConfig) -> Result<Self, DataError> {
+        for (what, v) in [
+            ("seq_len", cfg.seq_len),
+            ("micro_batch", cfg.micro_batch),
+            ("grad_accum", cfg.grad_accum),
+            ("world_size", cfg.world_size),
+        ] {
+            if v == 0 {
+                return Err(DataError::BadConfig {
+                    what,
+                    value: 0,
+                    rule: "must be >= 1",
+                });
+            }
+        }
+        let t = cfg.seq_len;
+        let n_train = windows_in(data.train().len(), t);
+        let n_val = windows_in(data.val().len(), t);
+        for (split, n, bytes) in [
+            ("train", n_train, data.train().len()),
+            ("validation", n_val, data.val().len()),
+        ] {
+            if n == 0 {
+                return Err(DataError::TooShort {
+                    source_name: data.name().to_string(),
+                    split,
+                    bytes,
+                    need: t + 1,
+                    total: data.len(),
+                });
+            }
+        }
+        Ok(Sampler {
+            data,
+            cfg,
+            n_train,
+            n_val,
+            cache: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SamplerConfig {
+        &self.cfg
+    }
+
+    /// The text.
+    pub fn data(&self) -> &TextData {
+        &self.data
+    }
+
+    /// Number of training windows `n = (train_len - 1) / T`.
+    pub fn train_windows(&self) -> usize {
+        self.n_train
+    }
+
+    /// Number of validation windows `(val_len - 1) / T`.
+    pub fn val_windows(&self) -> usize {
+        self.n_val
+    }
+
+    /// Optimizer steps per epoch over all ranks: `n / (B * grad_accum * W)`, at least 1 (a
+    /// step may then wrap into the next epoch).
+    pub fn steps_per_epoch(&self) -> usize {
+        let per_step = self.cfg.micro_batch * self.cfg.grad_accum * self.cfg.world_size;
+        (self.n_train / per_step).max(1)
+    }
+
+    /// Global micro-batch index `g = (step * grad_accum + k) * W + rank`.
+    pub fn global_index(&self, step: u64, k: usize, rank: usize) -> u64 {
+        (step * self.cfg.grad_accum as u64 + k as u64) * self.cfg.world_size as u64 + rank as u64
+    }
+
+    fn order(&self, epoch: u64) -> Arc<Vec<u32>> {
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, o)) = cache.iter().find(|(e, _)| *e == epoch) {
+            return o.clone();
+        }
+        let o = Arc::new(epoch_order(self.n_train, self.cfg.seed, epoch));
+        if cache.len() >= 2 {
+            cache.remove(0);
+        }
+        cache.push((epoch, o.clone()));
+        o
+    }
+
+    /// The training windows (indices into the training split) of global stream positions
+    /// `start .. start + count`.
+    fn stream_windows(&self, start: u64, count: usize) -> Vec<usize> {
+        let n = self.n_train as u64;
+        (start..start + count as u64)
+            .map(|q| self.order(q / n)[(q % n) as usize] as usize)
+            .collect()
+    }
+
+    fn batch_of(&self, bytes: &[u8], windows: Vec<usize>) -> Batch {
+        let t = self.cfg.seq_len;
+        let b = windows.len();
+        let mut inputs = Vec::with_capacity(b * t);
+        let mut targets = Vec::with_capacity(b * t);
+        for &w in &windows {
+            let win = &bytes[w * t..w * t + t + 1];
+            inputs.extend(win[..t].iter().map(|&x| x as u32));
+            targets.extend(win[1..].iter().map(|&x| x as u32));
+        }
+        Batch {
+            inputs,
+            targets,
+            batch: b,
+            seq_len: t,
+            windows,
+        }
+    }
+
+    /// Micro-batch `k` (`0 <= k < grad_accum`) of optimizer step `step` (0-based) on `rank`:
+    /// the `B` training windows at stream positions `g*B .. (g+1)*B`,
+    /// `g = (step * grad_accum + k) * W + rank`. Panics if `rank >= W` or `k >= grad_accum`
+    /// (caller bugs, not data errors).
+    pub fn micro_batch(&self, step: u64, k: usize, rank: usize) -> Batch {
+        assert!(
+            rank < self.cfg.world_size,
+            "rank {rank} >= world size {}",
+            self.cfg.world_size
+        );
+        assert!(
+            k < self.cfg.grad_accum,
+            "micro-batch {k} >= grad_accum {}",
+            self.cfg.grad_accum
+        );
+        let b = self.cfg.micro_batch;
+        let g = self.global_index(step, k, rank);
+        let windows = self.stream_windows(g * b as u64, b);
+        self.batch_of(self.data.train(), windows)
+    }
+
+    /// Number of validation micro-batches each rank evaluates given a cap `max_per_rank`:
+    /// `clamp(val_windows / (B * W), 1, max_per_rank)` (`max_per_rank = 0` means no cap).
+    pub fn val_batches_per_rank(&self, max_per_rank: usize) -> usize {
+        let per = self.n_val / (self.cfg.micro_batch * self.cfg.world_size);
+        let per = per.max(1);
+        if max_per_rank == 0 {
+            per
+        } else {
+            per.min(max_per_rank)
+        }
+    }
+
+    /// The validation micro-batches of `rank`: the validation split's windows in file order
+    /// (no shuffle), grouped `B` at a time into global validation batches `v = 0, 1, ...`;
+    /// rank `r` takes `v = j * W + r` for `j < val_batches_per_rank(max_per_rank)`. Every
+    /// rank gets the same number of batches; window indices wrap modulo the number of
+    /// validation windows when the split is smaller than `W * B` windows. The validation loss
+    /// is the token-weighted mean over all ranks' batches. Panics if `rank >= W`.
+    pub fn val_batches(&self, rank: usize, max_per_rank: usize) -> Vec<Batch> {
+        assert!(
+            rank < self.cfg.world_size,
+            "rank {rank} >= world size {}",
+            self.cfg.world_size
+        );
+        let (b, w) = (self.cfg.micro_batch, self.cfg.world_size);
+        (0..self.val_batches_per_rank(max_per_rank))
+            .map(|j| {
+                let v = j * w + rank;
+                let windows = (v * b..(v + 1) * b).map(|q| q % self.n_val).collect();
+                self.batch_of(self.data.val(), windows)
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn epoch_order_is_a_permutation() {
+        let o = epoch_order(1000, 3, 0);
+        let mut s = o.clone();
+        s.sort();
+        assert_eq!(s, (0..1000).collect::<Vec<u32>>());
+        assert_ne!(o, (0..1000).collect::<Vec<u32>>());
+        assert_ne!(o, epoch_order(1000, 3, 1));
+        assert_eq!(epoch_order(1000, 3, 1), epoch_order(1000, 4, 0));
+    }
+
+    #[test]
+    fn below_is_in_range() {
+        let mut r = ChaCha8Rng::from_seed([1; 32]);
+        for n in 1..50u64 {
+            for _ in 0..20 {
+                assert!(below(&mut r, n) < n);
+            }
+        }
+    }
+}
