@@ -1,19 +1,236 @@
-//! `fsdp plan`.
+//! `fsdp plan`: read a model description, plan it, print a table, JSON or an SVG timeline.
+//!
+//! A thin shell over `fsdp_planner`: parsing flags into a `PlanConfig`, choosing the model
+//! reader, and writing the rendered report. Every bad input becomes `CliError::Usage` (exit 2).
 
 use super::CliError;
+use fsdp_planner::config::{GradSync, Optimizer, PlanConfig, Strategy};
+use fsdp_planner::{hf, plan, preset, report, ModelSpec, PlanError};
+use fsdp_types::{Bytes, DType};
+use std::path::PathBuf;
+
+/// Output format of `fsdp plan`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// Human-readable table.
+    Table,
+    /// JSON, schema `fsdp-plan/1` (planner/SCHEMA.md).
+    Json,
+    /// SVG memory timeline of one step.
+    Svg,
+}
+
+/// Sharding strategy names on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StrategyArg {
+    /// Shard params, grads, optimizer state; reshard after forward (ZeRO-3).
+    FullShard,
+    /// Shard grads and optimizer state; keep params unsharded after forward (ZeRO-2).
+    ShardGradOp,
+    /// Replicate everything (DDP).
+    NoShard,
+    /// Full shard inside groups of --shard-size ranks, replicated across groups.
+    Hybrid,
+    /// The fastest strategy that fits --device-memory.
+    Auto,
+}
+
+/// Optimizer names on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OptimizerArg {
+    /// AdamW: two f32 moments per trainable element.
+    Adamw,
+    /// SGD, with a momentum buffer when --momentum is not 0.
+    Sgd,
+}
+
+/// Gradient sync modes on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum GradSyncArg {
+    /// Reduce-scatter every micro-batch (default).
+    Every,
+    /// Accumulate unsharded gradients, reduce on the last micro-batch only.
+    Last,
+}
 
 /// Arguments of `fsdp plan`.
 #[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["model", "hf_config", "safetensors", "spec"])))]
 pub struct PlanArgs {
-    /// World size (number of ranks).
+    /// Built-in preset: tiny, mini, small, base, gpt2, gpt2-medium, gpt2-large, gpt2-xl,
+    /// llama2-7b, llama3-8b, llama3-70b.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// A Hugging Face config.json (GPT-2, Llama, Mistral, Qwen2).
+    #[arg(long, value_name = "FILE")]
+    pub hf_config: Option<PathBuf>,
+    /// A .safetensors file (header only is read) or a sharded model's
+    /// model.safetensors.index.json.
+    #[arg(long, value_name = "FILE")]
+    pub safetensors: Option<PathBuf>,
+    /// A ModelSpec as JSON (`{"name", "units": [{"name", "params": [{"name", "shape",
+    /// "dtype", "trainable", "weight_decay", "tied_to"}]}], "arch": {"family": "generic"}}`).
+    #[arg(long, value_name = "FILE")]
+    pub spec: Option<PathBuf>,
+    /// World size W (number of ranks).
     #[arg(long, default_value_t = 1)]
     pub world_size: u64,
+    /// Sharding strategy.
+    #[arg(long, value_enum, default_value_t = StrategyArg::FullShard)]
+    pub strategy: StrategyArg,
+    /// Shard-group size for --strategy hybrid (must divide the world size).
+    #[arg(long)]
+    pub shard_size: Option<u64>,
+    /// dtype of unsharded params in forward/backward: f32, bf16, f16.
+    #[arg(long, default_value = "f32")]
+    pub param_dtype: String,
+    /// dtype of gradient reduction: f32, bf16, f16.
+    #[arg(long, default_value = "f32")]
+    pub reduce_dtype: String,
+    /// Optimizer.
+    #[arg(long, value_enum, default_value_t = OptimizerArg::Adamw)]
+    pub optimizer: OptimizerArg,
+    /// SGD momentum (0 = no state).
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f64,
+    /// Sequences per micro-batch per rank.
+    #[arg(long, default_value_t = 1)]
+    pub micro_batch: u64,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 1024)]
+    pub seq_len: u64,
+    /// Micro-batches per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    pub grad_accum: u64,
+    /// When gradients are reduced during accumulation.
+    #[arg(long, value_enum, default_value_t = GradSyncArg::Every)]
+    pub grad_sync: GradSyncArg,
+    /// Units gathered ahead, forward and backward.
+    #[arg(long, default_value_t = 1)]
+    pub prefetch: u64,
+    /// Alignment of each parameter inside its flat parameter, in elements.
+    #[arg(long, default_value_t = 1)]
+    pub alignment: u64,
+    /// Memory per device, e.g. 80GiB, 40GB, 512MiB.
+    #[arg(long)]
+    pub device_memory: Option<String>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+    /// Write the output to FILE instead of standard output.
+    #[arg(short = 'o', long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+}
+
+fn usage(e: PlanError) -> CliError {
+    CliError::Usage(e.to_string())
+}
+
+fn dtype(flag: &str, v: &str) -> Result<DType, CliError> {
+    v.parse::<DType>()
+        .map_err(|e| CliError::Usage(format!("--{flag}: {e}")))
+}
+
+/// Builds the planner configuration from the flags. Errors: `CliError::Usage`.
+pub fn config_from_args(a: &PlanArgs) -> Result<PlanConfig, CliError> {
+    let strategy = match a.strategy {
+        StrategyArg::FullShard => Strategy::FullShard,
+        StrategyArg::ShardGradOp => Strategy::ShardGradOp,
+        StrategyArg::NoShard => Strategy::NoShard,
+        StrategyArg::Auto => Strategy::Auto,
+        StrategyArg::Hybrid => Strategy::Hybrid {
+            shard_size: a.shard_size.ok_or_else(|| {
+                CliError::Usage("--strategy hybrid needs --shard-size N (N divides the world size)".into())
+            })?,
+        },
+    };
+    if a.shard_size.is_some() && a.strategy != StrategyArg::Hybrid {
+        return Err(CliError::Usage(
+            "--shard-size applies to --strategy hybrid only".into(),
+        ));
+    }
+    let device_memory = a
+        .device_memory
+        .as_deref()
+        .map(|s| {
+            s.parse::<Bytes>()
+                .map_err(|e| CliError::Usage(format!("--device-memory: {e}")))
+        })
+        .transpose()?;
+    let cfg = PlanConfig {
+        world_size: a.world_size,
+        strategy,
+        param_dtype: dtype("param-dtype", &a.param_dtype)?,
+        reduce_dtype: dtype("reduce-dtype", &a.reduce_dtype)?,
+        optimizer: match a.optimizer {
+            OptimizerArg::Adamw => Optimizer::AdamW,
+            OptimizerArg::Sgd => Optimizer::Sgd {
+                momentum: a.momentum,
+            },
+        },
+        grad_accum: a.grad_accum,
+        grad_sync: match a.grad_sync {
+            GradSyncArg::Every => GradSync::EveryMicroBatch,
+            GradSyncArg::Last => GradSync::LastMicroBatch,
+        },
+        prefetch: a.prefetch,
+        micro_batch: a.micro_batch,
+        seq_len: a.seq_len,
+        alignment: a.alignment,
+        device_memory,
+    };
+    cfg.validate().map_err(usage)?;
+    Ok(cfg)
+}
+
+/// Reads the model named by `--model`, `--hf-config` or `--safetensors`.
+pub fn model_from_args(a: &PlanArgs) -> Result<ModelSpec, CliError> {
+    if let Some(m) = &a.model {
+        return preset(m).map_err(usage);
+    }
+    if let Some(p) = &a.hf_config {
+        return hf::read_hf_config(p).map_err(usage);
+    }
+    if let Some(p) = &a.safetensors {
+        return hf::read_safetensors_model(p).map_err(usage);
+    }
+    if let Some(p) = &a.spec {
+        let text = std::fs::read_to_string(p)
+            .map_err(|e| CliError::Usage(format!("{}: {e}", p.display())))?;
+        return serde_json::from_str(&text).map_err(|e| {
+            CliError::Usage(format!("{}: not a valid model spec: {e}", p.display()))
+        });
+    }
+    Err(CliError::Usage(
+        "give one of --model PRESET, --hf-config FILE, --safetensors FILE, --spec FILE".into(),
+    ))
 }
 
 /// Runs `fsdp plan`.
 pub fn run(args: PlanArgs) -> Result<(), CliError> {
-    if args.world_size == 0 {
-        return Err(CliError::Usage("world size must be at least 1".into()));
+    let cfg = config_from_args(&args)?;
+    let spec = model_from_args(&args)?;
+    let p = plan(&spec, &cfg).map_err(usage)?;
+    let text = match args.format {
+        Format::Table => {
+            let fit = report::fit_report(&spec, &p).map_err(usage)?;
+            report::render_table(&p, fit.as_ref())
+        }
+        Format::Json => {
+            let fit = report::fit_report(&spec, &p).map_err(usage)?;
+            let mut s = serde_json::to_string_pretty(&report::render_json(&p, fit.as_ref()))
+                .map_err(|e| CliError::Failed(format!("serializing the plan: {e}")))?;
+            s.push('\n');
+            s
+        }
+        Format::Svg => report::render_svg(&p),
+    };
+    match &args.output {
+        Some(path) => std::fs::write(path, text)
+            .map_err(|e| CliError::Usage(format!("cannot write {}: {e}", path.display()))),
+        None => {
+            print!("{text}");
+            Ok(())
+        }
     }
-    Ok(())
 }
