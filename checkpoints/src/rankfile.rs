@@ -438,6 +438,12 @@ impl RankFile {
 /// Decodes little-endian f32 bytes into `dest` (`bytes.len() == 4 * dest.len()`).
 pub(crate) fn decode_f32(bytes: &[u8], dest: &mut [f32]) {
     debug_assert_eq!(bytes.len(), dest.len() * 4);
+    // Tensor data is 4-byte aligned in a memory map (page-aligned base, 8-byte padded header,
+    // f32-only tensors): then this is one memcpy.
+    if let Ok(src) = bytemuck::try_cast_slice::<u8, f32>(bytes) {
+        dest.copy_from_slice(src);
+        return;
+    }
     for (d, c) in dest.iter_mut().zip(bytes.chunks_exact(4)) {
         *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
     }
