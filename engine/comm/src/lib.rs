@@ -21,6 +21,9 @@ mod buf;
 mod comm;
 pub mod conformance;
 mod error;
+/// The MPI backend (feature `mpi`): [`mpi::MpiComm`] over Open MPI through rsmpi.
+#[cfg(feature = "mpi")]
+pub mod mpi;
 mod reduce;
 mod thread;
 mod topology;
