@@ -164,19 +164,17 @@ fn cast_f64_to_half_rounds_once() {
     );
 }
 
-/// Correct rounding reference: the nearer of the two bf16 neighbours, ties to even mantissa.
-fn nearest_bf16(x: f64) -> u16 {
-    let lo = bf16::from_f32(x as f32); // some nearby bf16; walk to the bracketing pair
-    let mut a = lo.to_bits();
-    // Walk down until a <= x, then up until next > x (positive x only in the property).
-    while bf16::from_bits(a).to_f64() > x {
+/// Correct rounding reference for positive `x`: the nearer of the two neighbours among the
+/// values `to_f64(bits)`, ties to the even bit pattern.
+fn nearest(x: f64, start: u16, to_f64: impl Fn(u16) -> f64) -> u16 {
+    let mut a = start;
+    while to_f64(a) > x {
         a -= 1;
     }
-    while bf16::from_bits(a + 1).to_f64() <= x {
+    while to_f64(a + 1) <= x {
         a += 1;
     }
-    let (va, vb) = (bf16::from_bits(a).to_f64(), bf16::from_bits(a + 1).to_f64());
-    let (da, db) = (x - va, vb - x);
+    let (da, db) = (x - to_f64(a), to_f64(a + 1) - x);
     if da < db || (da == db && (a & 1) == 0) {
         a
     } else {
@@ -189,7 +187,19 @@ proptest! {
     #[test]
     fn cast_f64_to_bf16_is_correctly_rounded(mant in 1u64..(1u64 << 52), exp in -100i32..100) {
         let x = f64::from_bits(((1023 + exp) as u64) << 52 | mant);
-        prop_assert_eq!(f64_to_bf16_rne(x).to_bits(), nearest_bf16(x), "x = {:e}", x);
+        let start = bf16::from_f32(x as f32).to_bits();
+        let expect = nearest(x, start, |b| bf16::from_bits(b).to_f64());
+        prop_assert_eq!(f64_to_bf16_rne(x).to_bits(), expect, "x = {:e}", x);
+    }
+
+    #[test]
+    fn cast_f64_to_f16_is_correctly_rounded(mant in 1u64..(1u64 << 52), exp in -24i32..15) {
+        // Normal and subnormal f16 range, below the overflow threshold.
+        let x = f64::from_bits(((1023 + exp) as u64) << 52 | mant);
+        prop_assume!(x <= 65504.0); // above: overflow cases, tested by value above
+        let start = f16::from_f32(x as f32).to_bits().max(1);
+        let expect = nearest(x, start, |b| f16::from_bits(b).to_f64());
+        prop_assert_eq!(f64_to_f16_rne(x).to_bits(), expect, "x = {:e}", x);
     }
 
     /// sum_squares is a fixed sequential f64 sum: equal to a plain loop, bit for bit, and the
