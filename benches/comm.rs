@@ -1,0 +1,186 @@
+//! Bus bandwidth of the thread backend's all-gather and reduce-scatter against this machine's
+//! memcpy, measured in the same run.
+//!
+//! Run: `cargo bench --bench comm` (optionally `-- --max-mib 256 --worlds 2,4`).
+//!
+//! For each collective, world size W in {2, 4} and size S from 1 MiB to 1 GiB (S = the bytes of
+//! the gathered buffer of an all-gather, of the send buffer of a reduce-scatter, per rank, f32):
+//! * `time`: wall time of one collective, between barriers, averaged over the repetitions;
+//! * `algbw = S / time`, `busbw = algbw x (W-1)/W` (the nccl-tests definition:
+//!   github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md);
+//! * `memcpy1`: one thread copying S bytes; `memcpyW`: W threads each copying S bytes at once,
+//!   per-thread rate (the slowest thread). In this backend every rank must stream S bytes (an
+//!   all-gather writes its whole S-byte receive buffer from the W send buffers; a reduce-scatter
+//!   reads all S bytes of the W send chunks it reduces), so `ratio = algbw / memcpyW` is the
+//!   fraction of memory speed reached at equal concurrency: the target is >= 0.8 from
+//!   64 MiB up. `bus/memcpy1 = busbw / memcpy1` is printed as well.
+//!
+//! Output: a table, then one JSON object per line (`{"bench":"comm",...}`).
+
+use fsdp_comm::{run_threads, Communicator, Group, ReduceOp, Topology};
+use std::time::{Duration, Instant};
+
+const MIB: usize = 1 << 20;
+/// memcpy baselines copy at most this much per thread, repeated until S bytes are copied, to
+/// bound memory (4 threads x 2 x 256 MiB).
+const MEMCPY_CHUNK: usize = 256 * MIB;
+
+#[derive(Clone, Copy, PartialEq)]
+enum Op {
+    AllGather,
+    ReduceScatter,
+}
+
+impl Op {
+    fn name(self) -> &'static str {
+        match self {
+            Op::AllGather => "all_gather",
+            Op::ReduceScatter => "reduce_scatter",
+        }
+    }
+}
+
+fn iters_for(bytes: usize) -> usize {
+    (2048 * MIB / bytes).clamp(3, 50)
+}
+
+/// Seconds per collective (mean over `iters` after one warm-up), timed on rank 0 between
+/// barriers.
+fn time_collective(op: Op, w: usize, bytes: usize, iters: usize) -> f64 {
+    let topo = Topology::fully_sharded(w).expect("w >= 1");
+    let total = bytes / 4;
+    let shard = total / w;
+    let res = run_threads(topo, Duration::from_secs(600), |c| {
+        let (send, mut recv) = match op {
+            Op::AllGather => (vec![c.rank() as f32 + 1.0; shard], vec![0.0f32; shard * w]),
+            Op::ReduceScatter => (vec![c.rank() as f32 + 1.0; shard * w], vec![0.0f32; shard]),
+        };
+        let run = |recv: &mut Vec<f32>| match op {
+            Op::AllGather => c.all_gather(Group::World, (&send).into(), recv.into()),
+            Op::ReduceScatter => {
+                c.reduce_scatter(Group::World, ReduceOp::Sum, (&send).into(), recv.into())
+            }
+        };
+        run(&mut recv)?; // warm-up: faults the pages in
+        c.barrier(Group::World)?;
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            run(&mut recv)?;
+        }
+        c.barrier(Group::World)?;
+        let dt = t0.elapsed().as_secs_f64();
+        // A check that the collective did its job: first element of the result.
+        let expect = match op {
+            Op::AllGather => 1.0,
+            Op::ReduceScatter => (w * (w + 1) / 2) as f32,
+        };
+        assert_eq!(recv[0], expect, "wrong result in the bench");
+        Ok::<f64, fsdp_comm::CommError>(dt / iters as f64)
+    });
+    res.into_iter()
+        .map(|r| r.and_then(|x| x).expect("collective failed in the bench"))
+        .fold(0.0, f64::max)
+}
+
+/// Per-thread memcpy rate in bytes/s when `threads` threads each copy `bytes` at once
+/// (slowest thread), copying a buffer of at most [`MEMCPY_CHUNK`] repeatedly.
+fn memcpy_rate(threads: usize, bytes: usize, iters: usize) -> f64 {
+    let chunk = bytes.min(MEMCPY_CHUNK);
+    let reps = bytes.div_ceil(chunk);
+    let barrier = std::sync::Barrier::new(threads);
+    let times: Vec<f64> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let src = vec![1u8; chunk];
+                    let mut dst = vec![0u8; chunk];
+                    dst.copy_from_slice(&src); // warm-up
+                    barrier.wait();
+                    let t0 = Instant::now();
+                    for _ in 0..iters {
+                        for _ in 0..reps {
+                            dst.copy_from_slice(std::hint::black_box(&src));
+                            std::hint::black_box(&mut dst);
+                        }
+                    }
+                    t0.elapsed().as_secs_f64() / iters as f64
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("memcpy thread")).collect()
+    });
+    (chunk * reps) as f64 / times.into_iter().fold(0.0, f64::max)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |k: &str| {
+        args.iter()
+            .position(|a| a == k)
+            .and_then(|i| args.get(i + 1).cloned())
+    };
+    let max_mib: usize = arg("--max-mib").and_then(|v| v.parse().ok()).unwrap_or(1024);
+    let worlds: Vec<usize> = arg("--worlds")
+        .map(|v| v.split(',').filter_map(|x| x.parse().ok()).collect())
+        .unwrap_or_else(|| vec![2, 4]);
+    let mut sizes = Vec::new();
+    let mut s = MIB;
+    while s <= max_mib * MIB {
+        sizes.push(s);
+        s *= 4;
+    }
+    println!(
+        "fsdp-comm thread backend, f32, {} cores: all-gather / reduce-scatter vs memcpy",
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
+    );
+    println!(
+        "{:<15} {:>2} {:>9} {:>5} {:>11} {:>9} {:>9} {:>9} {:>9} {:>6} {:>12}",
+        "op", "W", "size", "iters", "time_us", "algbw", "busbw", "memcpy1", "memcpyW", "ratio",
+        "bus/memcpy1"
+    );
+    let mut json = Vec::new();
+    for &w in &worlds {
+        for op in [Op::AllGather, Op::ReduceScatter] {
+            for &bytes in &sizes {
+                let iters = iters_for(bytes);
+                let t = time_collective(op, w, bytes, iters);
+                let m1 = memcpy_rate(1, bytes, iters);
+                let mw = memcpy_rate(w, bytes, iters);
+                let algbw = bytes as f64 / t;
+                let busbw = algbw * (w - 1) as f64 / w as f64;
+                let ratio = algbw / mw;
+                let bus_ratio = busbw / m1;
+                let gb = |x: f64| x / 1e9;
+                println!(
+                    "{:<15} {:>2} {:>5} MiB {:>5} {:>11.1} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>6.2} {:>12.2}",
+                    op.name(),
+                    w,
+                    bytes / MIB,
+                    iters,
+                    t * 1e6,
+                    gb(algbw),
+                    gb(busbw),
+                    gb(m1),
+                    gb(mw),
+                    ratio,
+                    bus_ratio
+                );
+                json.push(format!(
+                    "{{\"bench\":\"comm\",\"backend\":\"threads\",\"op\":\"{}\",\"world_size\":{w},\"dtype\":\"f32\",\"bytes\":{bytes},\"iters\":{iters},\"time_us\":{:.1},\"algbw_gbs\":{:.3},\"busbw_gbs\":{:.3},\"memcpy_1t_gbs\":{:.3},\"memcpy_wt_gbs\":{:.3},\"ratio_vs_memcpy\":{:.3},\"busbw_over_memcpy_1t\":{:.3}}}",
+                    op.name(),
+                    t * 1e6,
+                    gb(algbw),
+                    gb(busbw),
+                    gb(m1),
+                    gb(mw),
+                    ratio,
+                    bus_ratio
+                ));
+            }
+        }
+    }
+    println!("(GB/s = 1e9 bytes/s; ratio = algbw / memcpyW, target >= 0.8 from 64 MiB)");
+    for j in json {
+        println!("{j}");
+    }
+}
