@@ -9,5 +9,6 @@ pub mod memory;
 pub mod model;
 pub mod optim;
 pub mod runtime;
+pub mod train;
 
 pub use error::EngineError;

@@ -1,11 +1,41 @@
 //! The `fsdp` command line: `plan`, `train`, `ckpt`.
+//!
+//! The binary installs [`CountingAllocator`] as its global allocator so that `fsdp train` can
+//! report the process heap peak next to the plan.
 
 use clap::Parser;
+use fsdp::cli::{Cli, Command};
+use fsdp::memory::CountingAllocator;
 use std::process::ExitCode;
 
+#[global_allocator]
+static ALLOC: CountingAllocator = CountingAllocator::new();
+
+/// Sizes candle's process-wide CPU thread pools for `world_size` rank threads before any tensor
+/// operation runs: gemm threads (`RAYON_NUM_THREADS`) and candle's spinning barrier pool for
+/// element-wise ops (`CANDLE_NUM_THREADS`, created once on first use) get `cores / W` threads,
+/// so W ranks on a few cores do not oversubscribe them or spin against each other. Variables
+/// the user already set are left alone.
+fn size_compute_threads(world_size: usize, threads_per_rank: Option<usize>) {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per_rank = threads_per_rank.unwrap_or((cores / world_size.max(1)).max(1));
+    for var in ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"] {
+        if std::env::var_os(var).is_none() {
+            std::env::set_var(var, per_rank.to_string());
+        }
+    }
+}
+
 fn main() -> ExitCode {
-    let cli = fsdp::cli::Cli::parse();
-    match fsdp::cli::run(cli) {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Train(a) => {
+            size_compute_threads(a.world_size, a.threads_per_rank);
+            fsdp::cli::train::run(a, Some(&ALLOC))
+        }
+        command => fsdp::cli::run(Cli { command }),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");

@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 
 pub mod ckpt;
 pub mod plan;
+pub mod train;
 
 /// Errors surfaced by the CLI, with the exit code each maps to.
 #[derive(Debug, thiserror::Error)]
@@ -43,6 +44,8 @@ pub enum Command {
     Plan(plan::PlanArgs),
     /// Inspect, consolidate or reshard a sharded checkpoint (offline).
     Ckpt(ckpt::CkptArgs),
+    /// Train a byte-level GPT on text with W rank threads under a sharding strategy.
+    Train(train::TrainArgs),
 }
 
 /// Runs one parsed command line.
@@ -50,5 +53,6 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
         Command::Plan(a) => plan::run(a),
         Command::Ckpt(a) => ckpt::run(a),
+        Command::Train(a) => train::run(a, None),
     }
 }

@@ -1,0 +1,280 @@
+//! `fsdp train`: train a byte-level GPT on a text file (default: the embedded project corpus)
+//! with `--world-size` rank threads under a sharding strategy, with a progress bar or JSON
+//! lines, and a summary of losses, speed and memory (measured against the plan).
+
+use super::CliError;
+use crate::error::EngineError;
+use crate::memory::CountingAllocator;
+use crate::train::{train, NoHooks, StepReport, TrainOptions, TrainReport};
+use fsdp_planner::{GradSync, Strategy};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::PathBuf;
+
+/// Sharding strategy names on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StrategyArg {
+    /// Shard params, grads and optimizer state; reshard after forward (ZeRO-3).
+    FullShard,
+    /// Shard grads and optimizer state; keep params unsharded from forward to backward (ZeRO-2).
+    ShardGradOp,
+    /// Replicate everything; all-reduce gradients (DDP).
+    NoShard,
+    /// Full shard inside groups of `--shard-size` ranks, replicated across groups (HSDP).
+    Hybrid,
+}
+
+/// When gradients are reduced during gradient accumulation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum GradSyncArg {
+    /// Reduce-scatter every micro-batch (sharded gradient memory).
+    Every,
+    /// Accumulate unsharded gradients, reduce on the last micro-batch only (more memory).
+    Last,
+}
+
+/// Arguments of `fsdp train`.
+#[derive(Debug, clap::Args)]
+pub struct TrainArgs {
+    /// Text file to train on (bytes are tokens). Default: this project's own source code and
+    /// documentation, embedded at build time.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Model preset: tiny (~0.9M params), mini (~3.4M), small (~10.9M), base (~43M).
+    #[arg(long, default_value = "tiny")]
+    pub model: String,
+    /// Number of ranks (threads on the in-process backend).
+    #[arg(long, default_value_t = 1)]
+    pub world_size: usize,
+    /// Sharding strategy.
+    #[arg(long, value_enum, default_value_t = StrategyArg::FullShard)]
+    pub strategy: StrategyArg,
+    /// Shard-group size for `--strategy hybrid` (must divide the world size).
+    #[arg(long)]
+    pub shard_size: Option<u64>,
+    /// Sequences per micro-batch per rank.
+    #[arg(long, default_value_t = 8)]
+    pub micro_batch: usize,
+    /// Micro-batches per optimizer step (gradient accumulation).
+    #[arg(long, default_value_t = 1)]
+    pub grad_accum: usize,
+    /// Gradient reduction during accumulation: every micro-batch or the last only.
+    #[arg(long, value_enum, default_value_t = GradSyncArg::Every)]
+    pub grad_sync: GradSyncArg,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 128)]
+    pub seq_len: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 200)]
+    pub steps: u64,
+    /// Peak learning rate (AdamW).
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f64,
+    /// Linear warmup steps.
+    #[arg(long, default_value_t = 20)]
+    pub warmup: u64,
+    /// Learning rate at the end of the cosine decay.
+    #[arg(long, default_value_t = 1e-4)]
+    pub min_lr: f64,
+    /// AdamW decoupled weight decay (matrices only).
+    #[arg(long, default_value_t = 0.1)]
+    pub weight_decay: f64,
+    /// Global gradient L2-norm clip (0 disables clipping).
+    #[arg(long, default_value_t = 1.0)]
+    pub clip: f64,
+    /// Seed of the initial weights and the data order.
+    #[arg(long, default_value_t = 1337)]
+    pub seed: u64,
+    /// Evaluate the validation loss every N steps (0: only at the end).
+    #[arg(long, default_value_t = 0)]
+    pub eval_every: u64,
+    /// Validation micro-batches per rank per evaluation (0: the whole split).
+    #[arg(long, default_value_t = 16)]
+    pub eval_batches: usize,
+    /// Units all-gathered ahead of the one computing.
+    #[arg(long, default_value_t = 1)]
+    pub prefetch: u64,
+    /// Compute threads per rank (default: cores / world size, at least 1).
+    #[arg(long)]
+    pub threads_per_rank: Option<usize>,
+    /// One JSON line per step on stdout (and a JSON summary) instead of the progress bar.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl TrainArgs {
+    /// The training options these flags describe.
+    ///
+    /// Errors: [`CliError::Usage`] for a flag combination that cannot run.
+    pub fn options(&self) -> Result<TrainOptions, CliError> {
+        let strategy = match (self.strategy, self.shard_size) {
+            (StrategyArg::Hybrid, Some(s)) => Strategy::Hybrid { shard_size: s },
+            (StrategyArg::Hybrid, None) => {
+                return Err(CliError::Usage(
+                    "--strategy hybrid needs --shard-size S (S divides --world-size)".into(),
+                ))
+            }
+            (_, Some(s)) => {
+                return Err(CliError::Usage(format!(
+                    "--shard-size {s} only applies to --strategy hybrid"
+                )))
+            }
+            (StrategyArg::FullShard, None) => Strategy::FullShard,
+            (StrategyArg::ShardGradOp, None) => Strategy::ShardGradOp,
+            (StrategyArg::NoShard, None) => Strategy::NoShard,
+        };
+        if self.clip < 0.0 || !self.clip.is_finite() {
+            return Err(CliError::Usage(format!(
+                "--clip must be >= 0 (0 disables it), got {}",
+                self.clip
+            )));
+        }
+        Ok(TrainOptions {
+            data: self.data.clone(),
+            model: self.model.clone(),
+            world_size: self.world_size,
+            strategy,
+            micro_batch: self.micro_batch,
+            grad_accum: self.grad_accum,
+            grad_sync: match self.grad_sync {
+                GradSyncArg::Every => GradSync::EveryMicroBatch,
+                GradSyncArg::Last => GradSync::LastMicroBatch,
+            },
+            seq_len: self.seq_len,
+            steps: self.steps,
+            lr: self.lr,
+            min_lr: self.min_lr,
+            warmup: self.warmup,
+            weight_decay: self.weight_decay,
+            clip: (self.clip > 0.0).then_some(self.clip),
+            seed: self.seed,
+            eval_every: self.eval_every,
+            eval_batches: self.eval_batches,
+            prefetch: self.prefetch,
+            threads_per_rank: self.threads_per_rank,
+            init_params: None,
+        })
+    }
+}
+
+/// Maps an engine error to the CLI's exit codes: bad input 2, failed run 1.
+pub fn cli_error(e: EngineError) -> CliError {
+    match e {
+        EngineError::Config(_) | EngineError::Plan(_) | EngineError::Data(_) => {
+            CliError::Usage(e.to_string())
+        }
+        other => CliError::Failed(other.to_string()),
+    }
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0))
+}
+
+/// Runs `fsdp train`; `alloc` is the binary's counting allocator (process peak), if any.
+pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result<(), CliError> {
+    let opts = args.options()?;
+    crate::train::validate(&opts).map_err(cli_error)?;
+    let bar = if args.json {
+        None
+    } else {
+        let b = ProgressBar::new(opts.steps);
+        b.set_style(
+            ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+            )
+            .map_err(|e| CliError::Failed(e.to_string()))?,
+        );
+        Some(b)
+    };
+    let json = args.json;
+    let progress = |r: &StepReport| {
+        if json {
+            if let Ok(s) = serde_json::to_string(r) {
+                println!("{s}");
+            }
+        } else if let Some(b) = &bar {
+            let val = r
+                .val_loss
+                .map(|v| format!(" val {v:.4}"))
+                .unwrap_or_default();
+            b.set_message(format!(
+                "loss {:.4}{val} | {:.0} tok/s | live {}{}",
+                r.loss,
+                r.tokens_per_s,
+                mib(r.live_bytes),
+                r.process_bytes
+                    .map(|p| format!(" | heap {}", mib(p)))
+                    .unwrap_or_default()
+            ));
+            b.inc(1);
+        }
+    };
+    let report = train(&opts, alloc, &NoHooks, &progress).map_err(cli_error)?;
+    if let Some(b) = &bar {
+        b.finish();
+    }
+    if json {
+        let s = serde_json::to_string(&summary_json(&report))
+            .map_err(|e| CliError::Failed(e.to_string()))?;
+        println!("{s}");
+    } else {
+        print_summary(&report);
+    }
+    Ok(())
+}
+
+fn summary_json(r: &TrainReport) -> serde_json::Value {
+    serde_json::json!({
+        "summary": true,
+        "model": r.model,
+        "params": r.params,
+        "data": r.data,
+        "world_size": r.world_size,
+        "shard_size": r.shard_size,
+        "strategy": r.strategy,
+        "final_train_loss": r.final_train_loss,
+        "final_val_loss": r.final_val_loss,
+        "tokens_per_s": r.tokens_per_s,
+        "seconds": r.seconds,
+        "plan_peak_per_rank": r.plan_peak_per_rank,
+        "process_peak": r.process_peak,
+        "memory": r.memory,
+        "fingerprint": r.fingerprint,
+    })
+}
+
+fn print_summary(r: &TrainReport) {
+    println!(
+        "trained {} ({} params) on {} | world {} ({}, shard group {})",
+        r.model, r.params, r.data, r.world_size, r.strategy, r.shard_size
+    );
+    println!(
+        "train loss {:.4} (mean of last steps) | val loss {:.4} | {:.0} tokens/s | {:.1} s",
+        r.final_train_loss, r.final_val_loss, r.tokens_per_s, r.seconds
+    );
+    println!("memory per rank, engine-owned bytes: measured (ledger peak) / plan, per phase");
+    println!(
+        "{:<6} {:<15} {:<28} {:>14} {:>14}",
+        "rank", "phase", "category", "measured B", "plan B"
+    );
+    for (rank, cats) in r.memory.iter().enumerate() {
+        for c in cats.iter().filter(|c| c.planned > 0 || c.measured > 0) {
+            let mark = if c.measured > c.planned { "  OVER" } else { "" };
+            println!(
+                "{:<6} {:<15} {:<28} {:>14} {:>14}{mark}",
+                rank, c.phase, c.category, c.measured, c.planned
+            );
+        }
+    }
+    match r.process_peak {
+        Some(p) => println!(
+            "process heap peak during training {} (all {} ranks) vs plan peak {} per rank x {} = {}",
+            mib(p),
+            r.world_size,
+            mib(r.plan_peak_per_rank),
+            r.world_size,
+            mib(r.plan_peak_per_rank * r.world_size as u64)
+        ),
+        None => println!("process heap: not measured (no counting allocator installed)"),
+    }
+}

@@ -1,0 +1,524 @@
+//! The training driver behind `fsdp train`: plans the run, starts one thread per rank on the
+//! thread backend, feeds each rank its micro-batches from the distributed sampler, runs the
+//! engine step by step with a warmup + cosine learning rate, evaluates, and reports metrics and
+//! memory (ledger against the plan, and the process peak from the counting allocator).
+//!
+//! Threads: `W` rank threads share the machine's cores; each rank runs its compute inside its
+//! own rayon pool of `max(1, cores / W)` threads (candle's matmul and kernels use the current
+//! rayon pool), so `W` ranks never oversubscribe the cores.
+
+use crate::data::{Batch, Sampler, SamplerConfig, TextData};
+use crate::error::{EngineError, Result};
+use crate::memory::{CountingAllocator, PhasePeak, PHASES};
+use crate::model::Gpt;
+use crate::optim::{AdamWConfig, LrSchedule, Optimizer};
+use crate::runtime::{Clip, EngineConfig, InitSync, MicroBatch, NormType, RankEngine, RankState};
+use candle_core::Device;
+use fsdp_comm::{run_threads, Topology, DEFAULT_TIMEOUT};
+use fsdp_planner::{plan, GradSync, PlanConfig, ShardPlan, Strategy};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Everything `fsdp train` can be told.
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    /// Text file to train on (bytes are tokens); `None`: the embedded project corpus.
+    pub data: Option<PathBuf>,
+    /// Model preset (`tiny`, `mini`, `small`, `base`, ...).
+    pub model: String,
+    /// Number of ranks (threads).
+    pub world_size: usize,
+    /// Sharding strategy (not `Auto`).
+    pub strategy: Strategy,
+    /// Sequences per micro-batch per rank.
+    pub micro_batch: usize,
+    /// Micro-batches per optimizer step per rank.
+    pub grad_accum: usize,
+    /// Gradient sync every micro-batch or only on the last.
+    pub grad_sync: GradSync,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Final learning rate of the cosine decay.
+    pub min_lr: f64,
+    /// Linear warmup steps.
+    pub warmup: u64,
+    /// AdamW decoupled weight decay (on matrices only; the plan's spans).
+    pub weight_decay: f64,
+    /// Global L2 clipping norm (`None`: off).
+    pub clip: Option<f64>,
+    /// Seed of the initial weights and of the data order.
+    pub seed: u64,
+    /// Evaluate the validation loss every N steps (0: only at the end).
+    pub eval_every: u64,
+    /// At most this many validation micro-batches per rank per evaluation (0: all).
+    pub eval_batches: usize,
+    /// Units gathered ahead (prefetch depth).
+    pub prefetch: u64,
+    /// Compute threads per rank (`None`: cores / world size, at least 1).
+    pub threads_per_rank: Option<usize>,
+    /// Initial full parameters `[unit][non-tied param][element]` instead of the seeded
+    /// initialisation (`fsdp train --init-from`).
+    pub init_params: Option<Vec<Vec<Vec<f32>>>>,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        TrainOptions {
+            data: None,
+            model: "tiny".into(),
+            world_size: 1,
+            strategy: Strategy::FullShard,
+            micro_batch: 8,
+            grad_accum: 1,
+            grad_sync: GradSync::EveryMicroBatch,
+            seq_len: 128,
+            steps: 200,
+            lr: 1e-3,
+            min_lr: 1e-4,
+            warmup: 20,
+            weight_decay: 0.1,
+            clip: Some(1.0),
+            seed: 1337,
+            eval_every: 0,
+            eval_batches: 16,
+            prefetch: 1,
+            threads_per_rank: None,
+            init_params: None,
+        }
+    }
+}
+
+/// Hooks the checkpoint layer plugs into the training loop. Every method is called on every
+/// rank at the same point (so implementations may use collectives through the engine).
+pub trait TrainHooks: Sync {
+    /// Before the first step: a state to import on `rank` and the 0-based step to continue
+    /// from (`None`: start fresh at step 0). The data order is a pure function of the seed and
+    /// the step, so the step is the data position.
+    fn resume(&self, _rank: usize) -> Result<Option<(RankState, u64)>> {
+        Ok(None)
+    }
+
+    /// After optimizer step `step` (1-based) on `rank`.
+    fn after_step(
+        &self,
+        _rank: usize,
+        _step: u64,
+        _engine: &mut RankEngine<'_, Gpt>,
+    ) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// No hooks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoHooks;
+impl TrainHooks for NoHooks {}
+
+/// One line of training progress (rank 0's view; loss and tokens are global).
+#[derive(Debug, Clone, Serialize)]
+pub struct StepReport {
+    /// 1-based optimizer step.
+    pub step: u64,
+    /// World mean training loss (nats per token).
+    pub loss: f64,
+    /// Learning rate of the step.
+    pub lr: f64,
+    /// Gradient L2 norm before clipping (when clipping is on).
+    pub grad_norm: Option<f64>,
+    /// Global tokens of the step.
+    pub tokens: u64,
+    /// Global tokens per second of this step.
+    pub tokens_per_s: f64,
+    /// Wall time of the step (seconds).
+    pub step_seconds: f64,
+    /// Time rank 0 spent inside collectives (seconds).
+    pub comm_seconds: f64,
+    /// Rank 0's engine-owned live bytes after the step.
+    pub live_bytes: u64,
+    /// Process heap bytes now (all ranks), if a counting allocator is installed.
+    pub process_bytes: Option<u64>,
+    /// Validation loss, when evaluated at this step.
+    pub val_loss: Option<f64>,
+}
+
+/// Measured against planned bytes of one category in one phase, on one rank.
+#[derive(Debug, Clone, Serialize)]
+pub struct CategoryReport {
+    /// Phase name.
+    pub phase: &'static str,
+    /// Category name.
+    pub category: &'static str,
+    /// Largest live bytes measured by the ledger in the phase.
+    pub measured: u64,
+    /// The plan's per-category maximum in the phase.
+    pub planned: u64,
+}
+
+/// The end-of-run summary.
+#[derive(Debug, Clone, Serialize)]
+pub struct TrainReport {
+    /// Model preset and parameter count.
+    pub model: String,
+    /// Parameters (tied once).
+    pub params: u64,
+    /// Data source name.
+    pub data: String,
+    /// World size, shard and replicate group sizes.
+    pub world_size: usize,
+    /// Shard-group size.
+    pub shard_size: u64,
+    /// Strategy executed.
+    pub strategy: String,
+    /// Every step's report (rank 0).
+    pub steps: Vec<StepReport>,
+    /// Mean training loss of the last min(10, steps) steps.
+    pub final_train_loss: f64,
+    /// Validation loss at the end.
+    pub final_val_loss: f64,
+    /// Global tokens per second over the whole run (setup excluded).
+    pub tokens_per_s: f64,
+    /// Wall time of the training loop (seconds).
+    pub seconds: f64,
+    /// Per rank, per phase, per category: measured ledger bytes against the plan.
+    pub memory: Vec<Vec<CategoryReport>>,
+    /// The plan's peak bytes per rank (all categories, activations estimated).
+    pub plan_peak_per_rank: u64,
+    /// Process heap peak during training minus the heap before the engines were built.
+    pub process_peak: Option<u64>,
+    /// Plan fingerprint.
+    pub fingerprint: String,
+}
+
+/// Builds the plan configuration of `o`.
+pub fn plan_config(o: &TrainOptions) -> PlanConfig {
+    let mut c = PlanConfig::new(o.world_size as u64);
+    c.strategy = o.strategy;
+    c.grad_accum = o.grad_accum as u64;
+    c.grad_sync = o.grad_sync;
+    c.micro_batch = o.micro_batch as u64;
+    c.seq_len = o.seq_len as u64;
+    c.prefetch = o.prefetch;
+    c
+}
+
+fn to_micro_batch(b: &Batch) -> Result<MicroBatch> {
+    let (input, target) = b.to_tensors(&Device::Cpu)?;
+    Ok(MicroBatch {
+        input,
+        target,
+        count: b.tokens() as u64,
+    })
+}
+
+/// Checks the options that need no model or data.
+///
+/// Errors: [`EngineError::Config`] naming the flag and the value.
+pub fn validate(o: &TrainOptions) -> Result<()> {
+    let bad = |m: String| Err(EngineError::Config(m));
+    if o.world_size == 0 {
+        return bad("--world-size must be at least 1".into());
+    }
+    for (v, f) in [
+        (o.micro_batch, "--micro-batch"),
+        (o.grad_accum, "--grad-accum"),
+        (o.seq_len, "--seq-len"),
+    ] {
+        if v == 0 {
+            return bad(format!("{f} must be at least 1"));
+        }
+    }
+    if o.steps == 0 {
+        return bad("--steps must be at least 1".into());
+    }
+    if !(o.lr.is_finite() && o.lr > 0.0) {
+        return bad(format!("--lr must be a positive number, got {}", o.lr));
+    }
+    if !(o.min_lr.is_finite() && o.min_lr >= 0.0 && o.min_lr <= o.lr) {
+        return bad(format!("--min-lr must be in [0, --lr], got {}", o.min_lr));
+    }
+    if let Some(c) = o.clip {
+        if !(c.is_finite() && c > 0.0) {
+            return bad(format!("--clip must be a positive number, got {c}"));
+        }
+    }
+    if o.strategy == Strategy::Auto {
+        return bad("--strategy auto needs a memory budget; pick full-shard, shard-grad-op, no-shard or hybrid".into());
+    }
+    if o.threads_per_rank == Some(0) {
+        return bad("--threads-per-rank must be at least 1".into());
+    }
+    Ok(())
+}
+
+/// Trains a GPT on `o.data` with `o.world_size` rank threads. `progress` receives every
+/// step's report from rank 0 as it happens; `alloc` is the process's counting allocator, if
+/// installed; `hooks` lets checkpoints save and resume.
+///
+/// Errors: [`EngineError::Config`] / [`EngineError::Plan`] / [`EngineError::Data`] for bad
+/// options (before any rank starts), and any run failure of a rank (the first rank's error in
+/// rank order): non-finite loss, memory over plan, collective failures.
+pub fn train(
+    o: &TrainOptions,
+    alloc: Option<&'static CountingAllocator>,
+    hooks: &dyn TrainHooks,
+    progress: &(dyn Fn(&StepReport) + Sync),
+) -> Result<TrainReport> {
+    validate(o)?;
+    let model = Gpt::from_preset(&o.model).map_err(|e| EngineError::Config(e.to_string()))?;
+    let plan: ShardPlan = plan(&model.spec, &plan_config(o))?;
+    let text = match &o.data {
+        Some(p) => TextData::open(p).map_err(|e| EngineError::Data(e.to_string()))?,
+        None => TextData::embedded(),
+    };
+    let data_name = text.name().to_string();
+    let sampler = Sampler::new(
+        text,
+        SamplerConfig {
+            seq_len: o.seq_len,
+            micro_batch: o.micro_batch,
+            grad_accum: o.grad_accum,
+            world_size: o.world_size,
+            seed: o.seed,
+        },
+    )
+    .map_err(|e| EngineError::Data(e.to_string()))?;
+    let init = match &o.init_params {
+        Some(p) => p.clone(),
+        None => model.init_params(o.seed),
+    };
+    let s = plan.shard_size as usize;
+    let topo =
+        Topology::new(s, o.world_size / s).map_err(|e| EngineError::Config(e.to_string()))?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = o.threads_per_rank.unwrap_or((cores / o.world_size).max(1));
+    let ecfg = EngineConfig {
+        optimizer: Optimizer::AdamW(AdamWConfig {
+            lr: o.lr,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: o.weight_decay,
+        }),
+        clip: o.clip.map(|max_norm| Clip {
+            max_norm,
+            norm: NormType::L2,
+        }),
+        init_sync: InitSync::Verify,
+        enforce_memory_plan: true,
+    };
+    let sched = LrSchedule {
+        peak: o.lr,
+        min: o.min_lr,
+        warmup: o.warmup,
+        total: o.steps,
+    };
+    let heap_before = alloc.map(|a| {
+        a.reset_peak();
+        a.current()
+    });
+    let t_start = Instant::now();
+    let (model_ref, plan_ref, init_ref, sampler_ref, sched_ref) =
+        (&model, &plan, &init, &sampler, &sched);
+    let results = run_threads(topo, DEFAULT_TIMEOUT, |comm| -> Result<RankOutcome> {
+        let rank = fsdp_comm::Communicator::rank(&comm);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(move |i| format!("rank{rank}-compute{i}"))
+            .build()
+            .map_err(|e| EngineError::Config(format!("thread pool: {e}")))?;
+        pool.install(move || {
+            run_rank(
+                model_ref,
+                plan_ref,
+                &comm,
+                ecfg,
+                init_ref,
+                sampler_ref,
+                o,
+                sched_ref,
+                alloc,
+                hooks,
+                progress,
+            )
+        })
+    });
+    let seconds = t_start.elapsed().as_secs_f64();
+    let mut outcomes = Vec::with_capacity(results.len());
+    let mut first_err = None;
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(Ok(x)) => outcomes.push(x),
+            Ok(Err(e)) => {
+                first_err.get_or_insert(e);
+            }
+            Err(e) => {
+                first_err.get_or_insert(EngineError::Comm {
+                    rank,
+                    message: e.to_string(),
+                });
+            }
+        }
+    }
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    let r0 = &outcomes[0];
+    let tail = r0.steps.len().clamp(1, 10);
+    let final_train_loss = r0
+        .steps
+        .iter()
+        .rev()
+        .take(tail)
+        .map(|s| s.loss)
+        .sum::<f64>()
+        / tail as f64;
+    let tokens: u64 = r0.steps.iter().map(|s| s.tokens).sum();
+    let loop_seconds: f64 = r0.steps.iter().map(|s| s.step_seconds).sum();
+    let memory = outcomes
+        .iter()
+        .map(|x| {
+            let mut v = Vec::new();
+            for (i, ph) in PHASES.iter().enumerate() {
+                let planned = plan.memory.phase(*ph).max;
+                for c in crate::memory::LEDGER_CATEGORIES {
+                    v.push(CategoryReport {
+                        phase: ph.name(),
+                        category: c.name(),
+                        measured: x.peaks[i].max.get(c).0,
+                        planned: planned.get(c).0,
+                    });
+                }
+            }
+            v
+        })
+        .collect();
+    Ok(TrainReport {
+        model: o.model.clone(),
+        params: model.spec.numel().0,
+        data: data_name,
+        world_size: o.world_size,
+        shard_size: plan.shard_size,
+        strategy: plan.strategy.to_string(),
+        final_train_loss,
+        final_val_loss: r0.val_loss,
+        tokens_per_s: tokens as f64 / loop_seconds.max(1e-9),
+        seconds,
+        steps: outcomes.swap_remove(0).steps,
+        memory,
+        plan_peak_per_rank: plan.memory.peak.0,
+        process_peak: alloc
+            .zip(heap_before)
+            .map(|(a, b)| a.peak().saturating_sub(b)),
+        fingerprint: plan.fingerprint().to_string(),
+    })
+}
+
+struct RankOutcome {
+    steps: Vec<StepReport>,
+    val_loss: f64,
+    peaks: [PhasePeak; 3],
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_rank(
+    model: &Gpt,
+    plan: &ShardPlan,
+    comm: &fsdp_comm::ThreadComm,
+    ecfg: EngineConfig,
+    init: &[Vec<Vec<f32>>],
+    sampler: &Sampler,
+    o: &TrainOptions,
+    sched: &LrSchedule,
+    alloc: Option<&'static CountingAllocator>,
+    hooks: &dyn TrainHooks,
+    progress: &(dyn Fn(&StepReport) + Sync),
+) -> Result<RankOutcome> {
+    let mut e = RankEngine::new(model, plan, comm, ecfg, init)?;
+    let rank = e.rank();
+    let mut start = 0u64;
+    if let Some((st, next)) = hooks.resume(rank)? {
+        e.import_state(&st)?;
+        start = next;
+    }
+    // Every rank trains the same number of steps; say so loudly if not (BC-10a).
+    e.check_batch_counts((o.steps - start.min(o.steps)) * o.grad_accum as u64)?;
+    let val: Vec<MicroBatch> = sampler
+        .val_batches(rank, o.eval_batches)
+        .iter()
+        .map(to_micro_batch)
+        .collect::<Result<_>>()?;
+    let mut steps = Vec::new();
+    let mut peaks = [PhasePeak::default(); 3];
+    let mut val_loss = f64::NAN;
+    for step in start..o.steps {
+        let mbs: Vec<MicroBatch> = (0..o.grad_accum)
+            .map(|k| to_micro_batch(&sampler.micro_batch(step, k, rank)))
+            .collect::<Result<_>>()?;
+        let lr = sched.lr(step + 1);
+        let st = e.train_step(&mbs, lr)?;
+        for (p, q) in peaks.iter_mut().zip(st.ledger.iter()) {
+            if q.peak_total > p.peak_total {
+                p.peak_total = q.peak_total;
+                p.at_peak = q.at_peak;
+            }
+            for c in crate::memory::LEDGER_CATEGORIES {
+                let m = slot_max(&mut p.max, c);
+                *m = (*m).max(q.max.get(c));
+            }
+        }
+        hooks.after_step(rank, st.step, &mut e)?;
+        let last = step + 1 == o.steps;
+        let eval_now = last || (o.eval_every > 0 && (step + 1) % o.eval_every == 0);
+        let v = if eval_now {
+            let (sum, n) = e.eval(&val)?;
+            val_loss = sum / n.max(1) as f64;
+            Some(val_loss)
+        } else {
+            None
+        };
+        let rep = StepReport {
+            step: st.step,
+            loss: st.loss,
+            lr,
+            grad_norm: st.grad_norm,
+            tokens: st.tokens,
+            tokens_per_s: st.tokens as f64 / st.step_seconds.max(1e-9),
+            step_seconds: st.step_seconds,
+            comm_seconds: st.comm_seconds,
+            live_bytes: e.ledger().live_total().0,
+            process_bytes: alloc.map(|a| a.current()),
+            val_loss: v,
+        };
+        if rank == 0 {
+            progress(&rep);
+        }
+        steps.push(rep);
+    }
+    Ok(RankOutcome {
+        steps,
+        val_loss,
+        peaks,
+    })
+}
+
+fn slot_max(
+    b: &mut fsdp_planner::CategoryBytes,
+    c: fsdp_planner::Category,
+) -> &mut fsdp_types::Bytes {
+    use fsdp_planner::Category as C;
+    match c {
+        C::ParamShards => &mut b.param_shards,
+        C::ParamShardsLowPrecision => &mut b.param_shards_low_precision,
+        C::GradShards => &mut b.grad_shards,
+        C::OptimizerState => &mut b.optimizer_state,
+        C::UnshardedParams => &mut b.unsharded_params,
+        C::UnshardedGrads => &mut b.unsharded_grads,
+        C::Staging => &mut b.staging,
+        C::Activations => &mut b.activations,
+    }
+}
