@@ -269,7 +269,8 @@ fn reshard_cli_changes_world_size_and_keeps_values() {
 #[test]
 fn bad_input_exits_2_naming_file_and_problem() {
     let t = tempfile::tempdir().unwrap();
-    let cases: Vec<(&str, Box<dyn Fn(&Path)>, &str)> = vec![
+    type Corrupt = Box<dyn Fn(&Path)>;
+    let cases: Vec<(&str, Corrupt, &str)> = vec![
         (
             "truncated",
             Box::new(|d: &Path| {
