@@ -15,27 +15,55 @@ fn bad(args: &[&str], needle: &str) {
     let o = fsdp(args);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
-    assert!(err.contains(needle), "{args:?}: expected `{needle}` in: {err}");
+    assert!(
+        err.contains(needle),
+        "{args:?}: expected `{needle}` in: {err}"
+    );
     assert!(!err.contains("panicked"), "{err}");
 }
 
 #[test]
 fn cli_plan_unknown_preset() {
-    bad(&["--model", "gpt5"], "unknown model preset `gpt5` (known: tiny, mini");
+    bad(
+        &["--model", "gpt5"],
+        "unknown model preset `gpt5` (known: tiny, mini",
+    );
 }
 
 #[test]
 fn cli_plan_world_size_zero() {
-    bad(&["--model", "gpt2", "--world-size", "0"], "world size must be at least 1, got 0");
+    bad(
+        &["--model", "gpt2", "--world-size", "0"],
+        "world size must be at least 1, got 0",
+    );
 }
 
 #[test]
 fn cli_plan_shard_size_not_dividing_world() {
     bad(
-        &["--model", "gpt2", "--world-size", "8", "--strategy", "hybrid", "--shard-size", "3"],
+        &[
+            "--model",
+            "gpt2",
+            "--world-size",
+            "8",
+            "--strategy",
+            "hybrid",
+            "--shard-size",
+            "3",
+        ],
         "shard size 3 does not divide world size 8",
     );
-    bad(&["--model", "gpt2", "--world-size", "8", "--strategy", "hybrid"], "needs --shard-size");
+    bad(
+        &[
+            "--model",
+            "gpt2",
+            "--world-size",
+            "8",
+            "--strategy",
+            "hybrid",
+        ],
+        "needs --shard-size",
+    );
 }
 
 #[test]
@@ -43,8 +71,14 @@ fn cli_plan_config_json_missing_field() {
     let d = tempfile::tempdir().unwrap();
     let p = d.path().join("config.json");
     std::fs::write(&p, r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100}"#).unwrap();
-    bad(&["--hf-config", p.to_str().unwrap()], "missing field `intermediate_size` (llama config)");
-    bad(&["--hf-config", "/nonexistent/config.json"], "/nonexistent/config.json");
+    bad(
+        &["--hf-config", p.to_str().unwrap()],
+        "missing field `intermediate_size` (llama config)",
+    );
+    bad(
+        &["--hf-config", "/nonexistent/config.json"],
+        "/nonexistent/config.json",
+    );
 }
 
 #[test]
@@ -75,25 +109,64 @@ fn cli_plan_tied_parameters_split_across_units() {
 
 #[test]
 fn cli_plan_bad_flags() {
-    bad(&["--model", "gpt2", "--device-memory", "lots"], "--device-memory: cannot read byte size `lots`");
-    bad(&["--model", "gpt2", "--param-dtype", "int8"], "--param-dtype: unknown dtype `int8`");
-    bad(&["--model", "gpt2", "--micro-batch", "0"], "micro-batch size must be at least 1, got 0");
-    bad(&["--model", "gpt2", "--strategy", "auto"], "needs a device memory budget");
-    bad(&["--model", "gpt2", "--seq-len", "4096"], "sequence length 4096 exceeds the model's 1024 positions");
+    bad(
+        &["--model", "gpt2", "--device-memory", "lots"],
+        "--device-memory: cannot read byte size `lots`",
+    );
+    bad(
+        &["--model", "gpt2", "--param-dtype", "int8"],
+        "--param-dtype: unknown dtype `int8`",
+    );
+    bad(
+        &["--model", "gpt2", "--micro-batch", "0"],
+        "micro-batch size must be at least 1, got 0",
+    );
+    bad(
+        &["--model", "gpt2", "--strategy", "auto"],
+        "needs a device memory budget",
+    );
+    bad(
+        &["--model", "gpt2", "--seq-len", "4096"],
+        "sequence length 4096 exceeds the model's 1024 positions",
+    );
     bad(&["--world-size", "2"], "--model");
     bad(&["--model", "gpt2", "--world-size", "-1"], "-1");
-    bad(&["--model", "gpt2", "-o", "/nonexistent/dir/plan.txt"], "cannot write /nonexistent/dir/plan.txt");
+    bad(
+        &["--model", "gpt2", "-o", "/nonexistent/dir/plan.txt"],
+        "cannot write /nonexistent/dir/plan.txt",
+    );
 }
 
 #[test]
 fn cli_plan_table_json_and_svg() {
-    let o = fsdp(&["--model", "llama3-8b", "--world-size", "8", "--device-memory", "80GiB"]);
-    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = fsdp(&[
+        "--model",
+        "llama3-8b",
+        "--world-size",
+        "8",
+        "--device-memory",
+        "80GiB",
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let t = String::from_utf8(o.stdout).unwrap();
     assert!(t.contains("8,030,261,248 parameters"), "{t}");
     assert!(t.contains("FITS"), "{t}");
     assert!(t.contains("smallest world size that fits 80.00 GiB"), "{t}");
-    let o = fsdp(&["--model", "gpt2", "--world-size", "4", "--param-dtype", "bf16", "--format", "json"]);
+    let o = fsdp(&[
+        "--model",
+        "gpt2",
+        "--world-size",
+        "4",
+        "--param-dtype",
+        "bf16",
+        "--format",
+        "json",
+    ]);
     assert_eq!(o.status.code(), Some(0));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["schema"], "fsdp-plan/1");
@@ -101,10 +174,26 @@ fn cli_plan_table_json_and_svg() {
     assert_eq!(v["strategy"]["shard_size"], 4);
     assert_eq!(v["ranks"].as_array().unwrap().len(), 4);
     assert_eq!(v["fingerprint"].as_str().unwrap().len(), 64);
-    assert!(v["memory"]["phases"]["backward"]["max"]["unsharded_grads"].as_u64().unwrap() > 0);
+    assert!(
+        v["memory"]["phases"]["backward"]["max"]["unsharded_grads"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
     let d = tempfile::tempdir().unwrap();
     let svg = d.path().join("plan.svg");
-    let o = fsdp(&["--model", "gpt2", "--world-size", "4", "--device-memory", "4GiB", "--format", "svg", "-o", svg.to_str().unwrap()]);
+    let o = fsdp(&[
+        "--model",
+        "gpt2",
+        "--world-size",
+        "4",
+        "--device-memory",
+        "4GiB",
+        "--format",
+        "svg",
+        "-o",
+        svg.to_str().unwrap(),
+    ]);
     assert_eq!(o.status.code(), Some(0));
     let s = std::fs::read_to_string(&svg).unwrap();
     assert!(s.starts_with("<svg") && s.contains("device memory 4.00 GiB"));

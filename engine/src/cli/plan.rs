@@ -140,7 +140,9 @@ pub fn config_from_args(a: &PlanArgs) -> Result<PlanConfig, CliError> {
         StrategyArg::Auto => Strategy::Auto,
         StrategyArg::Hybrid => Strategy::Hybrid {
             shard_size: a.shard_size.ok_or_else(|| {
-                CliError::Usage("--strategy hybrid needs --shard-size N (N divides the world size)".into())
+                CliError::Usage(
+                    "--strategy hybrid needs --shard-size N (N divides the world size)".into(),
+                )
             })?,
         },
     };
@@ -197,9 +199,8 @@ pub fn model_from_args(a: &PlanArgs) -> Result<ModelSpec, CliError> {
     if let Some(p) = &a.spec {
         let text = std::fs::read_to_string(p)
             .map_err(|e| CliError::Usage(format!("{}: {e}", p.display())))?;
-        return serde_json::from_str(&text).map_err(|e| {
-            CliError::Usage(format!("{}: not a valid model spec: {e}", p.display()))
-        });
+        return serde_json::from_str(&text)
+            .map_err(|e| CliError::Usage(format!("{}: not a valid model spec: {e}", p.display())));
     }
     Err(CliError::Usage(
         "give one of --model PRESET, --hf-config FILE, --safetensors FILE, --spec FILE".into(),
