@@ -157,27 +157,27 @@ impl Launcher for MpiLauncher {
 
     fn launch(&self, topology: Topology, timeout: Duration, body: RankBody<'_>) -> Vec<RankResult> {
         let w = topology.world_size;
-        let mine: Option<RankResult> =
-            match MpiComm::split_world(&self.universe, topology, timeout) {
-                Err(e) => return (0..w.max(1)).map(|_| Err(e.clone())).collect(),
-                Ok(None) => None,
-                Ok(Some(comm)) => {
-                    let rank = self.universe.rank();
-                    let r = match catch_unwind(AssertUnwindSafe(|| body(&comm))) {
-                        Ok(r) => r,
-                        Err(p) => {
-                            let message = crate::thread::panic_message(&*p);
-                            comm.fail(CommError::PeerFailed {
-                                peer: rank,
-                                reason: format!("rank {rank} panicked: {message}"),
-                            });
-                            Err(CommError::RankPanicked { rank, message })
-                        }
-                    };
-                    drop(comm);
-                    Some(r)
-                }
-            };
+        let mine: Option<RankResult> = match MpiComm::split_world(&self.universe, topology, timeout)
+        {
+            Err(e) => return (0..w.max(1)).map(|_| Err(e.clone())).collect(),
+            Ok(None) => None,
+            Ok(Some(comm)) => {
+                let rank = self.universe.rank();
+                let r = match catch_unwind(AssertUnwindSafe(|| body(&comm))) {
+                    Ok(r) => r,
+                    Err(p) => {
+                        let message = crate::thread::panic_message(&*p);
+                        comm.fail(CommError::PeerFailed {
+                            peer: rank,
+                            reason: format!("rank {rank} panicked: {message}"),
+                        });
+                        Err(CommError::RankPanicked { rank, message })
+                    }
+                };
+                drop(comm);
+                Some(r)
+            }
+        };
         let bytes = mine.as_ref().map(encode_result).unwrap_or_default();
         let all = self.exchange(&bytes);
         (0..w).map(|r| decode_result(r, &all[r])).collect()

@@ -110,14 +110,12 @@ impl MpiUniverse {
     /// Errors: [`CommError::Unsupported`] if MPI was already initialised in this process or
     /// the library cannot serialise calls from several threads.
     pub fn init() -> Result<Arc<MpiUniverse>, CommError> {
-        let (universe, provided) =
-            mpi::initialize_with_threading(mpi::Threading::Serialized).ok_or_else(|| {
-                CommError::Unsupported {
-                    backend: "mpi",
-                    what: "MPI is already initialised in this process (MpiUniverse::init may be \
+        let (universe, provided) = mpi::initialize_with_threading(mpi::Threading::Serialized)
+            .ok_or_else(|| CommError::Unsupported {
+                backend: "mpi",
+                what: "MPI is already initialised in this process (MpiUniverse::init may be \
                            called once)"
-                        .into(),
-                }
+                    .into(),
             })?;
         if provided < mpi::Threading::Serialized {
             return Err(CommError::Unsupported {
@@ -481,6 +479,9 @@ impl Core {
             std::mem::forget(mine);
         }
         outcome?;
+        // An abort notice sent before the last header arrived (a peer that gave up on this call)
+        // is honoured even though the headers are complete.
+        self.poll_control()?;
         // Compare: every member holds the same headers, so all report the same mismatch.
         let mut calls = Vec::with_capacity(g);
         let mut same = true;
@@ -498,7 +499,9 @@ impl Core {
                 None => {
                     return Err(self.abort_with(CommError::PeerFailed {
                         peer: m,
-                        reason: format!("sent a collective header this rank cannot decode for {call}"),
+                        reason: format!(
+                            "sent a collective header this rank cannot decode for {call}"
+                        ),
                     }))
                 }
             }
@@ -537,7 +540,15 @@ impl Core {
                 let c = count(n, &call)?;
                 count(n * g, &call)?;
                 self.guarded(&call, || unsafe {
-                    ffi::MPI_Allgather(send as *const c_void, c, t, recv as *mut c_void, c, t, comm);
+                    ffi::MPI_Allgather(
+                        send as *const c_void,
+                        c,
+                        t,
+                        recv as *mut c_void,
+                        c,
+                        t,
+                        comm,
+                    );
                 });
                 Ok(())
             }
@@ -556,10 +567,19 @@ impl Core {
                 count(n * g, &call)?;
                 let stage = self.stage_ptr(n * g * es);
                 self.guarded(&call, || unsafe {
-                    ffi::MPI_Alltoall(send as *const c_void, c, t, stage as *mut c_void, c, t, comm);
+                    ffi::MPI_Alltoall(
+                        send as *const c_void,
+                        c,
+                        t,
+                        stage as *mut c_void,
+                        c,
+                        t,
+                        comm,
+                    );
                 });
-                let inputs: Vec<*const u8> =
-                    (0..g).map(|j| unsafe { stage.add(j * n * es) } as *const u8).collect();
+                let inputs: Vec<*const u8> = (0..g)
+                    .map(|j| unsafe { stage.add(j * n * es) } as *const u8)
+                    .collect();
                 // SAFETY: the stage holds g x n elements; `recv` holds n and is distinct.
                 unsafe { reduce_dyn(dtype, &inputs, recv, n, op) };
                 Ok(())
@@ -594,8 +614,9 @@ impl Core {
                         comm,
                     );
                 });
-                let inputs: Vec<*const u8> =
-                    (0..g).map(|j| unsafe { stage.add(j * mine * es) } as *const u8).collect();
+                let inputs: Vec<*const u8> = (0..g)
+                    .map(|j| unsafe { stage.add(j * mine * es) } as *const u8)
+                    .collect();
                 // SAFETY: the stage holds (g + 1) x mine elements; the output is its last chunk.
                 unsafe { reduce_dyn(dtype, &inputs, reduced, mine, op) };
                 self.guarded(&call, || unsafe {
@@ -1052,11 +1073,9 @@ impl Drop for MpiComm {
             unsafe { ffi::MPI_Request_free(&mut req) };
             std::mem::forget(payload);
         }
-        let c = &mut *core;
-        for h in c.comms.iter_mut().chain(std::iter::once(&mut c.control)) {
-            // SAFETY: communicators created in split_world, freed once here.
-            unsafe { ffi::MPI_Comm_free(&mut h.0) };
-        }
+        // The communicators are not freed (MPI_Finalize releases them): Open MPI reuses a freed
+        // context id for the next communicator and delivers notices still in flight for the
+        // old one to the new one, which would corrupt a later world of the same process.
         core.watchdog.stop();
         drop(core);
         if let Some(h) = self.watchdog.take() {
@@ -1082,7 +1101,12 @@ impl Communicator for MpiComm {
         "mpi"
     }
 
-    fn all_gather(&self, group: Group, send: Buf<'_>, mut recv: BufMut<'_>) -> Result<(), CommError> {
+    fn all_gather(
+        &self,
+        group: Group,
+        send: Buf<'_>,
+        mut recv: BufMut<'_>,
+    ) -> Result<(), CommError> {
         self.drain();
         let call = self.describe(
             OpKind::AllGather,
