@@ -5,11 +5,13 @@
 //!
 //! For each collective, world size W in {2, 4} and size S from 1 MiB to 1 GiB (S = the bytes of
 //! the gathered buffer of an all-gather, of the send buffer of a reduce-scatter, per rank, f32):
-//! * `time`: wall time of one collective, between barriers, averaged over the repetitions;
+//! * `time`: wall time of one collective between barriers, best of `iters` rounds (the machine
+//!   is shared; the minimum is the least disturbed measurement);
 //! * `algbw = S / time`, `busbw = algbw x (W-1)/W` (the nccl-tests definition:
 //!   github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md);
-//! * `memcpy1`: one thread copying S bytes; `memcpyW`: W threads each copying S bytes at once,
-//!   per-thread rate (the slowest thread). In this backend every rank must stream S bytes (an
+//! * `memcpy1`: one thread copying S bytes; `memcpyW`: the W rank threads each copying S bytes
+//!   at once (per-thread rate, until the last one finishes). Both are measured inside the same
+//!   rank threads, interleaved round by round with the collective, best of the same rounds. In this backend every rank must stream S bytes (an
 //!   all-gather writes its whole S-byte receive buffer from the W send buffers; a reduce-scatter
 //!   reads all S bytes of the W send chunks it reduces), so `ratio = algbw / memcpyW` is the
 //!   fraction of memory speed reached at equal concurrency: the target is >= 0.8 from
@@ -22,8 +24,8 @@ use std::time::{Duration, Instant};
 
 const MIB: usize = 1 << 20;
 /// memcpy baselines copy at most this much per thread, repeated until S bytes are copied, to
-/// bound memory (4 threads x 2 x 256 MiB).
-const MEMCPY_CHUNK: usize = 256 * MIB;
+/// bound memory (4 threads x 2 x 128 MiB; still past the caches).
+const MEMCPY_CHUNK: usize = 128 * MIB;
 
 #[derive(Clone, Copy, PartialEq)]
 enum Op {
@@ -44,72 +46,70 @@ fn iters_for(bytes: usize) -> usize {
     (2048 * MIB / bytes).clamp(3, 50)
 }
 
-/// Seconds per collective (mean over `iters` after one warm-up), timed on rank 0 between
-/// barriers.
-fn time_collective(op: Op, w: usize, bytes: usize, iters: usize) -> f64 {
+/// Best-of-`rounds` seconds of (one collective, one memcpy of S bytes on each of the W rank
+/// threads at once, one memcpy of S bytes on rank 0 alone), each timed on rank 0 between
+/// barriers and interleaved round by round so that all three see the same machine load.
+fn measure(op: Op, w: usize, bytes: usize, rounds: usize) -> (f64, f64, f64) {
     let topo = Topology::fully_sharded(w).expect("w >= 1");
     let total = bytes / 4;
     let shard = total / w;
+    let chunk = bytes.min(MEMCPY_CHUNK);
+    let reps = bytes.div_ceil(chunk);
     let res = run_threads(topo, Duration::from_secs(600), |c| {
         let (send, mut recv) = match op {
             Op::AllGather => (vec![c.rank() as f32 + 1.0; shard], vec![0.0f32; shard * w]),
             Op::ReduceScatter => (vec![c.rank() as f32 + 1.0; shard * w], vec![0.0f32; shard]),
         };
+        let src = vec![1u8; chunk];
+        let mut dst = vec![0u8; chunk];
         let run = |recv: &mut Vec<f32>| match op {
             Op::AllGather => c.all_gather(Group::World, (&send).into(), recv.into()),
             Op::ReduceScatter => {
                 c.reduce_scatter(Group::World, ReduceOp::Sum, (&send).into(), recv.into())
             }
         };
+        let copy = |dst: &mut Vec<u8>| {
+            for _ in 0..reps {
+                dst.copy_from_slice(std::hint::black_box(&src));
+                std::hint::black_box(&mut *dst);
+            }
+        };
         run(&mut recv)?; // warm-up: faults the pages in
-        c.barrier(Group::World)?;
-        let t0 = Instant::now();
-        for _ in 0..iters {
+        copy(&mut dst);
+        let (mut tc, mut tw, mut t1) = (f64::MAX, f64::MAX, f64::MAX);
+        for _ in 0..rounds {
+            c.barrier(Group::World)?;
+            let t0 = Instant::now();
             run(&mut recv)?;
+            c.barrier(Group::World)?;
+            tc = tc.min(t0.elapsed().as_secs_f64());
+            let t0 = Instant::now();
+            copy(&mut dst);
+            c.barrier(Group::World)?;
+            tw = tw.min(t0.elapsed().as_secs_f64());
+            let t0 = Instant::now();
+            if c.rank() == 0 {
+                copy(&mut dst);
+            }
+            c.barrier(Group::World)?;
+            t1 = t1.min(t0.elapsed().as_secs_f64());
         }
-        c.barrier(Group::World)?;
-        let dt = t0.elapsed().as_secs_f64();
-        // A check that the collective did its job: first element of the result.
+        // The collective must have done its job: first element of the result.
         let expect = match op {
             Op::AllGather => 1.0,
             Op::ReduceScatter => (w * (w + 1) / 2) as f32,
         };
         assert_eq!(recv[0], expect, "wrong result in the bench");
-        Ok::<f64, fsdp_comm::CommError>(dt / iters as f64)
+        Ok::<_, fsdp_comm::CommError>((tc, tw, t1))
     });
-    res.into_iter()
-        .map(|r| r.and_then(|x| x).expect("collective failed in the bench"))
-        .fold(0.0, f64::max)
-}
-
-/// Per-thread memcpy rate in bytes/s when `threads` threads each copy `bytes` at once
-/// (slowest thread), copying a buffer of at most [`MEMCPY_CHUNK`] repeatedly.
-fn memcpy_rate(threads: usize, bytes: usize, iters: usize) -> f64 {
-    let chunk = bytes.min(MEMCPY_CHUNK);
-    let reps = bytes.div_ceil(chunk);
-    let barrier = std::sync::Barrier::new(threads);
-    let times: Vec<f64> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..threads)
-            .map(|_| {
-                s.spawn(|| {
-                    let src = vec![1u8; chunk];
-                    let mut dst = vec![0u8; chunk];
-                    dst.copy_from_slice(&src); // warm-up
-                    barrier.wait();
-                    let t0 = Instant::now();
-                    for _ in 0..iters {
-                        for _ in 0..reps {
-                            dst.copy_from_slice(std::hint::black_box(&src));
-                            std::hint::black_box(&mut dst);
-                        }
-                    }
-                    t0.elapsed().as_secs_f64() / iters as f64
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("memcpy thread")).collect()
-    });
-    (chunk * reps) as f64 / times.into_iter().fold(0.0, f64::max)
+    let r0 = res
+        .into_iter()
+        .next()
+        .expect("rank 0")
+        .and_then(|x| x)
+        .expect("collective failed in the bench");
+    let copied = (chunk * reps) as f64;
+    (r0.0, copied / r0.1, copied / r0.2)
 }
 
 fn main() {
@@ -119,7 +119,9 @@ fn main() {
             .position(|a| a == k)
             .and_then(|i| args.get(i + 1).cloned())
     };
-    let max_mib: usize = arg("--max-mib").and_then(|v| v.parse().ok()).unwrap_or(1024);
+    let max_mib: usize = arg("--max-mib")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1024);
     let worlds: Vec<usize> = arg("--worlds")
         .map(|v| v.split(',').filter_map(|x| x.parse().ok()).collect())
         .unwrap_or_else(|| vec![2, 4]);
@@ -131,11 +133,22 @@ fn main() {
     }
     println!(
         "fsdp-comm thread backend, f32, {} cores: all-gather / reduce-scatter vs memcpy",
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(0)
     );
     println!(
         "{:<15} {:>2} {:>9} {:>5} {:>11} {:>9} {:>9} {:>9} {:>9} {:>6} {:>12}",
-        "op", "W", "size", "iters", "time_us", "algbw", "busbw", "memcpy1", "memcpyW", "ratio",
+        "op",
+        "W",
+        "size",
+        "iters",
+        "time_us",
+        "algbw",
+        "busbw",
+        "memcpy1",
+        "memcpyW",
+        "ratio",
         "bus/memcpy1"
     );
     let mut json = Vec::new();
@@ -143,9 +156,7 @@ fn main() {
         for op in [Op::AllGather, Op::ReduceScatter] {
             for &bytes in &sizes {
                 let iters = iters_for(bytes);
-                let t = time_collective(op, w, bytes, iters);
-                let m1 = memcpy_rate(1, bytes, iters);
-                let mw = memcpy_rate(w, bytes, iters);
+                let (t, mw, m1) = measure(op, w, bytes, iters);
                 let algbw = bytes as f64 / t;
                 let busbw = algbw * (w - 1) as f64 / w as f64;
                 let ratio = algbw / mw;

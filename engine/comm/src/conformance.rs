@@ -95,6 +95,10 @@ pub const CHECKS: &[(&str, Check)] = &[
     ),
     ("all_reduce_matches_reference", all_reduce_matches_reference),
     ("broadcast_from_every_root", broadcast_from_every_root),
+    (
+        "large_buffers_match_reference",
+        large_buffers_match_reference,
+    ),
     ("barrier_waits_for_every_rank", barrier_waits_for_every_rank),
     (
         "started_calls_complete_in_issue_order",
@@ -414,6 +418,80 @@ pub fn all_reduce_matches_reference(l: &dyn Launcher) -> Result<(), CheckFailure
                                 .collect();
                             want.extend(reference_reduce(d, op, &contribs));
                         }
+                    }
+                }
+                compare(C, &format!("{t}, {group} group, rank {r}"), got, &want)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Large buffers (about a million elements, not divisible by the group size) in f32 and bf16
+/// on a fully sharded and a hybrid world: all-reduce(avg), reduce-scatter(sum) and all-gather
+/// equal the reference bit for bit.
+pub fn large_buffers_match_reference(l: &dyn Launcher) -> Result<(), CheckFailure> {
+    const C: &str = "large_buffers_match_reference";
+    let n = (1 << 20) + 3;
+    let shard = (1 << 18) + 1;
+    for t in [topo(4, 1), topo(3, 2)] {
+        if !fits(l, t) {
+            continue;
+        }
+        for group in [Group::World, Group::Shard] {
+            let g = t.group_size(group);
+            let body = |c: &dyn Communicator| -> RankResult {
+                let mut out = Vec::new();
+                for (di, d) in [DType::F32, DType::BF16].into_iter().enumerate() {
+                    let mut buf = values(d, c.rank(), n, 400 + di as u64);
+                    c.all_reduce(group, ReduceOp::Avg, buf.as_buf_mut())?;
+                    out.extend(buf.to_f64_vec());
+                    let send = values(d, c.rank(), g * shard, 410 + di as u64);
+                    let mut recv = OwnedBuf::zeros(d, shard);
+                    c.reduce_scatter(group, ReduceOp::Sum, send.as_buf(), recv.as_buf_mut())?;
+                    out.extend(recv.to_f64_vec());
+                    let mut all = OwnedBuf::zeros(d, g * shard);
+                    c.all_gather(group, recv.as_buf(), all.as_buf_mut())?;
+                    out.extend(all.to_f64_vec());
+                }
+                Ok(out)
+            };
+            let res = launch_ok(C, l, t, &body)?;
+            let mut memo = Memo::default();
+            // Expected (all-reduce result, reduced shards) per (group instance, dtype).
+            let mut expected: std::collections::HashMap<(usize, usize), (Vec<f64>, Vec<Vec<f64>>)> =
+                Default::default();
+            for (r, got) in res.iter().enumerate() {
+                let members = t.group_members(group, r);
+                let gr = t.group_rank(group, r);
+                let inst = t.group_instance(group, r);
+                let mut want = Vec::new();
+                for (di, d) in [DType::F32, DType::BF16].into_iter().enumerate() {
+                    let (ar, shards) = expected.entry((inst, di)).or_insert_with(|| {
+                        let c: Vec<Vec<f64>> = members
+                            .iter()
+                            .map(|&m| memo.get(d, m, n, 400 + di as u64).to_vec())
+                            .collect();
+                        let ar = reference_reduce(d, ReduceOp::Avg, &c);
+                        let shards = (0..g)
+                            .map(|k| {
+                                let c: Vec<Vec<f64>> = members
+                                    .iter()
+                                    .map(|&m| {
+                                        memo.get(d, m, g * shard, 410 + di as u64)
+                                            [k * shard..(k + 1) * shard]
+                                            .to_vec()
+                                    })
+                                    .collect();
+                                reference_reduce(d, ReduceOp::Sum, &c)
+                            })
+                            .collect();
+                        (ar, shards)
+                    });
+                    want.extend_from_slice(ar);
+                    want.extend_from_slice(&shards[gr]);
+                    for s in shards.iter() {
+                        want.extend_from_slice(s);
                     }
                 }
                 compare(C, &format!("{t}, {group} group, rank {r}"), got, &want)?;

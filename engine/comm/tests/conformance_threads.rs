@@ -19,6 +19,7 @@ checks!(
     reduce_scatter_matches_reference,
     all_reduce_matches_reference,
     broadcast_from_every_root,
+    large_buffers_match_reference,
     barrier_waits_for_every_rank,
     started_calls_complete_in_issue_order,
     bad_buffers_are_local_errors,
@@ -34,5 +35,5 @@ checks!(
 #[test]
 fn every_check_has_a_test() {
     // Keeps this file in step with conformance::CHECKS.
-    assert_eq!(conformance::CHECKS.len(), 14);
+    assert_eq!(conformance::CHECKS.len(), 15);
 }
