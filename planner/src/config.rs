@@ -121,6 +121,13 @@ impl FromStr for GradSync {
     }
 }
 
+/// Largest world size accepted (keeps every byte count far from `u64` overflow).
+pub const MAX_WORLD_SIZE: u64 = 1 << 24;
+/// Largest alignment accepted, in elements.
+pub const MAX_ALIGNMENT: u64 = 1 << 20;
+/// Largest `micro_batch * seq_len` accepted, in tokens.
+pub const MAX_TOKENS_PER_MICRO_BATCH: u64 = 1 << 32;
+
 /// Everything about a training run that shapes the plan. Master weights are always f32.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PlanConfig {
@@ -170,8 +177,9 @@ impl PlanConfig {
         }
     }
 
-    /// Checks the values that need no model: world size, shard size, micro-batch, sequence
-    /// length, accumulation steps, alignment, optimizer momentum.
+    /// Checks the values that need no model: world size (1..=`MAX_WORLD_SIZE`), shard size,
+    /// micro-batch, sequence length, accumulation steps, alignment (1..=`MAX_ALIGNMENT`),
+    /// tokens per micro-batch, optimizer momentum.
     ///
     /// Errors: `ZeroWorldSize`, `ShardSizeNotDivisor`, `ZeroAlignment`, `InvalidConfig`.
     pub fn validate(&self) -> Result<(), PlanError> {
@@ -186,8 +194,27 @@ impl PlanConfig {
                 });
             }
         }
+        if self.world_size > MAX_WORLD_SIZE {
+            return Err(PlanError::InvalidConfig(format!(
+                "world size {} exceeds the planner's limit of {MAX_WORLD_SIZE} ranks",
+                self.world_size
+            )));
+        }
         if self.alignment == 0 {
             return Err(PlanError::ZeroAlignment);
+        }
+        if self.alignment > MAX_ALIGNMENT {
+            return Err(PlanError::InvalidConfig(format!(
+                "alignment {} exceeds the limit of {MAX_ALIGNMENT} elements",
+                self.alignment
+            )));
+        }
+        let tokens = self.micro_batch.saturating_mul(self.seq_len);
+        if tokens > MAX_TOKENS_PER_MICRO_BATCH {
+            return Err(PlanError::InvalidConfig(format!(
+                "micro-batch {} x sequence length {} = {tokens} tokens exceeds the limit of {MAX_TOKENS_PER_MICRO_BATCH}",
+                self.micro_batch, self.seq_len
+            )));
         }
         for (v, what) in [
             (self.micro_batch, "micro-batch size"),

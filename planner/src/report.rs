@@ -13,6 +13,10 @@ use std::fmt::Write;
 /// The JSON schema identifier written as `"schema"`.
 pub const SCHEMA: &str = "fsdp-plan/1";
 
+/// Worlds up to this size list every rank's placement in JSON; larger ones write `null`
+/// (placement is `rank % S`, `rank / S`).
+pub const MAX_LISTED_RANKS: u64 = 65_536;
+
 /// How a plan compares with a device-memory budget.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FitReport {
@@ -327,7 +331,7 @@ pub fn render_json(plan: &ShardPlan, fit: Option<&FitReport>) -> serde_json::Val
             "reshard_after_forward": plan.schedule.reshard_after_forward,
         },
         "fingerprint": plan.fingerprint,
-        "ranks": plan.ranks(),
+        "ranks": (plan.config.world_size <= MAX_LISTED_RANKS).then(|| plan.ranks()),
         "units": units,
         "schedule": plan.schedule,
         "padding": plan.padding,

@@ -223,6 +223,10 @@ fn config_errors_carry_numbers() {
     let mut c = PlanConfig::new(2);
     c.alignment = 0;
     assert!(e(c).contains("alignment"));
+    assert!(e(PlanConfig::new(1 << 40)).contains("exceeds the planner's limit"));
+    let mut c = PlanConfig::new(2);
+    c.micro_batch = u64::MAX;
+    assert!(e(c).contains("tokens exceeds the limit"));
     let mut split = chain(2, true);
     let t = split.units[2].params.pop().unwrap();
     split.units[0].params.push(t);
