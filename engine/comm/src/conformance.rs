@@ -427,6 +427,9 @@ pub fn all_reduce_matches_reference(l: &dyn Launcher) -> Result<(), CheckFailure
     Ok(())
 }
 
+/// Expected all-reduce result and reduced shards of one group instance and dtype.
+type Expected = (Vec<f64>, Vec<Vec<f64>>);
+
 /// Large buffers (about a million elements, not divisible by the group size) in f32 and bf16
 /// on a fully sharded and a hybrid world: all-reduce(avg), reduce-scatter(sum) and all-gather
 /// equal the reference bit for bit.
@@ -459,7 +462,7 @@ pub fn large_buffers_match_reference(l: &dyn Launcher) -> Result<(), CheckFailur
             let res = launch_ok(C, l, t, &body)?;
             let mut memo = Memo::default();
             // Expected (all-reduce result, reduced shards) per (group instance, dtype).
-            let mut expected: std::collections::HashMap<(usize, usize), (Vec<f64>, Vec<Vec<f64>>)> =
+            let mut expected: std::collections::HashMap<(usize, usize), Expected> =
                 Default::default();
             for (r, got) in res.iter().enumerate() {
                 let members = t.group_members(group, r);

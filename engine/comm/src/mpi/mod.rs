@@ -155,6 +155,14 @@ impl MpiUniverse {
         mpi::environment::library_version().unwrap_or_else(|_| "unknown".into())
     }
 
+    /// Ends every process of the job with exit status `code` (`MPI_Abort` on
+    /// `MPI_COMM_WORLD`): for a rank that failed, so its peers never wait for it.
+    pub fn abort(&self, code: i32) -> ! {
+        // SAFETY: MPI is initialised; MPI_Abort does not return.
+        unsafe { ffi::MPI_Abort(self.world_handle(), code as c_int) };
+        std::process::exit(code)
+    }
+
     pub(crate) fn world_handle(&self) -> ffi::MPI_Comm {
         let _ = &self.universe;
         unsafe { ffi::RSMPI_COMM_WORLD }
