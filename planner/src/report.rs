@@ -94,9 +94,9 @@ pub fn render_table(plan: &ShardPlan, fit: Option<&FitReport>) -> String {
         "strategy   {}{}",
         plan.strategy,
         if plan.schedule.reshard_after_forward {
-            " (reshard after forward)"
+            "; reshard after forward"
         } else {
-            " (keep unsharded after forward)"
+            "; keep unsharded after forward"
         }
     );
     if let Some(r) = &plan.auto_reason {
@@ -265,7 +265,7 @@ pub fn render_table(plan: &ShardPlan, fit: Option<&FitReport>) -> String {
                 }
                 (_, None) => format!(
                     "never up to {} ranks (peak there {}: unsharded units and activations alone exceed the budget)",
-                    crate::plan::MAX_SEARCH_WORLD,
+                    group_thousands(crate::plan::MAX_SEARCH_WORLD),
                     mw.peak
                 ),
             };
