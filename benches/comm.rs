@@ -43,7 +43,7 @@ impl Op {
 }
 
 fn iters_for(bytes: usize) -> usize {
-    (2048 * MIB / bytes).clamp(3, 50)
+    (2048 * MIB / bytes).clamp(5, 50)
 }
 
 /// Best-of-`rounds` seconds of (one collective, one memcpy of S bytes on each of the W rank
