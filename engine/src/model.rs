@@ -129,6 +129,7 @@ pub struct Gpt {
     embed: EmbedIdx,
     head: HeadIdx,
     blocks: Vec<BlockIdx>,
+    reference_ops: bool,
 }
 
 fn find(spec: &ModelSpec, unit: usize, name: &str) -> Option<usize> {
@@ -215,7 +216,21 @@ impl Gpt {
             embed,
             head,
             blocks,
+            reference_ops: false,
         })
+    }
+
+    /// With `true`, compute with the candle-primitive reference compositions even on the CPU
+    /// (the path every non-CPU device takes) instead of the fused CPU ops: slower, same math;
+    /// used to test one against the other.
+    pub fn with_reference_ops(mut self, reference: bool) -> Self {
+        self.reference_ops = reference;
+        self
+    }
+
+    /// Whether the fused CPU ops serve tensor `t`.
+    fn fused(&self, t: &Tensor) -> bool {
+        !self.reference_ops && use_fused(t)
     }
 
     /// Builds a preset by name: the byte-level presets `tiny`, `mini`, `small`, `base`
@@ -429,7 +444,7 @@ impl Gpt {
         }
         let logits = self.logits(unit_params, x)?;
         let targets = targets.flatten_all()?;
-        if use_fused(&logits) {
+        if self.fused(&logits) {
             ops::cross_entropy_sum(&logits, &targets)
         } else {
             cross_entropy_sum_ref(&logits, &targets)
@@ -495,7 +510,7 @@ impl Gpt {
         }
         let d = self.d_model();
         let (wte, wpe) = (&p[self.embed.wte], &p[self.embed.wpe]);
-        if use_fused(wte) {
+        if self.fused(wte) {
             return ops::embedding(wte, wpe, ids)?.reshape((b, t, d));
         }
         let v = self.cfg.vocab_size as u32;
@@ -513,28 +528,29 @@ impl Gpt {
         let h = self.n_head_usize();
         let hd = d / h;
         let x2 = x.reshape((b * t, d))?;
+        let fz = self.fused(x);
         // Attention sub-block.
-        let a = layer_norm(&x2, &p[ix.ln_1.w], ix.ln_1.b.map(|i| &p[i]))?;
-        let qkv = linear(&a, &p[ix.c_attn.w], ix.c_attn.b.map(|i| &p[i]))?; // [BT, 3D]
+        let a = layer_norm(fz, &x2, &p[ix.ln_1.w], ix.ln_1.b.map(|i| &p[i]))?;
+        let qkv = linear(fz, &a, &p[ix.c_attn.w], ix.c_attn.b.map(|i| &p[i]))?; // [BT, 3D]
         let qkv = qkv.reshape((b, t, 3, h, hd))?.permute((2, 0, 3, 1, 4))?; // [3, B, H, T, hd]
         let q = qkv.get(0)?.contiguous()?;
         let k = qkv.get(1)?.contiguous()?;
         let v = qkv.get(2)?.contiguous()?;
         let scores = q.matmul(&k.t()?)?; // [B, H, T, T]
         let scale = 1.0 / (hd as f64).sqrt();
-        let att = if use_fused(&scores) {
+        let att = if self.fused(&scores) {
             ops::causal_softmax(&scores, scale)?
         } else {
             causal_softmax_ref(&scores, scale)?
         };
         let y = att.matmul(&v)?; // [B, H, T, hd]
         let y = y.transpose(1, 2)?.reshape((b * t, d))?;
-        let y = linear(&y, &p[ix.attn_proj.w], ix.attn_proj.b.map(|i| &p[i]))?;
+        let y = linear(fz, &y, &p[ix.attn_proj.w], ix.attn_proj.b.map(|i| &p[i]))?;
         let x2 = (x2 + y)?;
         // MLP sub-block.
-        let m = layer_norm(&x2, &p[ix.ln_2.w], ix.ln_2.b.map(|i| &p[i]))?;
+        let m = layer_norm(fz, &x2, &p[ix.ln_2.w], ix.ln_2.b.map(|i| &p[i]))?;
         let f = m.matmul(&p[ix.c_fc.w])?;
-        let f = if use_fused(&f) {
+        let f = if self.fused(&f) {
             ops::bias_gelu(&f, ix.c_fc.b.map(|i| &p[i]))?
         } else {
             match ix.c_fc.b {
@@ -542,7 +558,7 @@ impl Gpt {
                 None => f.gelu()?,
             }
         };
-        let y = linear(&f, &p[ix.mlp_proj.w], ix.mlp_proj.b.map(|i| &p[i]))?;
+        let y = linear(fz, &f, &p[ix.mlp_proj.w], ix.mlp_proj.b.map(|i| &p[i]))?;
         (x2 + y)?.reshape((b, t, d))
     }
 
@@ -550,7 +566,13 @@ impl Gpt {
     fn logits(&self, p: &[Tensor], x: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t, d) = x.dims3()?;
         let x2 = x.reshape((b * t, d))?;
-        let h = layer_norm(&x2, &p[self.head.ln_f.w], self.head.ln_f.b.map(|i| &p[i]))?;
+        let fz = self.fused(x);
+        let h = layer_norm(
+            fz,
+            &x2,
+            &p[self.head.ln_f.w],
+            self.head.ln_f.b.map(|i| &p[i]),
+        )?;
         h.matmul(&p[self.head.lm_head].t()?)
     }
 
@@ -559,23 +581,29 @@ impl Gpt {
     }
 }
 
-/// Whether the fused CPU custom ops serve this tensor (CPU, f32 or f64).
+/// Whether the fused CPU custom ops can serve this tensor (CPU, f32 or f64).
 fn use_fused(t: &Tensor) -> bool {
     t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
 }
 
 /// `x @ w (+ b)` for `x` `[N, in]`, `w` `[in, out]`, `b` `[out]`.
-fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
+fn linear(fused: bool, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
     let y = x.matmul(w)?;
     match b {
+        Some(b) if fused => ops::bias_add(&y, b),
         Some(b) => y.broadcast_add(b),
         None => Ok(y),
     }
 }
 
 /// LayerNorm over the last dim of `x` `[N, D]` (Ba et al. 2016), eps [`LN_EPS`].
-fn layer_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
-    if use_fused(x) {
+fn layer_norm(
+    fused: bool,
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+) -> candle_core::Result<Tensor> {
+    if fused {
         ops::layer_norm(x, w, b, LN_EPS)
     } else {
         layer_norm_ref(x, w, b, LN_EPS)

@@ -320,6 +320,25 @@ fn fused_ops_match_reference() {
             );
         }
     }
+    // Bias add.
+    let (x, b, up) = (rand(&[5, 6]), rand(&[6]), rand(&[5, 6]));
+    let y1 = ops::bias_add(&x, &b).unwrap();
+    let y2 = x.broadcast_add(&b).unwrap();
+    close(&y1, &y2, "bias_add fwd");
+    let g1 = (y1 * up.as_tensor())
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let g2 = (y2 * up.as_tensor())
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    close(g1.get(&x).unwrap(), g2.get(&x).unwrap(), "bias_add dx");
+    close(g1.get(&b).unwrap(), g2.get(&b).unwrap(), "bias_add db");
     // Token + position embedding (ids with a repeated token).
     let (wte, wpe, up) = (rand(&[9, 4]), rand(&[6, 4]), rand(&[2, 3, 4]));
     let ids = Tensor::from_vec(vec![1u32, 8, 1, 0, 1, 5], (2, 3), &dev).unwrap();
@@ -555,4 +574,135 @@ fn finite_difference_gradient_check_f64_untied() {
 #[test]
 fn finite_difference_gradient_check_f64_tied() {
     finite_difference(cfg(8, 1, 2, 11, true, true));
+}
+
+/// The f32 fast paths (polynomial `exp`, `tanh` through it) stay within a few ulp of libm.
+#[test]
+fn fast_f32_math_is_accurate() {
+    let mut worst = 0.0f64;
+    let mut x = -87.0f32;
+    while x < 88.0 {
+        let (a, b) = (ops::exp_f32(x) as f64, (x as f64).exp());
+        worst = worst.max((a - b).abs() / b);
+        x += 0.001_7;
+    }
+    assert!(
+        worst < 4.0 * f32::EPSILON as f64,
+        "exp_f32 worst relative error {worst}"
+    );
+    assert!(ops::exp_f32(f32::NAN).is_nan());
+    assert_eq!(ops::exp_f32(0.0), 1.0);
+    // GELU and the causal softmax in f32 against candle's gelu / the reference softmax.
+    let dev = Device::Cpu;
+    let mut r = Lcg(8);
+    let v: Vec<f32> = (0..4096).map(|_| (8.0 * r.unif()) as f32).collect();
+    let x = Tensor::from_vec(v, (64, 64), &dev).unwrap();
+    let a = ops::bias_gelu(&x, None)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let b = x
+        .gelu()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    for (p, q) in a.iter().zip(&b) {
+        assert!((p - q).abs() <= 2e-6 * (1.0 + q.abs()), "gelu {p} vs {q}");
+    }
+    let s = x
+        .reshape((4, 16, 64))
+        .unwrap()
+        .narrow(2, 0, 16)
+        .unwrap()
+        .contiguous()
+        .unwrap();
+    let a = ops::causal_softmax(&s, 0.3)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let b = causal_softmax_ref(&s, 0.3)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    for (p, q) in a.iter().zip(&b) {
+        assert!((p - q).abs() <= 1e-6, "softmax {p} vs {q}");
+    }
+}
+
+/// `ops::backward_seed(y, g)` gives the same gradients, bit for bit, as `(y * g).sum_all()`.
+#[test]
+fn backward_seed_equals_weighted_sum() {
+    let g = Gpt::new("t", cfg(16, 1, 2, 32, true, false)).unwrap();
+    let dev = Device::Cpu;
+    let base = g.params_to_tensors(&perturbed(&g, 2), &dev).unwrap();
+    let mut r = Lcg(6);
+    let x: Vec<f32> = (0..2 * 5 * 16).map(|_| r.unif() as f32).collect();
+    let up: Vec<f32> = (0..2 * 5 * 16).map(|_| r.unif() as f32).collect();
+    let x = Tensor::from_vec(x, (2, 5, 16), &dev).unwrap();
+    let up = Tensor::from_vec(up, (2, 5, 16), &dev).unwrap();
+    let run = |seeded: bool| {
+        let vars = to_vars(&base[1..2], DType::F32).remove(0);
+        let ps: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let xv = Var::from_tensor(&x).unwrap();
+        let y = g.forward_stage(Stage::Block(0), &ps, &xv).unwrap();
+        let s = if seeded {
+            ops::backward_seed(&y, &up).unwrap()
+        } else {
+            (y * &up).unwrap().sum_all().unwrap()
+        };
+        let grads = s.backward().unwrap();
+        let mut out = vec![bits(grads.get(&xv).unwrap())];
+        out.extend(vars.iter().map(|v| bits(grads.get(v).unwrap())));
+        out
+    };
+    assert_eq!(run(true), run(false));
+    assert!(ops::backward_seed(&x, &x.narrow(1, 0, 2).unwrap()).is_err());
+}
+
+/// The whole model on the fused CPU ops equals the candle-primitive reference path (the path
+/// non-CPU devices take) in f64: loss and every parameter gradient (candle's GELU backward
+/// uses 6-digit constants, hence 1e-4 relative + 1e-8 absolute; the fused path itself is
+/// checked exactly by the finite-difference tests).
+#[test]
+fn fused_model_matches_reference_model() {
+    for tied in [false, true] {
+        let fused = Gpt::new("t", cfg(16, 2, 2, 32, true, tied)).unwrap();
+        let reference = fused.clone().with_reference_ops(true);
+        let dev = Device::Cpu;
+        let base = fused
+            .params_to_tensors(&perturbed(&fused, 3), &dev)
+            .unwrap();
+        let mut r = Lcg(12);
+        let ids = Tensor::from_vec(r.ids(12, 32), (2, 6), &dev).unwrap();
+        let tg = Tensor::from_vec(r.ids(12, 32), (2, 6), &dev).unwrap();
+        let run = |g: &Gpt| {
+            let vars = to_vars(&base, DType::F64);
+            let loss = g.forward_loss(&tensors(&vars), &ids, &tg).unwrap();
+            let grads = loss.backward().unwrap();
+            let mut out = vec![loss.to_scalar::<f64>().unwrap()];
+            for unit in &vars {
+                for v in unit {
+                    let gv = grads.get(v).unwrap();
+                    out.extend(gv.flatten_all().unwrap().to_vec1::<f64>().unwrap());
+                }
+            }
+            out
+        };
+        let (a, b) = (run(&fused), run(&reference));
+        assert_eq!(a.len(), b.len());
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-4 * y.abs() + 1e-8,
+                "[{i}] {x} vs {y} (tied {tied})"
+            );
+        }
+    }
 }
