@@ -283,8 +283,13 @@ pub fn layout_units(
     Ok(out)
 }
 
-/// Checks a spec: at least one unit, unique non-empty names, no zero-size dimension, every
-/// tied parameter's target in the same unit and not itself tied.
+/// Largest parameter accepted, in elements (2^48: byte counts of whole models stay far from
+/// `u64` overflow).
+pub const MAX_PARAM_NUMEL: u64 = 1 << 48;
+
+/// Checks a spec: at least one unit, unique non-empty names, no zero-size dimension, no
+/// parameter above `MAX_PARAM_NUMEL` elements, every tied parameter's target in the same unit
+/// and not itself tied.
 pub fn validate(spec: &ModelSpec) -> Result<(), PlanError> {
     if spec.units.is_empty() {
         return Err(PlanError::InvalidSpec("the model has no units".into()));
@@ -307,6 +312,17 @@ pub fn validate(spec: &ModelSpec) -> Result<(), PlanError> {
             if let Some(d) = p.shape.iter().position(|&d| d == 0) {
                 return Err(PlanError::InvalidSpec(format!(
                     "parameter `{}` has size 0 in dimension {d} (shape {:?})",
+                    p.name, p.shape
+                )));
+            }
+            let numel = p
+                .shape
+                .iter()
+                .try_fold(1u64, |a, &d| a.checked_mul(d))
+                .filter(|&n| n <= MAX_PARAM_NUMEL);
+            if numel.is_none() {
+                return Err(PlanError::InvalidSpec(format!(
+                    "parameter `{}` with shape {:?} exceeds {MAX_PARAM_NUMEL} elements",
                     p.name, p.shape
                 )));
             }

@@ -227,6 +227,12 @@ fn config_errors_carry_numbers() {
     let mut c = PlanConfig::new(2);
     c.micro_batch = u64::MAX;
     assert!(e(c).contains("tokens exceeds the limit"));
+    let mut huge = chain(1, false);
+    huge.units[0].params[0].shape = vec![1 << 40, 1 << 40];
+    assert!(plan(&huge, &PlanConfig::new(2))
+        .unwrap_err()
+        .to_string()
+        .contains("exceeds"));
     let mut split = chain(2, true);
     let t = split.units[2].params.pop().unwrap();
     split.units[0].params.push(t);
