@@ -174,3 +174,31 @@ fn after_a_failure_every_later_call_fails_fast() {
         assert!(took < Duration::from_secs(5), "{took:?}");
     }
 }
+
+#[test]
+fn copies_above_the_streaming_threshold_are_exact() {
+    // Shards of 5 MiB + 4 bytes (streaming stores, unaligned tail) and an all-reduce whose
+    // gathered chunks exceed the threshold too.
+    let shard = fsdp_comm::STREAMING_THRESHOLD / 4 + (1 << 18) + 1;
+    let topo = Topology::fully_sharded(2).unwrap();
+    let res = run_threads(topo, DEFAULT_TIMEOUT, |c| {
+        let send: Vec<f32> = (0..shard).map(|i| (i * 2 + c.rank()) as f32).collect();
+        let mut recv = vec![0.0f32; 2 * shard];
+        c.all_gather(Group::World, (&send).into(), (&mut recv).into())?;
+        let mut ar: Vec<f32> = (0..2 * shard)
+            .map(|i| (i % 1000) as f32 * (c.rank() + 1) as f32)
+            .collect();
+        c.all_reduce(Group::World, ReduceOp::Sum, (&mut ar).into())?;
+        Ok::<_, CommError>((recv, ar))
+    });
+    for r in res {
+        let (recv, ar) = r.unwrap().unwrap();
+        for (j, x) in recv.iter().enumerate() {
+            let (owner, i) = (j / shard, j % shard);
+            assert_eq!(*x, (i * 2 + owner) as f32, "all-gather element {j}");
+        }
+        for (i, x) in ar.iter().enumerate() {
+            assert_eq!(*x, (i % 1000) as f32 * 3.0, "all-reduce element {i}");
+        }
+    }
+}
