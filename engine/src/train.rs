@@ -14,7 +14,7 @@ use crate::model::Gpt;
 use crate::optim::{AdamWConfig, LrSchedule, Optimizer};
 use crate::runtime::{Clip, EngineConfig, InitSync, MicroBatch, NormType, RankEngine, RankState};
 use candle_core::Device;
-use fsdp_comm::{run_threads, Topology, DEFAULT_TIMEOUT};
+use fsdp_comm::{run_threads, CommError, Communicator, Topology, DEFAULT_TIMEOUT};
 use fsdp_planner::{plan, GradSync, PlanConfig, ShardPlan, Strategy};
 use serde::Serialize;
 use std::path::PathBuf;
@@ -268,6 +268,29 @@ pub fn train(
     hooks: &dyn TrainHooks,
     progress: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<TrainReport> {
+    train_with(o, alloc, hooks, progress, None)
+}
+
+/// Builds this process's communicator for the run's topology (world = shard x replicate, from
+/// the plan); used when the process is one rank of a multi-process job (MPI).
+pub type CommFactory<'a> =
+    &'a dyn Fn(Topology) -> std::result::Result<Box<dyn Communicator>, CommError>;
+
+/// As [`train`]; with `process_rank = Some(factory)` this process runs as ONE rank (its rank
+/// and world size are the communicator's; `o.world_size` must equal that world size) instead of
+/// `o.world_size` rank threads. Everything else (plan, sampler, engine) is identical, so the
+/// same options give the same losses on either backend. The report holds this rank's view: its
+/// memory rows only, the steps and losses as rank 0 sees them on rank 0.
+///
+/// Errors: as [`train`]; [`EngineError::Config`] when the communicator's world does not match
+/// `o.world_size` or the plan's topology; [`EngineError::Comm`] when it cannot be built.
+pub fn train_with(
+    o: &TrainOptions,
+    alloc: Option<&'static CountingAllocator>,
+    hooks: &dyn TrainHooks,
+    progress: &(dyn Fn(&StepReport) + Sync),
+    process_rank: Option<CommFactory<'_>>,
+) -> Result<TrainReport> {
     validate(o)?;
     let model = Gpt::from_preset(&o.model).map_err(|e| EngineError::Config(e.to_string()))?;
     let plan: ShardPlan = plan(&model.spec, &plan_config(o))?;
@@ -324,8 +347,8 @@ pub fn train(
     let t_start = Instant::now();
     let (model_ref, plan_ref, init_ref, sampler_ref, sched_ref) =
         (&model, &plan, &init, &sampler, &sched);
-    let results = run_threads(topo, DEFAULT_TIMEOUT, |comm| -> Result<RankOutcome> {
-        let rank = fsdp_comm::Communicator::rank(&comm);
+    let body = |comm: Box<dyn Communicator>| -> Result<RankOutcome> {
+        let rank = comm.rank();
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(move |i| format!("rank{rank}-compute{i}"))
@@ -335,7 +358,7 @@ pub fn train(
             run_rank(
                 model_ref,
                 plan_ref,
-                &comm,
+                &*comm,
                 ecfg,
                 init_ref,
                 sampler_ref,
@@ -346,7 +369,23 @@ pub fn train(
                 progress,
             )
         })
-    });
+    };
+    let results: Vec<std::result::Result<Result<RankOutcome>, CommError>> = match process_rank {
+        None => run_threads(topo, DEFAULT_TIMEOUT, |comm| body(Box::new(comm))),
+        Some(factory) => {
+            let comm = factory(topo).map_err(|e| EngineError::Comm {
+                rank: 0,
+                message: format!("cannot build the communicator for {topo}: {e}"),
+            })?;
+            if comm.topology() != topo {
+                return Err(EngineError::Config(format!(
+                    "the communicator's world ({}) is not the plan's ({topo})",
+                    comm.topology()
+                )));
+            }
+            vec![Ok(body(comm))]
+        }
+    };
     let seconds = t_start.elapsed().as_secs_f64();
     let mut outcomes = Vec::with_capacity(results.len());
     let mut first_err = None;
@@ -428,7 +467,7 @@ struct RankOutcome {
 fn run_rank(
     model: &Gpt,
     plan: &ShardPlan,
-    comm: &fsdp_comm::ThreadComm,
+    comm: &dyn Communicator,
     ecfg: EngineConfig,
     init: &[Vec<Vec<f32>>],
     sampler: &Sampler,

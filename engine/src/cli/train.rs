@@ -23,6 +23,16 @@ pub enum StrategyArg {
     Hybrid,
 }
 
+/// Which transport runs the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendArg {
+    /// `--world-size` rank threads in this process (shared memory).
+    Threads,
+    /// This process is one rank of an MPI job (`mpirun -n W fsdp train --backend mpi`); rank
+    /// and world size come from MPI. Needs a binary built with `--features mpi`.
+    Mpi,
+}
+
 /// When gradients are reduced during gradient accumulation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum GradSyncArg {
@@ -45,6 +55,9 @@ pub struct TrainArgs {
     /// Number of ranks (threads on the in-process backend).
     #[arg(long, default_value_t = 1)]
     pub world_size: usize,
+    /// Transport: rank threads in this process, or MPI processes (start with `mpirun -n W`).
+    #[arg(long, value_enum, default_value_t = BackendArg::Threads)]
+    pub backend: BackendArg,
     /// Sharding strategy.
     #[arg(long, value_enum, default_value_t = StrategyArg::FullShard)]
     pub strategy: StrategyArg,
@@ -172,9 +185,14 @@ fn mib(b: u64) -> String {
 
 /// Runs `fsdp train`; `alloc` is the binary's counting allocator (process peak), if any.
 pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result<(), CliError> {
-    let opts = args.options()?;
+    let mut opts = args.options()?;
+    let mpi = match args.backend {
+        BackendArg::Threads => None,
+        BackendArg::Mpi => Some(mpi_backend::MpiProcess::init(args.world_size, &mut opts)?),
+    };
+    let root = mpi.as_ref().is_none_or(|m| m.rank() == 0);
     crate::train::validate(&opts).map_err(cli_error)?;
-    let bar = if args.json {
+    let bar = if args.json || !root {
         None
     } else {
         let b = ProgressBar::new(opts.steps);
@@ -209,7 +227,14 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
             b.inc(1);
         }
     };
-    let report = train(&opts, alloc, &NoHooks, &progress).map_err(cli_error)?;
+    let report = match &mpi {
+        None => train(&opts, alloc, &NoHooks, &progress),
+        Some(m) => m.train(&opts, alloc, &NoHooks, &progress),
+    }
+    .map_err(cli_error)?;
+    if !root {
+        return Ok(());
+    }
     if let Some(b) = &bar {
         b.finish();
     }
@@ -276,5 +301,94 @@ fn print_summary(r: &TrainReport) {
             mib(r.plan_peak_per_rank * r.world_size as u64)
         ),
         None => println!("process heap: not measured (no counting allocator installed)"),
+    }
+}
+
+/// `--backend mpi`: this process as one rank of an MPI job.
+mod mpi_backend {
+    use super::CliError;
+    use crate::memory::CountingAllocator;
+    use crate::train::{StepReport, TrainHooks, TrainOptions, TrainReport};
+
+    /// This process's MPI state: the initialised library (finalised on drop) and its rank.
+    pub(super) struct MpiProcess {
+        #[cfg(feature = "mpi")]
+        universe: std::sync::Arc<fsdp_comm::mpi::MpiUniverse>,
+        rank: usize,
+    }
+
+    impl MpiProcess {
+        /// Initialises MPI and sets `opts.world_size` to the number of processes.
+        ///
+        /// Errors: [`CliError::Usage`] when `--world-size` (other than its default 1) disagrees
+        /// with the MPI job, or the binary lacks the `mpi` feature; [`CliError::Failed`] when
+        /// MPI cannot be initialised.
+        #[cfg(feature = "mpi")]
+        pub(super) fn init(
+            world_size_flag: usize,
+            opts: &mut TrainOptions,
+        ) -> Result<MpiProcess, CliError> {
+            let universe = fsdp_comm::mpi::MpiUniverse::init()
+                .map_err(|e| CliError::Failed(format!("--backend mpi: {e}")))?;
+            let n = universe.size();
+            if world_size_flag != 1 && world_size_flag != n {
+                return Err(CliError::Usage(format!(
+                    "--world-size {world_size_flag} disagrees with the {n} MPI processes of this \
+                     job; with --backend mpi the world size is mpirun's -n (omit --world-size)"
+                )));
+            }
+            opts.world_size = n;
+            Ok(MpiProcess {
+                rank: universe.rank(),
+                universe,
+            })
+        }
+
+        /// Without the `mpi` feature: an error saying how to build with it.
+        #[cfg(not(feature = "mpi"))]
+        pub(super) fn init(_: usize, _: &mut TrainOptions) -> Result<MpiProcess, CliError> {
+            Err(CliError::Usage(
+                "--backend mpi: this fsdp binary was built without MPI support; rebuild with \
+                 `cargo build --release --features mpi` (needs libopenmpi-dev and libclang-dev)"
+                    .into(),
+            ))
+        }
+
+        /// This process's MPI rank.
+        pub(super) fn rank(&self) -> usize {
+            self.rank
+        }
+
+        /// Trains as this rank. A failed rank aborts the whole MPI job (`MPI_Abort`, exit
+        /// status 1 on every process) after printing its error, so no peer waits for it.
+        pub(super) fn train(
+            &self,
+            o: &TrainOptions,
+            alloc: Option<&'static CountingAllocator>,
+            hooks: &dyn TrainHooks,
+            progress: &(dyn Fn(&StepReport) + Sync),
+        ) -> crate::error::Result<TrainReport> {
+            #[cfg(feature = "mpi")]
+            {
+                use fsdp_comm::{mpi::MpiComm, CommError, Communicator, Topology};
+                let factory = |t: Topology| -> Result<Box<dyn Communicator>, CommError> {
+                    let c = MpiComm::world(&self.universe, t, fsdp_comm::DEFAULT_TIMEOUT)?;
+                    Ok(Box::new(c))
+                };
+                let r = crate::train::train_with(o, alloc, hooks, progress, Some(&factory));
+                if let Err(e) = &r {
+                    eprintln!("fsdp train: rank {}: {e}; aborting the MPI job", self.rank);
+                    self.universe.abort(1);
+                }
+                r
+            }
+            #[cfg(not(feature = "mpi"))]
+            {
+                let _ = (o, alloc, hooks, progress);
+                Err(crate::error::EngineError::Config(
+                    "--backend mpi needs a binary built with --features mpi".into(),
+                ))
+            }
+        }
     }
 }

@@ -1,0 +1,329 @@
+//! `fsdp train --backend mpi` under `mpirun` (feature `mpi`): parity with the thread backend and
+//! the single-process reference, and a killed process ending the job instead of hanging.
+//!
+//! Parity is bitwise: the MPI backend moves raw contributions (`MPI_Alltoall`) and adds them
+//! in rank order with the same f32 arithmetic as the thread backend, so the tiny GPT's losses
+//! and global gradient norms over 5 steps are the same f64 bits on 2 MPI processes, on 2 rank
+//! threads and in the single-process reference (`fsdp::runtime::reference::Reference`, which
+//! sums per-rank gradients in rank order). Clipping is off (`--clip 0`) because the reference
+//! computes the clip norm in a different order (that case is tolerance-checked by the thread
+//! backend's own parity tests).
+//!
+//! Each test skips visibly ("SKIPPED: mpirun not found") without Open MPI's launcher.
+
+use candle_core::Device;
+use fsdp::data::{Sampler, SamplerConfig, TextData};
+use fsdp::model::Gpt;
+use fsdp::optim::{AdamWConfig, LrSchedule, Optimizer};
+use fsdp::runtime::reference::Reference;
+use fsdp::runtime::MicroBatch;
+use fsdp_planner::GradSync;
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+static JOBS: Mutex<()> = Mutex::new(());
+
+const STEPS: u64 = 5;
+const SEED: u64 = 1337;
+const LR: f64 = 3e-3;
+const MIN_LR: f64 = 3e-4;
+const WARMUP: u64 = 2;
+const B: usize = 2;
+const T: usize = 32;
+
+fn mpirun() -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join("mpirun"))
+            .find(|f| f.is_file())
+    })
+}
+
+fn data_path() -> String {
+    concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/data/tinyshakespeare.txt"
+    )
+    .to_string()
+}
+
+fn train_args(extra: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "train",
+        "--model",
+        "tiny",
+        "--data",
+        &data_path(),
+        "--steps",
+        &STEPS.to_string(),
+        "--seq-len",
+        &T.to_string(),
+        "--micro-batch",
+        &B.to_string(),
+        "--lr",
+        &LR.to_string(),
+        "--min-lr",
+        &MIN_LR.to_string(),
+        "--warmup",
+        &WARMUP.to_string(),
+        "--clip",
+        "0",
+        "--seed",
+        &SEED.to_string(),
+        "--eval-batches",
+        "1",
+        "--threads-per-rank",
+        "1",
+        "--json",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
+fn mpi_command(mpirun: &PathBuf, n: usize, args: &[String]) -> Command {
+    let mut c = Command::new(mpirun);
+    c.args(["--oversubscribe", "-n", &n.to_string()])
+        .arg(env!("CARGO_BIN_EXE_fsdp"))
+        .args(args)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
+/// Waits for `child` at most `limit`; kills it and panics past that.
+fn wait_bounded(mut child: Child, limit: Duration, what: &str) -> (Output, Duration) {
+    let start = Instant::now();
+    loop {
+        if child.try_wait().expect("poll child").is_some() {
+            let out = child.wait_with_output().expect("child output");
+            return (out, start.elapsed());
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("child output");
+            panic!(
+                "{what} still running after {limit:?} (a hang):\n{}\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `(loss, grad_norm)` of every step line of `fsdp train --json` output (the norm is `None`
+/// when clipping is off and the engine does not compute it).
+fn steps(out: &Output, what: &str) -> Vec<(f64, Option<f64>)> {
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{text}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Vec<(f64, Option<f64>)> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|j| j.get("step").is_some())
+        .map(|j| (j["loss"].as_f64().unwrap(), j["grad_norm"].as_f64()))
+        .collect();
+    assert_eq!(v.len(), STEPS as usize, "{what}: step lines in\n{text}");
+    v
+}
+
+/// The single-process reference on the sampler's micro-batches of a world of `w` ranks.
+fn reference_losses(w: usize) -> Vec<f64> {
+    let model = Gpt::from_preset("tiny").unwrap();
+    let text = TextData::open(data_path()).unwrap();
+    let sampler = Sampler::new(
+        text,
+        SamplerConfig {
+            seq_len: T,
+            micro_batch: B,
+            grad_accum: 1,
+            world_size: w,
+            seed: SEED,
+        },
+    )
+    .unwrap();
+    let opt = Optimizer::AdamW(AdamWConfig {
+        lr: LR,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    });
+    let sched = LrSchedule {
+        peak: LR,
+        min: MIN_LR,
+        warmup: WARMUP,
+        total: STEPS,
+    };
+    let mut r = Reference::new(&model, model.init_params(SEED), opt);
+    (0..STEPS)
+        .map(|step| {
+            let row: Vec<MicroBatch> = (0..w)
+                .map(|rank| {
+                    let b = sampler.micro_batch(step, 0, rank);
+                    let (input, target) = b.to_tensors(&Device::Cpu).unwrap();
+                    MicroBatch {
+                        input,
+                        target,
+                        count: b.tokens() as u64,
+                    }
+                })
+                .collect();
+            r.step(
+                &[row],
+                w,
+                GradSync::EveryMicroBatch,
+                None,
+                sched.lr(step + 1),
+            )
+            .unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn mpi_train_2_processes_bitwise_equals_threads_and_reference() {
+    let Some(mpirun) = mpirun() else {
+        println!("SKIPPED: mpirun not found (install openmpi-bin)");
+        return;
+    };
+    let _one = JOBS.lock().unwrap_or_else(|e| e.into_inner());
+    let child = mpi_command(&mpirun, 2, &train_args(&["--backend", "mpi"]))
+        .spawn()
+        .expect("start mpirun");
+    let (out, _) = wait_bounded(child, Duration::from_secs(180), "mpirun -n 2 fsdp train");
+    let mpi = steps(&out, "mpirun -n 2 fsdp train --backend mpi");
+    let out = Command::new(env!("CARGO_BIN_EXE_fsdp"))
+        .args(train_args(&["--world-size", "2"]))
+        .output()
+        .expect("run fsdp");
+    let threads = steps(&out, "fsdp train --world-size 2");
+    let reference = reference_losses(2);
+    for s in 0..STEPS as usize {
+        assert_eq!(
+            mpi[s].0.to_bits(),
+            threads[s].0.to_bits(),
+            "step {}: loss on MPI {} vs threads {}",
+            s + 1,
+            mpi[s].0,
+            threads[s].0
+        );
+        assert_eq!(
+            mpi[s].1.map(f64::to_bits),
+            threads[s].1.map(f64::to_bits),
+            "step {}: grad norm on MPI {:?} vs threads {:?}",
+            s + 1,
+            mpi[s].1,
+            threads[s].1
+        );
+        assert_eq!(
+            mpi[s].0.to_bits(),
+            reference[s].to_bits(),
+            "step {}: loss on MPI {} vs single-process reference {}",
+            s + 1,
+            mpi[s].0,
+            reference[s]
+        );
+    }
+    assert!(mpi[4].0 < mpi[0].0, "loss falls: {mpi:?}");
+    println!("MPI == threads == reference over {STEPS} steps: losses {mpi:?}");
+}
+
+/// PIDs of the direct children of `pid` (the MPI processes of a single-node `mpirun`).
+fn children(pid: u32) -> Vec<u32> {
+    let mut v = Vec::new();
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for t in tasks.flatten() {
+            if let Ok(s) = std::fs::read_to_string(t.path().join("children")) {
+                v.extend(s.split_whitespace().filter_map(|x| x.parse::<u32>().ok()));
+            }
+        }
+    }
+    v
+}
+
+#[test]
+fn mpi_train_killed_process_ends_the_job_with_an_error() {
+    let Some(mpirun) = mpirun() else {
+        println!("SKIPPED: mpirun not found (install openmpi-bin)");
+        return;
+    };
+    let _one = JOBS.lock().unwrap_or_else(|e| e.into_inner());
+    let mut args = train_args(&["--backend", "mpi"]);
+    let i = args.iter().position(|a| a == "--steps").unwrap();
+    args[i + 1] = "100000".into();
+    let mut child = mpi_command(&mpirun, 2, &args)
+        .spawn()
+        .expect("start mpirun");
+    // Wait until training runs (both processes exist and rank 0 printed a step line).
+    let mut stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::Read;
+        let mut buf = [0u8; 4096];
+        let mut all = Vec::new();
+        while let Ok(n) = stdout.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            all.extend_from_slice(&buf[..n]);
+            let _ = tx.send(String::from_utf8_lossy(&all).to_string());
+        }
+    });
+    let started = Instant::now();
+    let mut seen = String::new();
+    while !seen.contains("\"step\":2,") {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "training did not start: {seen}"
+        );
+        if let Ok(s) = rx.recv_timeout(Duration::from_millis(200)) {
+            seen = s;
+        }
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "mpirun ended early: {seen}"
+        );
+    }
+    let procs = children(child.id());
+    assert_eq!(procs.len(), 2, "two MPI processes under mpirun: {procs:?}");
+    let victim = procs[1];
+    let status = Command::new("kill")
+        .args(["-KILL", &victim.to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    let killed_at = Instant::now();
+    // The survivor must end, with an error, well within the collective timeout (60 s).
+    let (out, _) = wait_bounded(child, Duration::from_secs(60), "the job after a kill");
+    let took = killed_at.elapsed();
+    assert!(
+        !out.status.success(),
+        "mpirun exited successfully after a process was killed"
+    );
+    for p in &procs {
+        assert!(
+            !std::path::Path::new(&format!("/proc/{p}/status")).exists()
+                || std::fs::read_to_string(format!("/proc/{p}/status"))
+                    .map(|s| s.contains("State:\tZ"))
+                    .unwrap_or(true),
+            "process {p} still alive after the job ended"
+        );
+    }
+    println!(
+        "killed pid {victim}; job ended with {} after {:.2} s",
+        out.status,
+        took.as_secs_f64()
+    );
+}
