@@ -11,7 +11,9 @@
 //!   github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md);
 //! * `memcpy1`: one thread copying S bytes; `memcpyW`: the W rank threads each copying S bytes
 //!   at once (per-thread rate, until the last one finishes). Both are measured inside the same
-//!   rank threads, interleaved round by round with the collective, best of the same rounds. In this backend every rank must stream S bytes (an
+//!   rank threads, from a shared S-byte source into the rank's own S-byte collective buffer,
+//!   interleaved round by round with the collective, best of the same rounds. Peak memory:
+//!   W x (S + S/W) + S (6 GiB at W=4, S=1 GiB). In this backend every rank must stream S bytes (an
 //!   all-gather writes its whole S-byte receive buffer from the W send buffers; a reduce-scatter
 //!   reads all S bytes of the W send chunks it reduces), so `ratio = algbw / memcpyW` is the
 //!   fraction of memory speed reached at equal concurrency: the target is >= 0.8 from
@@ -23,9 +25,6 @@ use fsdp_comm::{run_threads, Communicator, Group, ReduceOp, Topology};
 use std::time::{Duration, Instant};
 
 const MIB: usize = 1 << 20;
-/// memcpy baselines copy at most this much per thread, repeated until S bytes are copied, to
-/// bound memory (4 threads x 2 x 128 MiB; still past the caches).
-const MEMCPY_CHUNK: usize = 128 * MIB;
 
 #[derive(Clone, Copy, PartialEq)]
 enum Op {
@@ -49,57 +48,64 @@ fn iters_for(bytes: usize) -> usize {
 /// Best-of-`rounds` seconds of (one collective, one memcpy of S bytes on each of the W rank
 /// threads at once, one memcpy of S bytes on rank 0 alone), each timed on rank 0 between
 /// barriers and interleaved round by round so that all three see the same machine load.
+///
+/// The memcpys copy a shared S-byte source into the rank's own S-byte collective buffer (the
+/// all-gather's receive buffer, the reduce-scatter's send buffer), so they stream as many bytes,
+/// from and to the same kind of memory, as the collective does, with 1x S of extra memory.
 fn measure(op: Op, w: usize, bytes: usize, rounds: usize) -> (f64, f64, f64) {
     let topo = Topology::fully_sharded(w).expect("w >= 1");
     let total = bytes / 4;
     let shard = total / w;
-    let chunk = bytes.min(MEMCPY_CHUNK);
-    let reps = bytes.div_ceil(chunk);
+    // Every buffer holds 1.0, so the memcpys never change what the collective computes.
+    let src = vec![1.0f32; shard * w];
     let res = run_threads(topo, Duration::from_secs(600), |c| {
-        let (send, mut recv) = match op {
-            Op::AllGather => (vec![c.rank() as f32 + 1.0; shard], vec![0.0f32; shard * w]),
-            Op::ReduceScatter => (vec![c.rank() as f32 + 1.0; shard * w], vec![0.0f32; shard]),
+        let (mut send, mut recv) = match op {
+            Op::AllGather => (vec![1.0f32; shard], vec![0.0f32; shard * w]),
+            Op::ReduceScatter => (vec![1.0f32; shard * w], vec![0.0f32; shard]),
         };
-        let src = vec![1u8; chunk];
-        let mut dst = vec![0u8; chunk];
-        let run = |recv: &mut Vec<f32>| match op {
-            Op::AllGather => c.all_gather(Group::World, (&send).into(), recv.into()),
-            Op::ReduceScatter => {
-                c.reduce_scatter(Group::World, ReduceOp::Sum, (&send).into(), recv.into())
-            }
+        let expect = match op {
+            Op::AllGather => 1.0,
+            Op::ReduceScatter => w as f32,
         };
-        let copy = |dst: &mut Vec<u8>| {
-            for _ in 0..reps {
-                dst.copy_from_slice(std::hint::black_box(&src));
-                std::hint::black_box(&mut *dst);
-            }
+        let run = |send: &Vec<f32>, recv: &mut Vec<f32>| {
+            match op {
+                Op::AllGather => c.all_gather(Group::World, send.into(), recv.into()),
+                Op::ReduceScatter => {
+                    c.reduce_scatter(Group::World, ReduceOp::Sum, send.into(), recv.into())
+                }
+            }?;
+            // The collective must have done its job.
+            assert_eq!(recv[0], expect, "wrong result in the bench");
+            Ok::<(), fsdp_comm::CommError>(())
         };
-        run(&mut recv)?; // warm-up: faults the pages in
-        copy(&mut dst);
+        let copy = |send: &mut Vec<f32>, recv: &mut Vec<f32>| {
+            let dst = match op {
+                Op::AllGather => recv,
+                Op::ReduceScatter => send,
+            };
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(dst);
+        };
+        run(&send, &mut recv)?; // warm-up: faults the pages in
+        copy(&mut send, &mut recv);
         let (mut tc, mut tw, mut t1) = (f64::MAX, f64::MAX, f64::MAX);
         for _ in 0..rounds {
             c.barrier(Group::World)?;
             let t0 = Instant::now();
-            run(&mut recv)?;
+            run(&send, &mut recv)?;
             c.barrier(Group::World)?;
             tc = tc.min(t0.elapsed().as_secs_f64());
             let t0 = Instant::now();
-            copy(&mut dst);
+            copy(&mut send, &mut recv);
             c.barrier(Group::World)?;
             tw = tw.min(t0.elapsed().as_secs_f64());
             let t0 = Instant::now();
             if c.rank() == 0 {
-                copy(&mut dst);
+                copy(&mut send, &mut recv);
             }
             c.barrier(Group::World)?;
             t1 = t1.min(t0.elapsed().as_secs_f64());
         }
-        // The collective must have done its job: first element of the result.
-        let expect = match op {
-            Op::AllGather => 1.0,
-            Op::ReduceScatter => (w * (w + 1) / 2) as f32,
-        };
-        assert_eq!(recv[0], expect, "wrong result in the bench");
         Ok::<_, fsdp_comm::CommError>((tc, tw, t1))
     });
     let r0 = res
@@ -108,7 +114,7 @@ fn measure(op: Op, w: usize, bytes: usize, rounds: usize) -> (f64, f64, f64) {
         .expect("rank 0")
         .and_then(|x| x)
         .expect("collective failed in the bench");
-    let copied = (chunk * reps) as f64;
+    let copied = (shard * w * 4) as f64;
     (r0.0, copied / r0.1, copied / r0.2)
 }
 

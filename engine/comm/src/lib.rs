@@ -20,7 +20,6 @@
 mod buf;
 mod comm;
 pub mod conformance;
-mod copy;
 mod error;
 /// The MPI backend (feature `mpi`): [`mpi::MpiComm`] over Open MPI through rsmpi.
 #[cfg(feature = "mpi")]
@@ -31,7 +30,6 @@ mod topology;
 
 pub use buf::{Buf, BufMut, Element, OwnedBuf};
 pub use comm::{check_call, Communicator, Completed, PendingOp, PendingWait};
-pub use copy::STREAMING_THRESHOLD;
 pub use error::{CallDesc, CommError, OpKind, RankCalls};
 pub use reduce::{reduce_in_rank_order, BLOCK};
 pub use thread::{run_threads, thread_communicators, ThreadComm, DEFAULT_TIMEOUT};

@@ -379,7 +379,7 @@ fn execute(
                 // SAFETY: peer j's send buffer stays valid until the release rendezvous; chunk
                 // j of our receive buffer is ours alone.
                 unsafe {
-                    crate::copy::copy_bytes(
+                    std::ptr::copy_nonoverlapping(
                         snap[j].send as *const u8,
                         (recv as *mut u8).add(j * bytes),
                         bytes,
@@ -430,7 +430,7 @@ fn execute(
                     // SAFETY: chunk j of peer j's buffer is final and only read now; chunk j of
                     // ours is written by us only.
                     unsafe {
-                        crate::copy::copy_bytes(
+                        std::ptr::copy_nonoverlapping(
                             (snap[j].recv + l * esize) as *const u8,
                             (recv + l * esize) as *mut u8,
                             (h - l) * esize,
@@ -444,7 +444,7 @@ fn execute(
             if grank != root {
                 // SAFETY: the root's buffer is only read during this phase.
                 unsafe {
-                    crate::copy::copy_bytes(
+                    std::ptr::copy_nonoverlapping(
                         snap[root].recv as *const u8,
                         recv as *mut u8,
                         call.recv_numel * esize,

@@ -176,10 +176,9 @@ fn after_a_failure_every_later_call_fails_fast() {
 }
 
 #[test]
-fn copies_above_the_streaming_threshold_are_exact() {
-    // Shards of 5 MiB + 4 bytes (streaming stores, unaligned tail) and an all-reduce whose
-    // gathered chunks exceed the threshold too.
-    let shard = fsdp_comm::STREAMING_THRESHOLD / 4 + (1 << 18) + 1;
+fn multi_mebibyte_copies_are_exact() {
+    // Shards of 5 MiB + 4 bytes (odd length) and an all-reduce whose gathered chunks are as big.
+    let shard = (5 << 20) / 4 + 1;
     let topo = Topology::fully_sharded(2).unwrap();
     let res = run_threads(topo, DEFAULT_TIMEOUT, |c| {
         let send: Vec<f32> = (0..shard).map(|i| (i * 2 + c.rank()) as f32).collect();
