@@ -287,9 +287,15 @@ pub(crate) fn write_rank_file(
         "fsdp_rs.shards".into(),
         serde_json::to_string(&metas).expect("shard metadata serializes"),
     );
-    safetensors::serialize_to_file(tensors, Some(md), path)
-        .map_err(|e| bad_file(path, format!("cannot write safetensors: {e}")))?;
-    let (bytes, sha256) = sync_and_hash(path)?;
+    // Written as `<name>.part`, fsynced, then renamed: a file with the final name is always
+    // complete, even if another process (an MPI rank 0) picks it up.
+    let mut part = path.as_os_str().to_owned();
+    part.push(".part");
+    let part = PathBuf::from(part);
+    safetensors::serialize_to_file(tensors, Some(md), &part)
+        .map_err(|e| bad_file(&part, format!("cannot write safetensors: {e}")))?;
+    let (bytes, sha256) = sync_and_hash(&part)?;
+    std::fs::rename(&part, path).map_err(io_err(path, "rename into place"))?;
     Ok(FileRecord {
         file: path
             .file_name()

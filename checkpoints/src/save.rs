@@ -108,6 +108,27 @@ pub fn begin_save(root: &Path, layout: &CheckpointLayout, step: u64) -> Result<P
 }
 
 impl PendingCheckpoint {
+    /// Joins a save that [`begin_save`] started (possibly in another process, e.g. MPI rank 0)
+    /// for `step` under `root`, to write this rank's file into it. Removes nothing.
+    ///
+    /// Errors: `NoCheckpoint` when the temporary directory does not exist.
+    pub fn attach(root: &Path, layout: &CheckpointLayout, step: u64) -> Result<Self> {
+        let tmp = root.join(format!(".tmp-{}", step_dir_name(step)));
+        if !tmp.is_dir() {
+            return Err(CkptError::NoCheckpoint {
+                dir: tmp.display().to_string(),
+                reason: format!("no save of step {step} in progress"),
+            });
+        }
+        Ok(PendingCheckpoint {
+            root: root.to_path_buf(),
+            tmp,
+            step,
+            layout: layout.clone(),
+            records: Mutex::new(Vec::new()),
+        })
+    }
+
     /// The layout being saved.
     pub fn layout(&self) -> &CheckpointLayout {
         &self.layout
@@ -151,7 +172,25 @@ impl PendingCheckpoint {
     /// Errors: `InvalidArgument` when a rank file is missing (the temporary directory is left
     /// for the next save to remove, nothing becomes visible), `Io`.
     pub fn commit(self, train: &TrainState, keep_last: usize) -> Result<PathBuf> {
-        let records = self.records.into_inner().expect("record lock not poisoned");
+        let mut records = self.records.into_inner().expect("record lock not poisoned");
+        // Rank files written through other handles (other threads' or processes' `attach`):
+        // complete once they carry their final name; hash them here.
+        for i in 0..self.layout.shard_size {
+            if records.iter().any(|r| r.shard_index == i) {
+                continue;
+            }
+            let path = self.tmp.join(rank_file_name(i));
+            if path.is_file() {
+                let (bytes, sha256) = crate::rankfile::sync_and_hash(&path)?;
+                records.push(FileRecord {
+                    file: rank_file_name(i),
+                    rank: i,
+                    shard_index: i,
+                    bytes,
+                    sha256,
+                });
+            }
+        }
         let mut have: Vec<u64> = records.iter().map(|r| r.shard_index).collect();
         have.sort_unstable();
         have.dedup();

@@ -166,32 +166,61 @@ pub fn run(args: CkptArgs) -> Result<(), CliError> {
     }
 }
 
+/// `writeln!` into a `String` (infallible).
+macro_rules! outln {
+    ($o:expr) => {
+        $o.push('\n')
+    };
+    ($o:expr, $($arg:tt)*) => {{
+        use std::fmt::Write as _;
+        let _ = writeln!($o, $($arg)*);
+    }};
+}
+
+/// Prints `text` to stdout; a closed pipe (`| head`) is not an error.
+fn emit(text: &str) -> Result<(), CliError> {
+    use std::io::Write as _;
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(CliError::Failed(format!("stdout: {e}")))
+        }
+        _ => Ok(()),
+    }
+}
+
 fn inspect(dir: &std::path::Path, json: bool) -> Result<(), CliError> {
     let ck = Checkpoint::open(dir, Verify::Checksums)?;
     ck.verify_all()?;
     let m = ck.manifest();
+    let mut o = String::new();
     if json {
-        println!(
+        outln!(
+            o,
             "{}",
             serde_json::to_string_pretty(m).map_err(|e| CliError::Failed(e.to_string()))?
         );
-        return Ok(());
+        return emit(&o);
     }
     let l = ck.layout();
     let t = &m.train;
-    println!("checkpoint   {}", ck.dir().display());
-    println!("format       {} version {}", m.format, m.format_version);
-    println!(
+    outln!(o, "checkpoint   {}", ck.dir().display());
+    outln!(o, "format       {} version {}", m.format, m.format_version);
+    outln!(
+        o,
         "model        {} (fingerprint {})",
         m.model_name,
         &m.model_fingerprint[..16]
     );
-    println!("plan         {}", m.plan_fingerprint);
-    println!(
+    outln!(o, "plan         {}", m.plan_fingerprint);
+    outln!(
+        o,
         "world size   {} = shard group {} x replicate group {} (alignment {} elements)",
-        m.world_size, m.shard_size, m.replicate_size, m.alignment
+        m.world_size,
+        m.shard_size,
+        m.replicate_size,
+        m.alignment
     );
-    println!(
+    outln!(o,
         "step         {} (optimizer {} step {}, lr {}, betas ({}, {}), eps {}, weight decay {}); data position {}",
         t.step,
         t.optimizer.name,
@@ -211,13 +240,14 @@ fn inspect(dir: &std::path::Path, json: bool) -> Result<(), CliError> {
             trainable += f.real_numel().0;
         }
     }
-    println!(
+    outln!(
+        o,
         "elements     {} ({} trainable), padding {} (never written to a file)",
         Numel(real),
         Numel(trainable),
         Numel(pad)
     );
-    println!();
+    outln!(o);
     let w = l
         .spec
         .units
@@ -227,9 +257,15 @@ fn inspect(dir: &std::path::Path, json: bool) -> Result<(), CliError> {
         .max()
         .unwrap_or(4)
         .max(4);
-    println!(
+    outln!(
+        o,
         "{:<w$}  {:<16} {:<5} {:>12}  {:<10} {:<9} state",
-        "name", "shape", "dtype", "numel", "unit", "trainable"
+        "name",
+        "shape",
+        "dtype",
+        "numel",
+        "unit",
+        "trainable"
     );
     for u in &l.spec.units {
         for p in &u.params {
@@ -238,7 +274,8 @@ fn inspect(dir: &std::path::Path, json: bool) -> Result<(), CliError> {
                 (None, true) => "param, exp_avg, exp_avg_sq".into(),
                 (None, false) => "param".into(),
             };
-            println!(
+            outln!(
+                o,
                 "{:<w$}  {:<16} {:<5} {:>12}  {:<10} {:<9} {state}",
                 p.name,
                 format!("{:?}", p.shape),
@@ -249,11 +286,12 @@ fn inspect(dir: &std::path::Path, json: bool) -> Result<(), CliError> {
             );
         }
     }
-    println!();
+    outln!(o);
     let mut total = 0u64;
     for f in &m.files {
         total += f.bytes;
-        println!(
+        outln!(
+            o,
             "{}  rank {} (shard {})  {:>12}  sha256 {}  OK",
             f.file,
             f.rank,
@@ -262,12 +300,12 @@ fn inspect(dir: &std::path::Path, json: bool) -> Result<(), CliError> {
             f.sha256
         );
     }
-    println!(
+    outln!(o,
         "{} rank files, {}: sizes and SHA-256 checksums verified (ranks of replicate index 0 write model state)",
         m.files.len(),
         Bytes(total)
     );
-    Ok(())
+    emit(&o)
 }
 
 /// Converts an engine rank state ([`crate::runtime::RankEngine::export_state`]) into the
@@ -395,5 +433,289 @@ pub fn ckpt_to_engine(
         plan_fingerprint: layout.plan_fingerprint.clone(),
         optimizer_step,
         flats,
+    }
+}
+
+/// Checkpoint flags of `fsdp train` (flattened into its arguments).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct TrainCkptArgs {
+    /// Checkpoint root: sharded checkpoints `step-N/` and the `latest` pointer go here.
+    #[arg(long)]
+    pub ckpt_dir: Option<PathBuf>,
+    /// Save a checkpoint every N optimizer steps (0: only after the last step).
+    #[arg(long, default_value_t = 0)]
+    pub ckpt_every: u64,
+    /// Keep the newest K checkpoints (0: keep all).
+    #[arg(long, default_value_t = 3)]
+    pub keep_last: usize,
+    /// Resume from the newest complete checkpoint in --ckpt-dir (start fresh if there is none).
+    /// The run continues exactly: same losses and parameters as an uninterrupted run with the
+    /// same flags. A different --world-size / --strategy reshards the state on load.
+    #[arg(long, requires = "ckpt_dir")]
+    pub resume: bool,
+    /// Start from the parameters of a full safetensors file (e.g. `fsdp ckpt consolidate`
+    /// output), strict key matching; fresh optimizer state.
+    #[arg(long, conflicts_with = "resume")]
+    pub init_from: Option<PathBuf>,
+}
+
+/// Reads `--init-from FILE` for `spec`: strict key matching (missing, unexpected or misshapen
+/// tensors are errors naming the parameter), returned as `[unit][non-tied param][element]`.
+///
+/// Errors: every `CkptError` of [`fsdp_checkpoints::read_full`] and
+/// [`fsdp_checkpoints::FullState::check_strict`].
+pub fn init_params_from_file(
+    path: &std::path::Path,
+    spec: &fsdp_planner::ModelSpec,
+) -> Result<Vec<Vec<Vec<f32>>>, CkptError> {
+    let full = fsdp_checkpoints::read_full(path)?;
+    full.check_strict(spec)?;
+    Ok(spec
+        .units
+        .iter()
+        .map(|u| {
+            u.params
+                .iter()
+                .filter(|p| p.tied_to.is_none())
+                .map(|p| full.tensors[&p.name].data.clone())
+                .collect()
+        })
+        .collect())
+}
+
+/// Applies `--init-from FILE` to `o` (the full parameters of the run's model, strict keys).
+///
+/// Errors: [`CliError::Usage`] (exit 2) naming the file and the problem.
+pub fn apply_init_from(
+    a: &TrainCkptArgs,
+    o: &mut crate::train::TrainOptions,
+) -> Result<(), CliError> {
+    if let Some(p) = &a.init_from {
+        let model =
+            crate::model::Gpt::from_preset(&o.model).map_err(|e| CliError::Usage(e.to_string()))?;
+        o.init_params = Some(init_params_from_file(p, &model.spec)?);
+    }
+    Ok(())
+}
+
+/// The checkpoint layer of `fsdp train` ([`crate::train::TrainHooks`]): resumes every rank
+/// from the newest complete checkpoint (resharding if the run's layout differs) and saves a
+/// sharded checkpoint every `--ckpt-every` steps and after the last step, with the crash-safe
+/// protocol of `fsdp_checkpoints::save`.
+///
+/// Saving: rank 0 creates the temporary directory; every rank of replicate index 0 writes its
+/// own rank file (in parallel); rank 0 writes the manifest, renames the directory into place
+/// and updates `latest`. Between the phases the ranks all-gather a status (a barrier that works
+/// for rank threads and MPI processes alike), so every rank fails together and nothing partial
+/// is ever published.
+pub struct CheckpointHooks {
+    root: Option<PathBuf>,
+    every: u64,
+    keep_last: usize,
+    last_step: u64,
+    layout: CheckpointLayout,
+    resume_from: Option<Checkpoint>,
+    train: fsdp_checkpoints::TrainState,
+}
+
+impl std::fmt::Debug for CheckpointHooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CheckpointHooks")
+            .field("root", &self.root)
+            .field("every", &self.every)
+            .field("resume_from", &self.resume_from)
+            .finish()
+    }
+}
+
+impl CheckpointHooks {
+    /// Builds the hooks of a run with options `o` (after `--init-from` was applied) and flags
+    /// `a`. With `--resume`, opens the newest complete checkpoint of `--ckpt-dir`, verifies
+    /// every checksum and checks that it holds this model and was trained with this `--seed`
+    /// (the data order depends on it), before any rank starts.
+    ///
+    /// Errors: [`CliError::Usage`] (exit 2) for any checkpoint problem, naming the file.
+    pub fn new(a: &TrainCkptArgs, o: &crate::train::TrainOptions) -> Result<Self, CliError> {
+        let model =
+            crate::model::Gpt::from_preset(&o.model).map_err(|e| CliError::Usage(e.to_string()))?;
+        let plan = fsdp_planner::plan(&model.spec, &crate::train::plan_config(o))
+            .map_err(|e| CliError::Usage(e.to_string()))?;
+        let layout = CheckpointLayout::from_plan(model.spec.clone(), &plan)?;
+        let mut resume_from = None;
+        if a.resume {
+            let root = a
+                .ckpt_dir
+                .as_deref()
+                .expect("clap: --resume requires --ckpt-dir");
+            let has_any = root.is_dir()
+                && (root.join(fsdp_checkpoints::LATEST_FILE).is_file()
+                    || root.join(fsdp_checkpoints::MANIFEST_FILE).is_file()
+                    || !fsdp_checkpoints::list_checkpoints(root)?.is_empty());
+            if has_any {
+                let ck = Checkpoint::open(root, Verify::Checksums)?;
+                ck.verify_all()?;
+                ck.check_model(&model.spec)?;
+                let saved_seed = ck.manifest().train.extra.get("seed").cloned();
+                if let Some(s) = saved_seed.filter(|s| *s != o.seed.to_string()) {
+                    return Err(CliError::Usage(format!(
+                        "{}: the checkpoint was trained with --seed {s}, this run has --seed {}; the data order would differ (pass --seed {s})",
+                        ck.dir().join(fsdp_checkpoints::MANIFEST_FILE).display(),
+                        o.seed
+                    )));
+                }
+                eprintln!(
+                    "resuming from {} (step {}, saved at world size {} = shard {} x replicate {})",
+                    ck.dir().display(),
+                    ck.manifest().train.step,
+                    ck.manifest().world_size,
+                    ck.manifest().shard_size,
+                    ck.manifest().replicate_size
+                );
+                resume_from = Some(ck);
+            } else {
+                eprintln!(
+                    "no checkpoint in {} yet: starting from step 0",
+                    root.display()
+                );
+            }
+        }
+        let mut extra = std::collections::BTreeMap::new();
+        for (k, v) in [
+            ("model", o.model.clone()),
+            ("seed", o.seed.to_string()),
+            ("steps", o.steps.to_string()),
+            ("warmup", o.warmup.to_string()),
+            ("min_lr", o.min_lr.to_string()),
+            ("micro_batch", o.micro_batch.to_string()),
+            ("grad_accum", o.grad_accum.to_string()),
+            ("seq_len", o.seq_len.to_string()),
+            ("strategy", plan.strategy.cli_name().to_string()),
+            (
+                "data",
+                o.data
+                    .as_ref()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_else(|| "(embedded corpus)".into()),
+            ),
+        ] {
+            extra.insert(k.to_string(), v);
+        }
+        let train = fsdp_checkpoints::TrainState {
+            step: 0,
+            data_position: 0,
+            rng_state: vec![o.seed],
+            optimizer: fsdp_checkpoints::OptimizerState {
+                name: "adamw".into(),
+                lr: o.lr,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: o.weight_decay,
+                step: 0,
+            },
+            extra,
+        };
+        Ok(CheckpointHooks {
+            root: a.ckpt_dir.clone(),
+            every: a.ckpt_every,
+            keep_last: a.keep_last,
+            last_step: o.steps,
+            layout,
+            resume_from,
+            train,
+        })
+    }
+}
+
+impl crate::train::TrainHooks for CheckpointHooks {
+    fn resume(
+        &self,
+        rank: usize,
+    ) -> crate::error::Result<Option<(crate::runtime::RankState, u64)>> {
+        let Some(ck) = &self.resume_from else {
+            return Ok(None);
+        };
+        let st = ck
+            .load_rank(&self.layout, rank as u64)
+            .map_err(|e| crate::error::EngineError::State(e.to_string()))?;
+        let t = &ck.manifest().train;
+        Ok(Some((
+            ckpt_to_engine(&self.layout, rank as u64, st, t.optimizer.step),
+            t.step,
+        )))
+    }
+
+    fn after_step(
+        &self,
+        rank: usize,
+        step: u64,
+        engine: &mut crate::runtime::RankEngine<'_, crate::model::Gpt>,
+    ) -> crate::error::Result<()> {
+        let Some(root) = &self.root else {
+            return Ok(());
+        };
+        let due = step == self.last_step || (self.every > 0 && step % self.every == 0);
+        if !due {
+            return Ok(());
+        }
+        let rank = rank as u64;
+        let fail = |what: &str, e: String| {
+            crate::error::EngineError::State(format!(
+                "checkpoint of step {step} in {}: {what}: {e}",
+                root.display()
+            ))
+        };
+        // Phase 1: every rank exports its state; rank 0 starts the save. Ranks agree on the
+        // outcome through a status all-gather (threads or processes alike).
+        let exported = engine
+            .export_state()
+            .map_err(|e| e.to_string())
+            .and_then(|s| engine_to_ckpt(&self.layout, &s).map_err(|e| e.to_string()));
+        let begun = if rank == 0 {
+            fsdp_checkpoints::begin_save(root, &self.layout, step)
+                .map(Some)
+                .map_err(|e| e.to_string())
+        } else {
+            Ok(None)
+        };
+        let mut local_err = exported.as_ref().err().or(begun.as_ref().err()).cloned();
+        let ok = engine.barrier_with_status(local_err.is_none() as u8 as f64)?;
+        if let Some(r) = ok.iter().position(|&x| x == 0.0) {
+            return Err(fail(
+                "begin",
+                local_err.unwrap_or_else(|| format!("rank {r} failed")),
+            ));
+        }
+        // Phase 2: the ranks of replicate index 0 write their files concurrently.
+        if self.layout.writes_model_state(rank) {
+            let st = exported.as_ref().expect("checked above");
+            let written = fsdp_checkpoints::PendingCheckpoint::attach(root, &self.layout, step)
+                .and_then(|p| p.write_rank(rank, &st.as_refs()));
+            local_err = written.err().map(|e| e.to_string());
+        }
+        let ok = engine.barrier_with_status(local_err.is_none() as u8 as f64)?;
+        if let Some(r) = ok.iter().position(|&x| x == 0.0) {
+            // Nothing is published; the next save removes the temporary directory.
+            return Err(fail(
+                "write",
+                local_err.unwrap_or_else(|| format!("rank {r} failed to write its file")),
+            ));
+        }
+        // Phase 3: rank 0 writes the manifest, renames into place, updates `latest`.
+        if let Ok(Some(p)) = begun {
+            let mut t = self.train.clone();
+            t.step = step;
+            t.data_position = step;
+            t.optimizer.step = engine.steps_taken();
+            local_err = p.commit(&t, self.keep_last).err().map(|e| e.to_string());
+        }
+        let ok = engine.barrier_with_status(local_err.is_none() as u8 as f64)?;
+        if ok.iter().any(|&x| x == 0.0) {
+            return Err(fail(
+                "commit",
+                local_err.unwrap_or_else(|| "rank 0 failed to commit".into()),
+            ));
+        }
+        Ok(())
     }
 }

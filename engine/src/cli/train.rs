@@ -5,7 +5,7 @@
 use super::CliError;
 use crate::error::EngineError;
 use crate::memory::CountingAllocator;
-use crate::train::{train, NoHooks, StepReport, TrainOptions, TrainReport};
+use crate::train::{train, StepReport, TrainOptions, TrainReport};
 use fsdp_planner::{GradSync, Strategy};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
@@ -112,6 +112,9 @@ pub struct TrainArgs {
     /// One JSON line per step on stdout (and a JSON summary) instead of the progress bar.
     #[arg(long)]
     pub json: bool,
+    /// Checkpoints: --ckpt-dir, --ckpt-every, --keep-last, --resume, --init-from.
+    #[command(flatten)]
+    pub ckpt: super::ckpt::TrainCkptArgs,
 }
 
 impl TrainArgs {
@@ -192,6 +195,8 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
     };
     let root = mpi.as_ref().is_none_or(|m| m.rank() == 0);
     crate::train::validate(&opts).map_err(cli_error)?;
+    super::ckpt::apply_init_from(&args.ckpt, &mut opts)?;
+    let hooks = super::ckpt::CheckpointHooks::new(&args.ckpt, &opts)?;
     let bar = if args.json || !root {
         None
     } else {
@@ -228,8 +233,8 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         }
     };
     let report = match &mpi {
-        None => train(&opts, alloc, &NoHooks, &progress),
-        Some(m) => m.train(&opts, alloc, &NoHooks, &progress),
+        None => train(&opts, alloc, &hooks, &progress),
+        Some(m) => m.train(&opts, alloc, &hooks, &progress),
     }
     .map_err(cli_error)?;
     if !root {

@@ -865,6 +865,20 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             .collect()
     }
 
+    /// A barrier that also exchanges one status value per rank: all-gathers `status` over the
+    /// world and returns `[rank]`. The checkpoint hooks call it between save phases so that
+    /// every rank (thread or process) knows whether every other rank succeeded.
+    ///
+    /// Errors: [`EngineError::Comm`] when a rank fails or does not arrive in time.
+    pub fn barrier_with_status(&mut self, status: f64) -> Result<Vec<f64>> {
+        Ok(self
+            .comm
+            .all_gather_f64(&[status])?
+            .into_iter()
+            .map(|v| v[0])
+            .collect())
+    }
+
     /// Exports this rank's state (master shards, optimizer state, step) for a checkpoint.
     pub fn export_state(&self) -> Result<RankState> {
         let names = state_names(&self.cfg.optimizer);
