@@ -654,7 +654,8 @@ impl crate::train::TrainHooks for CheckpointHooks {
         let Some(root) = &self.root else {
             return Ok(());
         };
-        let due = step == self.last_step || (self.every > 0 && step % self.every == 0);
+        let due =
+            step == self.last_step || (self.every > 0 && step.checked_rem(self.every) == Some(0));
         if !due {
             return Ok(());
         }
@@ -710,7 +711,7 @@ impl crate::train::TrainHooks for CheckpointHooks {
             local_err = p.commit(&t, self.keep_last).err().map(|e| e.to_string());
         }
         let ok = engine.barrier_with_status(local_err.is_none() as u8 as f64)?;
-        if ok.iter().any(|&x| x == 0.0) {
+        if ok.contains(&0.0) {
             return Err(fail(
                 "commit",
                 local_err.unwrap_or_else(|| "rank 0 failed to commit".into()),
