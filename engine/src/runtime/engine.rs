@@ -462,6 +462,9 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             ));
         }
         self.ledger.reset_peaks();
+        // Persistent unsharded gradients (sync on the last micro-batch) belong to the forward
+        // phase of the first micro-batch.
+        self.ledger.enter(Phase::Forward);
         let k_total = mbs.len();
         let sync_last = self.plan.config.grad_sync == GradSync::LastMicroBatch && k_total > 1;
         if sync_last {
@@ -618,21 +621,27 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                     (y * g)?.sum_all()?
                 };
                 let x_in = inputs[s].take().unwrap_or(x_in);
-                let grads = root.backward()?;
+                let mut grads = root.backward()?;
+                drop(root);
                 if self.needs_input_grad[s] {
                     g_out = Some(
                         grads
-                            .get(&x_in)
+                            .remove(&x_in)
                             .ok_or_else(|| {
                                 EngineError::Config(format!("stage {s}: no gradient for its input"))
                             })?
                             .detach(),
                     );
                 }
+                drop(x_in);
                 if self.units[u].trainable() {
+                    // Keep only the parameter gradients: intermediate gradients go first.
+                    let mut params: Vec<Option<Tensor>> =
+                        self.units[u].vars.iter().map(|v| grads.remove(v)).collect();
+                    drop(grads);
                     self.units[u].alloc_flat_grads(&mut self.ledger);
                     let add = sync_last || touched[u];
-                    self.units[u].gather_grads(&grads, add)?;
+                    self.units[u].gather_grads(&mut params, add)?;
                     touched[u] = true;
                 }
             }

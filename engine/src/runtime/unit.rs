@@ -398,8 +398,10 @@ impl FsdpUnit {
                     ledger.alloc(Category::UnshardedParams, 4 * p as u64);
                     let mut full = vec![0f32; p];
                     comm.all_gather(Group::Shard, Buf::F32(shard), BufMut::F32(&mut full))?;
+                    // Cut the parameters out from the last one back, shrinking the gathered
+                    // buffer as they leave it: at most one parameter is held twice.
                     let mut ts = Vec::with_capacity(fs.layout.segments.len());
-                    for (k, seg) in fs.layout.segments.iter().enumerate() {
+                    for (k, seg) in fs.layout.segments.iter().enumerate().rev() {
                         let shape: Vec<usize> = seg.shape.iter().map(|&d| d as usize).collect();
                         let data = fs.layout.view(&full, k);
                         ts.push(if fs.layout.trainable {
@@ -409,7 +411,11 @@ impl FsdpUnit {
                         } else {
                             Tensor::from_slice(data, shape.as_slice(), &Device::Cpu)?
                         });
+                        full.truncate(seg.offset.0 as usize);
+                        full.shrink_to_fit();
                     }
+                    drop(full);
+                    ts.reverse();
                     per_flat.push(ts);
                 }
             }
@@ -461,13 +467,10 @@ impl FsdpUnit {
         }
     }
 
-    /// Copies (`add == false`) or adds the gradients of this unit's trainable parameters from
-    /// `grads` into the unsharded flat gradients. Parameters without a gradient contribute 0.
-    pub(crate) fn gather_grads(
-        &mut self,
-        grads: &candle_core::backprop::GradStore,
-        add: bool,
-    ) -> Result<()> {
+    /// Copies (`add == false`) or adds the gradients of this unit's trainable parameters
+    /// (`grads[i]` for declaration index `i`, taken and freed one by one) into the unsharded flat
+    /// gradients. Parameters without a gradient contribute 0.
+    pub(crate) fn gather_grads(&mut self, grads: &mut [Option<Tensor>], add: bool) -> Result<()> {
         let mut t_index = 0;
         for fs in self.flats.iter() {
             if !fs.layout.trainable {
@@ -476,10 +479,11 @@ impl FsdpUnit {
             let buf = &mut self.flat_grads[t_index];
             t_index += 1;
             for seg in &fs.layout.segments {
-                let var = &self.vars[seg.param_index];
-                let Some(g) = grads.get(var) else { continue };
+                let Some(g) = grads[seg.param_index].take() else {
+                    continue;
+                };
                 let dst = &mut buf[seg_range(seg)];
-                with_f32(g, |src| {
+                with_f32(&g, |src| {
                     if add {
                         for (d, s) in dst.iter_mut().zip(src) {
                             *d += *s;

@@ -1,0 +1,199 @@
+//! Memory: the engine's exact ledger of engine-owned bytes equals the plan's per-phase,
+//! per-category maxima (MEMORY-CONTRACT.md) under every strategy, with prefetch depth 1 and 2
+//! and with gradient accumulation in both sync modes. (The process heap peak is checked in
+//! `engine_memory_process.rs`, alone in its binary so no concurrent test inflates it.)
+
+use candle_core::{Device, Tensor};
+use fsdp::memory::{LEDGER_CATEGORIES, PHASES};
+use fsdp::model::Gpt;
+use fsdp::optim::{AdamWConfig, Optimizer};
+use fsdp::runtime::{EngineConfig, InitSync, MicroBatch, RankEngine, StagedModel};
+use fsdp_comm::{run_threads, Topology};
+use fsdp_planner::{plan, GradSync, PlanConfig, ShardPlan, Strategy};
+use fsdp_types::Bytes;
+use std::time::Duration;
+
+fn batch(b: usize, t: usize, salt: usize) -> MicroBatch {
+    let ids: Vec<u32> = (0..b * t)
+        .map(|i| ((i * 31 + salt * 7) % 256) as u32)
+        .collect();
+    let tg: Vec<u32> = (0..b * t).map(|i| ((i * 17 + salt) % 256) as u32).collect();
+    MicroBatch {
+        input: Tensor::from_vec(ids, (b, t), &Device::Cpu).unwrap(),
+        target: Tensor::from_vec(tg, (b, t), &Device::Cpu).unwrap(),
+        count: (b * t) as u64,
+    }
+}
+
+struct Cfg {
+    preset: &'static str,
+    w: usize,
+    strategy: Strategy,
+    k: usize,
+    sync: GradSync,
+    prefetch: u64,
+    b: usize,
+    t: usize,
+}
+
+fn make(c: &Cfg) -> (Gpt, ShardPlan) {
+    let model = Gpt::from_preset(c.preset).unwrap();
+    let mut pc = PlanConfig::new(c.w as u64);
+    pc.strategy = c.strategy;
+    pc.grad_accum = c.k as u64;
+    pc.grad_sync = c.sync;
+    pc.prefetch = c.prefetch;
+    pc.micro_batch = c.b as u64;
+    pc.seq_len = c.t as u64;
+    let p = plan(model.spec(), &pc).unwrap();
+    (model, p)
+}
+
+fn ecfg() -> EngineConfig {
+    EngineConfig {
+        optimizer: Optimizer::AdamW(AdamWConfig::default()),
+        clip: None,
+        init_sync: InitSync::Verify,
+        enforce_memory_plan: true,
+    }
+}
+
+/// Runs 2 steps; per rank returns the ledger peaks of the last step.
+fn ledger_matches_plan(c: Cfg) {
+    let (model, plan) = make(&c);
+    let s = plan.shard_size as usize;
+    let init = model.init_params(1);
+    let res = run_threads(
+        Topology::new(s, c.w / s).unwrap(),
+        Duration::from_secs(60),
+        |comm| {
+            let mut e = RankEngine::new(&model, &plan, &comm, ecfg(), &init).unwrap();
+            let mut last = None;
+            for step in 0..2 {
+                let mbs: Vec<MicroBatch> =
+                    (0..c.k).map(|k| batch(c.b, c.t, step * 10 + k)).collect();
+                last = Some(e.train_step(&mbs, 1e-3).unwrap());
+            }
+            last.unwrap().ledger
+        },
+    );
+    for (rank, peaks) in res.into_iter().enumerate() {
+        let peaks = peaks.unwrap();
+        for (i, ph) in PHASES.iter().enumerate() {
+            let planned = plan.memory.phase(*ph);
+            for cat in LEDGER_CATEGORIES {
+                assert_eq!(
+                    peaks[i].max.get(cat),
+                    planned.max.get(cat),
+                    "{} W={} K={} {:?} prefetch {}: rank {rank} {} {}",
+                    c.strategy,
+                    c.w,
+                    c.k,
+                    c.sync,
+                    c.prefetch,
+                    ph.name(),
+                    cat.name()
+                );
+            }
+            let planned_total = plan
+                .memory
+                .timeline
+                .iter()
+                .filter(|p| p.phase == *ph)
+                .map(|p| p.bytes.ledger_total())
+                .max()
+                .unwrap_or(Bytes(0));
+            assert_eq!(
+                peaks[i].peak_total,
+                planned_total,
+                "{} rank {rank} {}: ledger peak total",
+                c.strategy,
+                ph.name()
+            );
+        }
+    }
+}
+
+#[test]
+fn memory_ledger_equals_plan_full_shard_prefetch_1_and_2() {
+    for prefetch in [1, 2] {
+        ledger_matches_plan(Cfg {
+            preset: "tiny",
+            w: 2,
+            strategy: Strategy::FullShard,
+            k: 1,
+            sync: GradSync::EveryMicroBatch,
+            prefetch,
+            b: 1,
+            t: 16,
+        });
+    }
+}
+
+#[test]
+fn memory_ledger_equals_plan_shard_grad_op_ddp_hybrid() {
+    ledger_matches_plan(Cfg {
+        preset: "tiny",
+        w: 3,
+        strategy: Strategy::ShardGradOp,
+        k: 1,
+        sync: GradSync::EveryMicroBatch,
+        prefetch: 1,
+        b: 1,
+        t: 16,
+    });
+    ledger_matches_plan(Cfg {
+        preset: "tiny",
+        w: 2,
+        strategy: Strategy::NoShard,
+        k: 1,
+        sync: GradSync::EveryMicroBatch,
+        prefetch: 1,
+        b: 1,
+        t: 16,
+    });
+    ledger_matches_plan(Cfg {
+        preset: "tiny",
+        w: 4,
+        strategy: Strategy::Hybrid { shard_size: 2 },
+        k: 1,
+        sync: GradSync::EveryMicroBatch,
+        prefetch: 1,
+        b: 1,
+        t: 16,
+    });
+}
+
+#[test]
+fn memory_ledger_equals_plan_with_accumulation_sync_every_and_last() {
+    ledger_matches_plan(Cfg {
+        preset: "tiny",
+        w: 2,
+        strategy: Strategy::FullShard,
+        k: 3,
+        sync: GradSync::EveryMicroBatch,
+        prefetch: 1,
+        b: 1,
+        t: 16,
+    });
+    ledger_matches_plan(Cfg {
+        preset: "tiny",
+        w: 2,
+        strategy: Strategy::FullShard,
+        k: 3,
+        sync: GradSync::LastMicroBatch,
+        prefetch: 1,
+        b: 1,
+        t: 16,
+    });
+    ledger_matches_plan(Cfg {
+        preset: "tiny",
+        w: 2,
+        strategy: Strategy::ShardGradOp,
+        k: 2,
+        sync: GradSync::LastMicroBatch,
+        prefetch: 1,
+        b: 1,
+        t: 16,
+    });
+}
