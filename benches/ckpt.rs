@@ -149,6 +149,17 @@ fn main() {
         bytes: b,
         seconds: s,
     });
+    // The same bytes read into freshly allocated buffers (what a load must produce).
+    let (b, s) = best_of(3, || {
+        let v = std::fs::read(&plain).unwrap();
+        std::hint::black_box(&v);
+        v.len() as u64
+    });
+    rows.push(Row {
+        what: "plain read into a fresh buffer".into(),
+        bytes: b,
+        seconds: s,
+    });
     std::fs::remove_file(&plain).unwrap();
     drop(buf);
 
