@@ -260,13 +260,46 @@ fn mpi_train_killed_process_ends_the_job_with_an_error() {
         return;
     };
     let _one = JOBS.lock().unwrap_or_else(|e| e.into_inner());
-    let mut args = train_args(&["--backend", "mpi"]);
+    let (child, procs) = start_long_run(&mpirun, &[]);
+    let victim = procs[1];
+    let status = Command::new("kill")
+        .args(["-KILL", &victim.to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    let killed_at = Instant::now();
+    // The survivor must end, with an error, well within the collective timeout (60 s).
+    let (out, _) = wait_bounded(child, Duration::from_secs(60), "the job after a kill");
+    let took = killed_at.elapsed();
+    assert!(
+        !out.status.success(),
+        "mpirun exited successfully after a process was killed"
+    );
+    for p in &procs {
+        assert!(
+            !std::path::Path::new(&format!("/proc/{p}/status")).exists()
+                || std::fs::read_to_string(format!("/proc/{p}/status"))
+                    .map(|s| s.contains("State:\tZ"))
+                    .unwrap_or(true),
+            "process {p} still alive after the job ended"
+        );
+    }
+    println!(
+        "killed pid {victim}; job ended with {} after {:.2} s",
+        out.status,
+        took.as_secs_f64()
+    );
+}
+
+/// Starts a long `mpirun -n 2 fsdp train --backend mpi` run with `extra` flags and returns it
+/// once rank 0 printed step 2, with the PIDs of its two MPI processes.
+fn start_long_run(mpirun: &PathBuf, extra: &[&str]) -> (Child, Vec<u32>) {
+    let mut all = vec!["--backend", "mpi"];
+    all.extend_from_slice(extra);
+    let mut args = train_args(&all);
     let i = args.iter().position(|a| a == "--steps").unwrap();
     args[i + 1] = "100000".into();
-    let mut child = mpi_command(&mpirun, 2, &args)
-        .spawn()
-        .expect("start mpirun");
-    // Wait until training runs (both processes exist and rank 0 printed a step line).
+    let mut child = mpi_command(mpirun, 2, &args).spawn().expect("start mpirun");
     let mut stdout = child.stdout.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -298,31 +331,45 @@ fn mpi_train_killed_process_ends_the_job_with_an_error() {
     }
     let procs = children(child.id());
     assert_eq!(procs.len(), 2, "two MPI processes under mpirun: {procs:?}");
+    (child, procs)
+}
+
+/// A rank that stops (SIGSTOP: alive, so Open MPI sees no failure) makes the other rank fail
+/// with the collective timeout (`--comm-timeout 4`) and end the job non-zero: the backend's own
+/// watchdog, not the launcher, prevents the hang.
+#[test]
+fn mpi_train_stopped_process_times_out_and_ends_the_job() {
+    let Some(mpirun) = mpirun() else {
+        println!("SKIPPED: mpirun not found (install openmpi-bin)");
+        return;
+    };
+    let _one = JOBS.lock().unwrap_or_else(|e| e.into_inner());
+    let (child, procs) = start_long_run(&mpirun, &["--comm-timeout", "4"]);
     let victim = procs[1];
-    let status = Command::new("kill")
-        .args(["-KILL", &victim.to_string()])
+    assert!(Command::new("kill")
+        .args(["-STOP", &victim.to_string()])
         .status()
-        .expect("kill");
-    assert!(status.success());
-    let killed_at = Instant::now();
-    // The survivor must end, with an error, well within the collective timeout (60 s).
-    let (out, _) = wait_bounded(child, Duration::from_secs(60), "the job after a kill");
-    let took = killed_at.elapsed();
+        .expect("kill -STOP")
+        .success());
+    let stopped_at = Instant::now();
+    let (out, _) = wait_bounded(child, Duration::from_secs(60), "the job after a SIGSTOP");
+    let took = stopped_at.elapsed();
+    // Never leave a stopped process behind, whatever happened.
+    let _ = Command::new("kill")
+        .args(["-KILL", &victim.to_string()])
+        .status();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "job succeeded with a stopped rank");
     assert!(
-        !out.status.success(),
-        "mpirun exited successfully after a process was killed"
+        took >= Duration::from_secs(3) && took < Duration::from_secs(30),
+        "job ended {took:?} after the stop (timeout 4 s):\n{stderr}"
     );
-    for p in &procs {
-        assert!(
-            !std::path::Path::new(&format!("/proc/{p}/status")).exists()
-                || std::fs::read_to_string(format!("/proc/{p}/status"))
-                    .map(|s| s.contains("State:\tZ"))
-                    .unwrap_or(true),
-            "process {p} still alive after the job ended"
-        );
-    }
+    assert!(
+        stderr.contains("timed out") || stderr.contains("did not complete within"),
+        "rank 0's error names the timeout:\n{stderr}"
+    );
     println!(
-        "killed pid {victim}; job ended with {} after {:.2} s",
+        "stopped pid {victim}; job ended with {} after {:.2} s",
         out.status,
         took.as_secs_f64()
     );

@@ -58,6 +58,10 @@ pub struct TrainArgs {
     /// Transport: rank threads in this process, or MPI processes (start with `mpirun -n W`).
     #[arg(long, value_enum, default_value_t = BackendArg::Threads)]
     pub backend: BackendArg,
+    /// Seconds a rank waits for its peers inside a collective before failing with an error
+    /// that names them (`--backend mpi`; the thread backend waits 60 s).
+    #[arg(long, default_value_t = 60.0)]
+    pub comm_timeout: f64,
     /// Sharding strategy.
     #[arg(long, value_enum, default_value_t = StrategyArg::FullShard)]
     pub strategy: StrategyArg,
@@ -191,7 +195,11 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
     let mut opts = args.options()?;
     let mpi = match args.backend {
         BackendArg::Threads => None,
-        BackendArg::Mpi => Some(mpi_backend::MpiProcess::init(args.world_size, &mut opts)?),
+        BackendArg::Mpi => Some(mpi_backend::MpiProcess::init(
+            args.world_size,
+            args.comm_timeout,
+            &mut opts,
+        )?),
     };
     let root = mpi.as_ref().is_none_or(|m| m.rank() == 0);
     crate::train::validate(&opts).map_err(cli_error)?;
@@ -319,20 +327,29 @@ mod mpi_backend {
     pub(super) struct MpiProcess {
         #[cfg(feature = "mpi")]
         universe: std::sync::Arc<fsdp_comm::mpi::MpiUniverse>,
+        #[cfg(feature = "mpi")]
+        timeout: std::time::Duration,
         rank: usize,
     }
 
     impl MpiProcess {
-        /// Initialises MPI and sets `opts.world_size` to the number of processes.
+        /// Initialises MPI and sets `opts.world_size` to the number of processes;
+        /// `comm_timeout` (seconds) bounds every wait for peers.
         ///
         /// Errors: [`CliError::Usage`] when `--world-size` (other than its default 1) disagrees
-        /// with the MPI job, or the binary lacks the `mpi` feature; [`CliError::Failed`] when
-        /// MPI cannot be initialised.
+        /// with the MPI job, `--comm-timeout` is not a positive number, or the binary lacks the
+        /// `mpi` feature; [`CliError::Failed`] when MPI cannot be initialised.
         #[cfg(feature = "mpi")]
         pub(super) fn init(
             world_size_flag: usize,
+            comm_timeout: f64,
             opts: &mut TrainOptions,
         ) -> Result<MpiProcess, CliError> {
+            if !(comm_timeout.is_finite() && comm_timeout > 0.0) {
+                return Err(CliError::Usage(format!(
+                    "--comm-timeout must be a positive number of seconds, got {comm_timeout}"
+                )));
+            }
             let universe = fsdp_comm::mpi::MpiUniverse::init()
                 .map_err(|e| CliError::Failed(format!("--backend mpi: {e}")))?;
             let n = universe.size();
@@ -346,12 +363,13 @@ mod mpi_backend {
             Ok(MpiProcess {
                 rank: universe.rank(),
                 universe,
+                timeout: std::time::Duration::from_secs_f64(comm_timeout),
             })
         }
 
         /// Without the `mpi` feature: an error saying how to build with it.
         #[cfg(not(feature = "mpi"))]
-        pub(super) fn init(_: usize, _: &mut TrainOptions) -> Result<MpiProcess, CliError> {
+        pub(super) fn init(_: usize, _: f64, _: &mut TrainOptions) -> Result<MpiProcess, CliError> {
             Err(CliError::Usage(
                 "--backend mpi: this fsdp binary was built without MPI support; rebuild with \
                  `cargo build --release --features mpi` (needs libopenmpi-dev and libclang-dev)"
@@ -377,7 +395,7 @@ mod mpi_backend {
             {
                 use fsdp_comm::{mpi::MpiComm, CommError, Communicator, Topology};
                 let factory = |t: Topology| -> Result<Box<dyn Communicator>, CommError> {
-                    let c = MpiComm::world(&self.universe, t, fsdp_comm::DEFAULT_TIMEOUT)?;
+                    let c = MpiComm::world(&self.universe, t, self.timeout)?;
                     Ok(Box::new(c))
                 };
                 let r = crate::train::train_with(o, alloc, hooks, progress, Some(&factory));
