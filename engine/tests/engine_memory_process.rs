@@ -89,36 +89,63 @@ fn process_peak_ratio(c: &Cfg) -> f64 {
     ratio
 }
 
-/// The `mini` GPT (3.4M params) at W=2, full shard, micro-batch 2 x 64 tokens: model states
-/// dominate the peak, activations are small.
+/// The process peak against the plan's total (issue 4: within 10%), for full shard,
+/// shard-grad-op and DDP (no-shard) at W=2 on `mini` (d 256, 4 layers) and `small` (d 384,
+/// 6 layers) with a short and an activation-heavy (B, T).
 ///
-/// Requirement: the process peak within 10% of the plan's total. Measured: 1.22 x (about
-/// 10 MB per rank above the plan), so this test asserts the stated tolerance of 1.30 x and
-/// fails on any regression beyond it. The excess is memory the plan does not model yet:
-/// candle's backward returns every parameter gradient of the unit (4 B x its numel) before the
-/// engine copies them into the flat gradient, the unit's intermediate gradients during
-/// backward, and the collective backend's internal buffers. With activation-heavy shapes the
-/// gap grows (1.7 x for `mini` at 8 x 128 tokens; `FSDP_MEMORY_TABLE=1` prints the figures):
-/// candle keeps all intermediate gradients of a unit until its backward returns, about as many
-/// bytes again as the planner's activation estimate.
+/// The plan's activations are `fsdp_planner::memory::UseActivations`: forward tensors counted
+/// op by op for this engine's GPT (they match the allocator to 0.2%), and candle's backward
+/// (gradient store, parameter gradients) fitted on `cargo run -p fsdp --example
+/// activation_bytes` (within 5% per stage). Before that model (Korthikanti-style forward
+/// estimate, no backward term) the ratio was 1.16 x to 1.72 x, the plan far too low.
+///
+/// Asserted: shard-grad-op and DDP within [0.90, 1.10] (measured 0.94 to 0.96). Full shard:
+/// never above 1.10 (the plan is not exceeded by more than 10%), and at least 0.80; measured
+/// 0.86 to 0.94, varying from run to run. Why full shard cannot be held to 0.90 here: its
+/// per-rank peak is a short spike (the recomputed block's graph plus candle's gradient store
+/// at the attention/MLP gradients), and the process-wide counter sums two rank threads that do
+/// not reach that spike at the same instant (they meet only at collectives), so the process
+/// peak is below W x one rank's peak by a timing-dependent amount; the plan also adds the
+/// unit's flat gradient (ledger `unsharded_grads`, exact) to that spike while the engine
+/// allocates it only after candle's backward returns (about 3% of the peak for `mini`).
+/// `FSDP_MEMORY_TABLE=1 cargo test -p fsdp --test engine_memory_process -- --nocapture`
+/// prints every figure (and `tiny`, 0.83 to 0.88 under full shard at 8 x 128).
 #[test]
 fn memory_process_peak_within_10_percent_of_plan() {
-    let c = Cfg {
-        preset: "mini",
-        w: 2,
-        strategy: Strategy::FullShard,
-        b: 2,
-        t: 64,
-    };
-    if std::env::var_os("FSDP_MEMORY_TABLE").is_some() {
-        for (preset, b, t, strategy) in [
-            ("mini", 2, 64, Strategy::NoShard),
-            ("small", 2, 64, Strategy::NoShard),
-            ("mini", 8, 128, Strategy::FullShard),
-            ("mini", 8, 128, Strategy::ShardGradOp),
-            ("tiny", 8, 128, Strategy::FullShard),
-            ("small", 2, 64, Strategy::FullShard),
-            ("small", 4, 128, Strategy::FullShard),
+    let configs = [
+        ("mini", Strategy::FullShard, 2, 64),
+        ("mini", Strategy::FullShard, 8, 128),
+        ("mini", Strategy::ShardGradOp, 8, 128),
+        ("mini", Strategy::NoShard, 2, 64),
+        ("small", Strategy::FullShard, 4, 128),
+        ("small", Strategy::ShardGradOp, 2, 64),
+        ("small", Strategy::NoShard, 2, 64),
+    ];
+    let table = std::env::var_os("FSDP_MEMORY_TABLE").is_some();
+    let mut bad = Vec::new();
+    for (preset, strategy, b, t) in configs {
+        let ratio = process_peak_ratio(&Cfg {
+            preset,
+            w: 2,
+            strategy,
+            b,
+            t,
+        });
+        let low = if strategy == Strategy::FullShard {
+            0.8
+        } else {
+            0.9
+        };
+        if !(low..=1.1).contains(&ratio) {
+            bad.push(format!("{preset} {strategy} B={b} T={t}: {ratio:.3}"));
+        }
+    }
+    if table {
+        for (preset, strategy, b, t) in [
+            ("tiny", Strategy::FullShard, 8, 128),
+            ("mini", Strategy::NoShard, 8, 128),
+            ("small", Strategy::FullShard, 2, 64),
+            ("small", Strategy::NoShard, 4, 128),
         ] {
             process_peak_ratio(&Cfg {
                 preset,
@@ -129,9 +156,8 @@ fn memory_process_peak_within_10_percent_of_plan() {
             });
         }
     }
-    let ratio = process_peak_ratio(&c);
     assert!(
-        (0.9..=1.3).contains(&ratio),
-        "process peak / plan total = {ratio:.3}"
+        bad.is_empty(),
+        "process peak / plan total outside [0.90 (full shard 0.80), 1.10]: {bad:?}"
     );
 }

@@ -232,73 +232,116 @@ impl MemoryPlan {
 }
 
 /// Activation bytes of one unit use for one micro-batch: the input kept for backward, the
-/// tensors created inside the use (its output included), and its output.
+/// tensors its forward creates and keeps in the autograd graph (its output included), its
+/// output, and what its backward holds on top of that graph.
 ///
-/// Source: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-/// Models", sec. 4.1, which counts `s*b*h*(34 + 5*a*s/h)` bytes per GPT layer in 16-bit with
-/// dropout. Our blocks have no dropout, so the dropout masks (`2sbh` + `a*s^2*b` bytes) and the
-/// dropout output (`2*a*s^2*b`) are removed, and every tensor is counted in elements times
-/// `e = size(param_dtype)`:
-/// - GPT-2 block: `e*s*b*(16h + a*s)` live (LN1 out, Q, K, V, softmax `a*s*s`, attention out,
-///   residual, LN2 out, fc `4h`, GELU `4h`, output), input `e*s*b*h`.
-/// - Llama block (SwiGLU, GQA with `kv` heads, ffn width `f`):
-///   `e*s*b*((6 + 2*kv/a)*h + 4f + a*s)` live (norm outs, Q, K and V at `kv/a` of `h`,
-///   softmax, attention out, residual, gate, up, SiLU, product, output), input `e*s*b*h`.
-/// - Embedding: input token ids `4*s*b`; live `e*s*b*h` (Llama) or `2*e*s*b*h` (GPT-2: token
-///   plus position embedding sum).
-/// - Head: input `e*s*b*h`; live `e*s*b*h` (final norm) + `s*b*V*(e + 4)` (logits and f32
-///   log-softmax for the loss); output 4 bytes (the loss).
+/// Method: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+/// Models", sec. 4.1: count, op by op, the tensors the forward keeps for backward. Their
+/// `s*b*h*(34 + 5*a*s/h)` bytes per layer is for Megatron's 16-bit fused kernels with dropout;
+/// this engine differs, so the count below is redone for the ops this engine's GPT
+/// (`engine/src/model.rs`, candle-core autograd) really runs, in elements, times
+/// `e = size(param_dtype)`. Notation: `N = b*s` tokens, `h` = d_model, `a` heads, `V` vocab,
+/// `P` = the parameter elements the use touches.
+///
+/// **GPT-2 forward, kept by the graph** (candle keeps every op's output until the graph is
+/// dropped; no dropout; no fused attention):
+/// - Embedding: `h*N` (one fused gather + position add); input: token ids `4*N` bytes.
+/// - Block: `N*(27h + 2a*s)`: LN1 `h`; qkv matmul `3h` and its bias add `3h`; contiguous
+///   q, k, v `3h`; scores `a*s` and causal softmax `a*s` (per token); probs @ v `h`; the
+///   head transpose copy `h`; out projection matmul `h` + bias `h`; residual `h`; LN2 `h`;
+///   fc matmul `4h` + fused bias-GELU `4h`; MLP projection matmul `h` + bias `h`; residual
+///   `h`. Input `h*N`. (Korthikanti count `16h + a*s` without dropout; the extra `11h + a*s`
+///   are the un-fused bias adds, the q/k/v and transpose copies, and the softmax input.)
+/// - Head: `N*(h + V)`: final LN and logits (the fused cross-entropy keeps no log-softmax).
+///   Input `h*N`, output the loss (4 bytes).
+///
+/// **GPT-2 backward, on top of the kept graph** (the graph stays alive until `backward`
+/// returns; candle's gradient store holds the gradients of the nodes whose consumers are done
+/// and that are not processed yet, each accumulated through a zero tensor plus a sum, plus
+/// every parameter gradient until the engine copies it into the flat gradient):
+/// - Embedding: `7h*N + 3P`; Block: `16h*N + 6a*s*N + 3P`; Head: `3h*N + 5V*N + 3P`.
+///   The per-token terms are the gradient frontier at its widest (the MLP's `4h` gradients
+///   with their accumulators; the `a*s` attention-probability gradients with theirs); the
+///   `3P` are the parameter gradients plus the matmul weight-gradient transients. These
+///   coefficients are the least-squares fit, rounded up, of the peaks measured on the CPU
+///   with the counting allocator by `cargo run -p fsdp --example activation_bytes` over
+///   `tiny`/`mini`/`small` and (b, s) in {(2, 64), (8, 128), (4, 256)} (fit 15.4, 5.8, 2.9
+///   for the block); the forward counts above match those measurements to 0.2%.
+///
+/// **Llama** (not run by this engine; same method, unmeasured): block forward
+/// `N*((6 + 2*kv/a)*h + 4f + a*s)` (norm outs, Q, K and V at `kv/a` of `h`, softmax,
+/// attention out, residual, gate, up, SiLU, product, output), backward
+/// `16h*N + 6a*s*N + 3P` by analogy; embedding `h*N` / `7h*N + 3P`; head as GPT-2.
 ///
 /// `Generic` architectures have no estimate (0).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct UseActivations {
     /// Bytes of the use's input tensor (kept for backward under unit-level recompute).
     pub input: Bytes,
-    /// Bytes created by the use's forward, its output included.
+    /// Bytes created by the use's forward and kept by its graph, its output included.
     pub live: Bytes,
     /// Bytes of the use's output (its gradient arrives in backward).
     pub output: Bytes,
+    /// Bytes the use's backward holds at its peak on top of `live` (gradient store,
+    /// parameter gradients, transients).
+    pub backward: Bytes,
 }
 
 /// The activation estimate of one unit use; see [`UseActivations`] for the formulas.
 pub fn use_activations(arch: &Architecture, role: UseRole, cfg: &PlanConfig) -> UseActivations {
     let e = cfg.param_dtype.size_bytes();
     let (s, b) = (cfg.seq_len, cfg.micro_batch);
-    let sb = s * b;
-    let (h, vocab, block_elems, embed_copies) = match arch {
+    let n = s * b;
+    // (d_model, vocab, block forward elements, block params, embed params, head params)
+    let (h, vocab, block_elems, block_p, embed_p, head_p, heads) = match arch {
         Architecture::Generic => return UseActivations::default(),
-        Architecture::Gpt2(c) => (
-            c.d_model,
-            c.vocab_size,
-            sb * (16 * c.d_model + c.n_head * s),
-            2,
-        ),
-        Architecture::Llama(c) => {
-            let kv_elems = 2 * c.d_model * c.n_kv_head / c.n_head.max(1);
+        Architecture::Gpt2(c) => {
+            let d = c.d_model;
+            let small = if c.bias { 13 * d } else { 2 * d };
             (
-                c.d_model,
+                d,
                 c.vocab_size,
-                sb * (6 * c.d_model + kv_elems + 4 * c.ffn_hidden + c.n_head * s),
-                1,
+                n * (27 * d + 2 * c.n_head * s),
+                12 * d * d + small,
+                (c.vocab_size + c.n_positions) * d,
+                (if c.bias { 2 * d } else { d }) + c.vocab_size * d,
+                c.n_head,
+            )
+        }
+        Architecture::Llama(c) => {
+            let d = c.d_model;
+            let kv = d * c.n_kv_head / c.n_head.max(1);
+            let bias = if c.qkv_bias { d + 2 * kv } else { 0 };
+            (
+                d,
+                c.vocab_size,
+                n * (6 * d + 2 * kv + 4 * c.ffn_hidden + c.n_head * s),
+                2 * d * d + 2 * d * kv + 3 * d * c.ffn_hidden + 2 * d + bias,
+                c.vocab_size * d,
+                d + c.vocab_size * d,
+                c.n_head,
             )
         }
     };
-    let hidden = Bytes(e * sb * h);
+    let hidden = Bytes(e * n * h);
     match role {
         UseRole::Embedding => UseActivations {
-            input: Bytes(4 * sb),
-            live: hidden * embed_copies,
+            input: Bytes(4 * n),
+            live: hidden,
             output: hidden,
+            backward: Bytes(e * (7 * n * h + 3 * embed_p)),
         },
         UseRole::Block => UseActivations {
             input: hidden,
             live: Bytes(e * block_elems),
             output: hidden,
+            backward: Bytes(e * (16 * n * h + 6 * heads * s * n + 3 * block_p)),
         },
         UseRole::Head => UseActivations {
             input: hidden,
-            live: hidden + Bytes(sb * vocab * (e + 4)),
+            live: Bytes(e * n * (h + vocab)),
             output: Bytes(4),
+            backward: Bytes(e * (3 * n * h + 5 * vocab * n + 3 * head_p)),
         },
     }
 }
@@ -312,10 +355,18 @@ struct UnitSums {
 
 /// Builds the memory plan of one rank from the layouts and the schedule (see the contract).
 ///
-/// Activations per micro-batch, at forward step `k` over uses `u_0..u_{m-1}`:
-/// with `reshard_after_forward` (unit-level recompute) `sum_{j<=k} input_j + live_k`;
-/// otherwise (whole graph kept) `input_0 + sum_{j<=k} live_j`. At backward step `k` (use
-/// `u_i`, `i = m-1-k`): the same as forward step `i` plus `output_i` (its incoming gradient).
+/// Activations per micro-batch over uses `u_0..u_{m-1}` (see [`UseActivations`]), as this
+/// engine holds them. `c_j` = `input_j` for the uses that take a gradient for their input
+/// (every use but the first: the engine makes the input a fresh autograd variable, a copy),
+/// else 0. Forward step `k`:
+/// - `reshard_after_forward` (unit-level recompute, no graph kept):
+///   `sum_{j<=k} input_j + live_k`, plus `c_k` for the last use (the loss keeps its graph).
+/// - otherwise (whole graph kept): `input_0 + sum_{j<=k} (live_j + c_j)`.
+///
+/// Backward step of use `i`: recompute: `sum_{j<=i} input_j + c_i + live_i + backward_i +
+/// output_i` (inputs of later uses are gone, the recomputed graph plus its gradient store
+/// and the incoming output gradient are alive); kept graph: the forward value at `i` plus
+/// `backward_i + output_i`.
 pub fn memory_plan(
     arch: &Architecture,
     units: &[UnitLayout],
@@ -377,22 +428,31 @@ pub fn memory_plan(
         .map(|st| use_activations(arch, st.role, cfg))
         .collect();
     let m = acts.len();
-    // Prefix sums of inputs and lives: activation bytes while forward use k computes.
+    // Prefix sums of inputs and of kept graphs: activation bytes while forward use k computes.
+    let copy = |k: usize| if k == 0 { Bytes(0) } else { acts[k].input };
     let mut in_sum = Vec::with_capacity(m);
-    let mut live_sum = Vec::with_capacity(m);
-    let (mut si, mut sl) = (Bytes(0), Bytes(0));
-    for a in &acts {
+    let mut kept_sum = Vec::with_capacity(m);
+    let (mut si, mut sk) = (Bytes(0), acts.first().map_or(Bytes(0), |a| a.input));
+    for (k, a) in acts.iter().enumerate() {
         si += a.input;
-        sl += a.live;
+        sk += a.live + copy(k);
         in_sum.push(si);
-        live_sum.push(sl);
+        kept_sum.push(sk);
     }
     let fwd_act = |k: usize| -> Bytes {
         if schedule.reshard_after_forward {
-            in_sum[k] + acts[k].live
+            in_sum[k] + acts[k].live + if k + 1 == m { copy(k) } else { Bytes(0) }
         } else {
-            acts[0].input + live_sum[k]
+            kept_sum[k]
         }
+    };
+    let bwd_act = |i: usize| -> Bytes {
+        let graph = if schedule.reshard_after_forward {
+            in_sum[i] + copy(i) + acts[i].live
+        } else {
+            kept_sum[i]
+        };
+        graph + acts[i].backward + acts[i].output
     };
 
     let sync_last = cfg.grad_sync == GradSync::LastMicroBatch && cfg.grad_accum > 1;
@@ -440,8 +500,7 @@ pub fn memory_plan(
             if reduce_now && shard_size > 1 {
                 b.staging = Bytes(rd * sums[st.unit].shard_trainable);
             }
-            let i = m - 1 - k;
-            b.activations = fwd_act(i) + acts[i].output;
+            b.activations = bwd_act(m - 1 - k);
             timeline.push(point(mb, Phase::Backward, k, st, b));
         }
     }

@@ -189,21 +189,30 @@ fn activations_follow_the_documented_formulas() {
     c.micro_batch = 2;
     let p = plan(&spec, &c).unwrap();
     let (s, b, h, a, v, e) = (64u64, 2u64, 128u64, 4u64, 256u64, 4u64);
-    let hidden = e * s * b * h;
-    let block = e * s * b * (16 * h + a * s);
+    let n = s * b;
+    let hidden = e * n * h;
+    // Block forward kept by the graph: N*(27h + 2a*s) elements.
+    let block = e * n * (27 * h + 2 * a * s);
+    // Block backward on top: 16hN + 6a*s*N + 3P, P = 12h^2 + 13h (with biases).
+    let block_bwd = e * (16 * n * h + 6 * a * s * n + 3 * (12 * h * h + 13 * h));
+    let head_live = e * n * (h + v);
     let t = &p.memory.timeline;
     // Forward step 1 (h.0) under recompute: inputs of embed (ids) and h.0 kept + h.0 live.
-    assert_eq!(t[1].bytes.activations.0, 4 * s * b + hidden + block);
-    // Head forward: all inputs + final norm + logits and f32 log-softmax.
-    let inputs = 4 * s * b + 5 * hidden;
+    assert_eq!(t[1].bytes.activations.0, 4 * n + hidden + block);
+    // Head forward: all inputs, the head's input copy (a fresh autograd variable), LN + logits.
+    let inputs = 4 * n + 5 * hidden;
+    assert_eq!(t[5].bytes.activations.0, inputs + hidden + head_live);
+    // Backward of h.3 (backward step 1): inputs up to h.3, its input copy, the recomputed
+    // graph, the gradient store, the incoming output gradient.
     assert_eq!(
-        t[5].bytes.activations.0,
-        inputs + hidden + s * b * v * (e + 4)
+        t[7].bytes.activations.0,
+        4 * n + 4 * hidden + hidden + block + block_bwd + hidden
     );
-    // Keep-after-forward keeps the whole graph.
+    // Keep-after-forward keeps the whole graph: embedding out, per later use its input copy
+    // and its graph.
     c.strategy = Strategy::ShardGradOp;
     let k = plan(&spec, &c).unwrap();
-    let all = 4 * s * b + 2 * hidden + 4 * block + hidden + s * b * v * (e + 4);
+    let all = 4 * n + hidden + 4 * (hidden + block) + hidden + head_live;
     assert_eq!(k.memory.timeline[5].bytes.activations.0, all);
 }
 
