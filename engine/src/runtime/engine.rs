@@ -618,7 +618,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                             y
                         }
                     };
-                    (y * g)?.sum_all()?
+                    crate::model::ops::backward_seed(&y, &g)?
                 };
                 let x_in = inputs[s].take().unwrap_or(x_in);
                 let mut grads = root.backward()?;
