@@ -363,9 +363,10 @@ struct UnitSums {
 ///   `sum_{j<=k} input_j + live_k`, plus `c_k` for the last use (the loss keeps its graph).
 /// - otherwise (whole graph kept): `input_0 + sum_{j<=k} (live_j + c_j)`.
 ///
-/// Backward step of use `i`: recompute: `sum_{j<=i} input_j + c_i + live_i + backward_i +
-/// output_i` (inputs of later uses are gone, the recomputed graph plus its gradient store
-/// and the incoming output gradient are alive); kept graph: the forward value at `i` plus
+/// Backward step of use `i`: recompute: `sum_{j<=i} input_j + live_i + backward_i +
+/// output_i` (inputs of later uses are gone; use `i`'s input is now its variable copy, the
+/// original dropped; the recomputed graph plus its gradient store and the incoming output
+/// gradient are alive); kept graph: the forward value at `i` plus
 /// `backward_i + output_i`.
 pub fn memory_plan(
     arch: &Architecture,
@@ -447,8 +448,10 @@ pub fn memory_plan(
         }
     };
     let bwd_act = |i: usize| -> Bytes {
+        // Recompute: the engine re-creates the input as an autograd variable (a copy) and
+        // drops the kept original before the backward runs, so the input counts once.
         let graph = if schedule.reshard_after_forward {
-            in_sum[i] + copy(i) + acts[i].live
+            in_sum[i] + acts[i].live
         } else {
             kept_sum[i]
         };

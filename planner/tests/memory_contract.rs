@@ -202,11 +202,11 @@ fn activations_follow_the_documented_formulas() {
     // Head forward: all inputs, the head's input copy (a fresh autograd variable), LN + logits.
     let inputs = 4 * n + 5 * hidden;
     assert_eq!(t[5].bytes.activations.0, inputs + hidden + head_live);
-    // Backward of h.3 (backward step 1): inputs up to h.3, its input copy, the recomputed
-    // graph, the gradient store, the incoming output gradient.
+    // Backward of h.3 (backward step 1): inputs up to h.3 (its own now the variable copy),
+    // the recomputed graph, the gradient store, the incoming output gradient.
     assert_eq!(
         t[7].bytes.activations.0,
-        4 * n + 4 * hidden + hidden + block + block_bwd + hidden
+        4 * n + 4 * hidden + block + block_bwd + hidden
     );
     // Keep-after-forward keeps the whole graph: embedding out, per later use its input copy
     // and its graph.
