@@ -99,45 +99,50 @@ fn process_peak_ratio(c: &Cfg) -> f64 {
 /// activation_bytes` (within 5% per stage). Before that model (Korthikanti-style forward
 /// estimate, no backward term) the ratio was 1.16 x to 1.72 x, the plan far too low.
 ///
-/// Asserted: shard-grad-op and DDP within [0.90, 1.10] (measured 0.94 to 0.96). Full shard:
-/// never above 1.10 (the plan is not exceeded by more than 10%), and at least 0.80; measured
-/// 0.86 to 0.94, varying from run to run. Why full shard cannot be held to 0.90 here: its
-/// per-rank peak is a short spike (the recomputed block's graph plus candle's gradient store
-/// at the attention/MLP gradients), and the process-wide counter sums two rank threads that do
-/// not reach that spike at the same instant (they meet only at collectives), so the process
-/// peak is below W x one rank's peak by a timing-dependent amount; the plan also adds the
-/// unit's flat gradient (ledger `unsharded_grads`, exact) to that spike while the engine
-/// allocates it only after candle's backward returns (about 3% of the peak for `mini`).
+/// Asserted: shard-grad-op and DDP within [0.90, 1.10] (measured 0.94 to 0.97); full shard
+/// at W=1 within [0.90, 1.10] (measured 0.93 for `mini` 8 x 128, 0.94 for `small` 4 x 128);
+/// full shard at W=2 never above 1.10 (the plan is not exceeded by more than 10%) and at
+/// least 0.80, measured 0.88 to 0.92, varying from run to run. Why full shard at W=2 cannot be
+/// held to 0.90 here: its per-rank peak is a short spike (the recomputed block's graph plus
+/// candle's gradient store at the attention/MLP gradients), and the process-wide counter sums
+/// two rank threads that do not reach that spike at the same instant (they meet only at
+/// collectives), so the process peak falls below W x one rank's peak by a timing-dependent
+/// 3-5% (compare W=1: 0.93). The rest of the margin: the plan adds the unit's flat gradient
+/// (ledger `unsharded_grads`, exact) to that spike while the engine allocates it only after
+/// candle's backward returns (about 3% of the peak for `mini`), and the fitted backward
+/// coefficients are rounded up.
 /// `FSDP_MEMORY_TABLE=1 cargo test -p fsdp --test engine_memory_process -- --nocapture`
 /// prints every figure (and `tiny`, 0.83 to 0.88 under full shard at 8 x 128).
 #[test]
 fn memory_process_peak_within_10_percent_of_plan() {
     let configs = [
-        ("mini", Strategy::FullShard, 2, 64),
-        ("mini", Strategy::FullShard, 8, 128),
-        ("mini", Strategy::ShardGradOp, 8, 128),
-        ("mini", Strategy::NoShard, 2, 64),
-        ("small", Strategy::FullShard, 4, 128),
-        ("small", Strategy::ShardGradOp, 2, 64),
-        ("small", Strategy::NoShard, 2, 64),
+        ("mini", 2, Strategy::FullShard, 2, 64),
+        ("mini", 2, Strategy::FullShard, 8, 128),
+        ("mini", 2, Strategy::ShardGradOp, 8, 128),
+        ("mini", 2, Strategy::NoShard, 2, 64),
+        ("small", 2, Strategy::FullShard, 4, 128),
+        ("small", 2, Strategy::ShardGradOp, 2, 64),
+        ("small", 2, Strategy::NoShard, 2, 64),
+        // One rank: full shard without a second thread to misalign with.
+        ("mini", 1, Strategy::FullShard, 8, 128),
     ];
     let table = std::env::var_os("FSDP_MEMORY_TABLE").is_some();
     let mut bad = Vec::new();
-    for (preset, strategy, b, t) in configs {
+    for (preset, w, strategy, b, t) in configs {
         let ratio = process_peak_ratio(&Cfg {
             preset,
-            w: 2,
+            w,
             strategy,
             b,
             t,
         });
-        let low = if strategy == Strategy::FullShard {
+        let low = if strategy == Strategy::FullShard && w > 1 {
             0.8
         } else {
             0.9
         };
         if !(low..=1.1).contains(&ratio) {
-            bad.push(format!("{preset} {strategy} B={b} T={t}: {ratio:.3}"));
+            bad.push(format!("{preset} W={w} {strategy} B={b} T={t}: {ratio:.3}"));
         }
     }
     if table {
