@@ -60,7 +60,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     let root = if matches!(stage, Stage::Head) {
                         y
                     } else {
-                        (y * &g)?.sum_all()?
+                        fsdp::model::ops::backward_seed(&y, &g)?
                     };
                     let grads = root.backward()?;
                     let bwd_peak = ALLOC.peak() - base;

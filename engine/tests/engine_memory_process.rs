@@ -96,20 +96,20 @@ fn process_peak_ratio(c: &Cfg) -> f64 {
 /// The plan's activations are `fsdp_planner::memory::UseActivations`: forward tensors counted
 /// op by op for this engine's GPT (they match the allocator to 0.2%), and candle's backward
 /// (gradient store, parameter gradients) fitted on `cargo run -p fsdp --example
-/// activation_bytes` (within 5% per stage). Before that model (Korthikanti-style forward
+/// activation_bytes` (within 5% per block). Before that model (Korthikanti-style forward
 /// estimate, no backward term) the ratio was 1.16 x to 1.72 x, the plan far too low.
 ///
 /// Asserted: shard-grad-op and DDP within [0.90, 1.10] (measured 0.94 to 0.97); full shard
-/// at W=1 within [0.90, 1.10] (measured 0.93 for `mini` 8 x 128, 0.94 for `small` 4 x 128);
-/// full shard at W=2 never above 1.10 (the plan is not exceeded by more than 10%) and at
-/// least 0.80, measured 0.88 to 0.92, varying from run to run. Why full shard at W=2 cannot be
-/// held to 0.90 here: its per-rank peak is a short spike (the recomputed block's graph plus
-/// candle's gradient store at the attention/MLP gradients), and the process-wide counter sums
-/// two rank threads that do not reach that spike at the same instant (they meet only at
-/// collectives), so the process peak falls below W x one rank's peak by a timing-dependent
-/// 3-5% (compare W=1: 0.93). The rest of the margin: the plan adds the unit's flat gradient
-/// (ledger `unsharded_grads`, exact) to that spike while the engine allocates it only after
-/// candle's backward returns (about 3% of the peak for `mini`), and the fitted backward
+/// at W=1 within [0.90, 1.10] (measured 0.97 for `mini` 8 x 128); full shard at W=2 never
+/// above 1.10 (the plan is not exceeded by more than 10%) and at least 0.85: measured 0.915
+/// to 0.93 on a quiet machine, but a few percent lower from run to run under load. Why full
+/// shard at W=2 is not held to 0.90 here: its per-rank peak is a short spike (the recomputed
+/// block's graph plus candle's gradient store at the attention/MLP gradients), and the
+/// process-wide counter sums two rank threads that do not reach that spike at the same instant
+/// (they meet only at collectives), so the process peak falls below W x one rank's peak by a
+/// timing-dependent 3-5% (compare W=1). The rest of the margin: the plan adds the unit's flat
+/// gradient (ledger `unsharded_grads`, exact) to that spike while the engine allocates it only
+/// after candle's backward returns (about 3% of the peak for `mini`), and the fitted backward
 /// coefficients are rounded up.
 /// `FSDP_MEMORY_TABLE=1 cargo test -p fsdp --test engine_memory_process -- --nocapture`
 /// prints every figure (and `tiny`, 0.83 to 0.88 under full shard at 8 x 128).
@@ -137,7 +137,7 @@ fn memory_process_peak_within_10_percent_of_plan() {
             t,
         });
         let low = if strategy == Strategy::FullShard && w > 1 {
-            0.8
+            0.85
         } else {
             0.9
         };
@@ -163,6 +163,6 @@ fn memory_process_peak_within_10_percent_of_plan() {
     }
     assert!(
         bad.is_empty(),
-        "process peak / plan total outside [0.90 (full shard 0.80), 1.10]: {bad:?}"
+        "process peak / plan total outside [0.90 (full shard W>1: 0.85), 1.10]: {bad:?}"
     );
 }
