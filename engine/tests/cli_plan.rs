@@ -198,3 +198,56 @@ fn cli_plan_table_json_and_svg() {
     let s = std::fs::read_to_string(&svg).unwrap();
     assert!(s.starts_with("<svg") && s.contains("device memory 4.00 GiB"));
 }
+
+#[test]
+fn cli_plan_shard_optimizer_zero1() {
+    let args = |s: &'static str| {
+        [
+            "--model",
+            "gpt2-xl",
+            "--world-size",
+            "8",
+            "--strategy",
+            s,
+            "--param-dtype",
+            "bf16",
+            "--reduce-dtype",
+            "bf16",
+            "--format",
+            "json",
+        ]
+    };
+    let o = fsdp(&args("shard-optimizer"));
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["strategy"]["name"], "shard-optimizer");
+    assert_eq!(v["config"]["strategy"]["kind"], "shard_optimizer");
+    assert_eq!(v["strategy"]["shard_size"], 8);
+    assert_eq!(v["schedule"]["replicated"], true);
+    // 2Psi + 2Psi + 12Psi/N over the padded elements (Rajbhandari et al. 2020, Figure 1).
+    let padded: u64 = v["units"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|u| u["flat_params"].as_array().unwrap())
+        .map(|f| f["padded_numel"].as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        v["memory"]["model_states"].as_u64().unwrap(),
+        4 * padded + 12 * padded / 8
+    );
+    // The alias names the same plan.
+    let z = fsdp(&args("zero1"));
+    assert_eq!(z.status.code(), Some(0));
+    assert_eq!(z.stdout, o.stdout);
+    // The fit report lists it.
+    let o = fsdp(&["--model", "gpt2-xl", "--device-memory", "40GiB"]);
+    assert_eq!(o.status.code(), Some(0));
+    let t = String::from_utf8(o.stdout).unwrap();
+    assert!(t.contains("  shard-optimizer "), "{t}");
+}

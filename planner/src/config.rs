@@ -11,7 +11,8 @@ use std::str::FromStr;
 ///
 /// World = shard group x replicate group (`W = S * R`); rank `r` holds shard `r % S` and is
 /// replica `r / S`. The ZeRO stages (Rajbhandari et al. 2020, "ZeRO", sec. 5) map to:
-/// `FullShard` = ZeRO-3, `ShardGradOp` = ZeRO-2 (plus sharded master weights), `NoShard` = DDP.
+/// `FullShard` = ZeRO-3, `ShardGradOp` = ZeRO-2 (plus sharded master weights),
+/// `ShardOptimizer` = ZeRO-1 (`P_os`), `NoShard` = DDP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Strategy {
@@ -21,6 +22,19 @@ pub enum Strategy {
     ShardGradOp,
     /// `S = 1`: every rank holds everything; gradients are all-reduced (DDP).
     NoShard,
+    /// `S = W`, optimizer-state sharding only (ZeRO-1, Rajbhandari et al. 2020 sec. 5.1,
+    /// `P_os`; DeepSpeed stage 1): parameters are replicated and stay unsharded in
+    /// `param_dtype` for the whole step (`pd * P` bytes per rank), the unsharded gradient
+    /// buffer (`rd * P_T` bytes) is alive the whole step and accumulates every micro-batch;
+    /// after the last micro-batch's backward each unit's gradient is reduce-scattered in place
+    /// (rank `r` keeps the reduced slice `[r*s_f, (r+1)*s_f)` of its own buffer) instead of
+    /// DDP's all-reduce; the f32 master shard and the optimizer state are sharded over the
+    /// world (`(4 + 8) * s` with AdamW), and after the optimizer step each rank writes its
+    /// updated shard, cast to `param_dtype`, into its slice of the replicated parameters,
+    /// which an in-place all-gather makes whole again. Model states per rank:
+    /// `pd*P + rd*P_T + 12*s` = the paper's `2Psi + 2Psi + 12Psi/N` with bf16.
+    /// Planned only: the `fsdp` engine refuses to execute it.
+    ShardOptimizer,
     /// Full shard inside groups of `shard_size` ranks, replicated across `W / shard_size`
     /// groups (FSDP HYBRID_SHARD).
     Hybrid {
@@ -28,16 +42,18 @@ pub enum Strategy {
         shard_size: u64,
     },
     /// The fastest strategy whose peak fits `device_memory`, tried in the order NoShard,
-    /// ShardGradOp, Hybrid (smallest shard group first), FullShard.
+    /// ShardOptimizer, ShardGradOp, Hybrid (smallest shard group first), FullShard.
     Auto,
 }
 
 impl Strategy {
-    /// The command-line name: `full-shard`, `shard-grad-op`, `no-shard`, `hybrid`, `auto`.
+    /// The command-line name: `full-shard`, `shard-grad-op`, `shard-optimizer`, `no-shard`,
+    /// `hybrid`, `auto`.
     pub fn cli_name(&self) -> &'static str {
         match self {
             Strategy::FullShard => "full-shard",
             Strategy::ShardGradOp => "shard-grad-op",
+            Strategy::ShardOptimizer => "shard-optimizer",
             Strategy::NoShard => "no-shard",
             Strategy::Hybrid { .. } => "hybrid",
             Strategy::Auto => "auto",
@@ -47,7 +63,9 @@ impl Strategy {
     /// Shard-group size `S` for a world of `world_size` ranks (`Auto` has none: `None`).
     pub fn shard_size(&self, world_size: u64) -> Option<u64> {
         match self {
-            Strategy::FullShard | Strategy::ShardGradOp => Some(world_size),
+            Strategy::FullShard | Strategy::ShardGradOp | Strategy::ShardOptimizer => {
+                Some(world_size)
+            }
             Strategy::NoShard => Some(1),
             Strategy::Hybrid { shard_size } => Some(*shard_size),
             Strategy::Auto => None,
@@ -55,9 +73,17 @@ impl Strategy {
     }
 
     /// Whether a unit is resharded (its unsharded parameters freed) right after its forward.
-    /// True for `FullShard` and `Hybrid`; false for `ShardGradOp` and `NoShard`.
+    /// True for `FullShard` and `Hybrid`; false for `ShardGradOp`, `ShardOptimizer` and
+    /// `NoShard`.
     pub fn reshard_after_forward(&self) -> bool {
         matches!(self, Strategy::FullShard | Strategy::Hybrid { .. })
+    }
+
+    /// Whether parameters and gradients stay unsharded (replicated) for the whole step, with
+    /// only the optimizer state and master weights sharded: true for `ShardOptimizer` (ZeRO-1)
+    /// only.
+    pub fn replicated_params_and_grads(&self) -> bool {
+        matches!(self, Strategy::ShardOptimizer)
     }
 }
 

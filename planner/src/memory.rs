@@ -5,6 +5,27 @@
 //! `T` = trainable flat params, `A` = all flat params; `pd`, `rd` = bytes of param_dtype and
 //! reduce_dtype. Every rank of a plan holds the same bytes, because all shards of a flat
 //! parameter have the same length `s_f` (padding makes them equal).
+//!
+//! **Shard-optimizer (ZeRO-1, Rajbhandari et al. 2020 sec. 5.1, Figure 1 `P_os`)** in these
+//! categories (a schedule with `replicated` set), at every point of the step, forward,
+//! backward and optimizer step alike:
+//! - `unsharded_params` = `pd * sum_A P_f`: the replicated parameters (paper: `2Psi` fp16
+//!   parameters), never freed; 0 when `S == 1` and param_dtype is f32 (the shard is the
+//!   parameter, as for every strategy);
+//! - `unsharded_grads` = `rd * sum_T P_f`: the replicated gradient buffer (paper: `2Psi` fp16
+//!   gradients), accumulating every micro-batch and reduced once, after the last
+//!   micro-batch's backward, whatever `grad_sync` says (sync every micro-batch would only add
+//!   communication: the buffer is unsharded anyway);
+//! - `staging` = 0: each flat gradient is reduce-scattered in place, rank `r`'s reduced shard
+//!   being the slice `[r*s_f, (r+1)*s_f)` of its own buffer, which the optimizer reads;
+//! - `grad_shards` = 0 (no f32 gradient shard: the optimizer upcasts the reduced slice) and
+//!   `param_shards_low_precision` = 0 (the updated master shard is cast straight into this
+//!   rank's slice of the replicated parameters, then all-gathered in place);
+//! - `param_shards` = `4 * sum_A s_f` and `optimizer_state` as for every strategy (paper:
+//!   `K Psi / N`, K = 12 with AdamW).
+//!
+//! So [`MemoryPlan::model_states`] = `pd*P + rd*P_T + (4 + 8)*s` = the paper's
+//! `2Psi + 2Psi + 12Psi/N` with bf16 params and reduce dtype, exact up to padding.
 
 use crate::config::{GradSync, PlanConfig};
 use crate::layout::UnitLayout;
@@ -26,11 +47,14 @@ pub enum Category {
     GradShards,
     /// Optimizer state: AdamW `8 * sum_T s_f`, SGD momentum `4 * sum_T s_f`.
     OptimizerState,
-    /// All-gather outputs alive: `pd * P_unit` per unsharded unit.
+    /// All-gather outputs alive: `pd * P_unit` per unsharded unit (shard-optimizer: the
+    /// replicated parameters, every unit all step).
     UnshardedParams,
-    /// Unsharded flat gradients (transient per unit, or persistent f32 under sync-last).
+    /// Unsharded flat gradients (transient per unit, persistent f32 under sync-last, or the
+    /// replicated `rd` buffer of every trainable unit all step under shard-optimizer).
     UnshardedGrads,
-    /// Reduce-scatter outputs: `rd * s_f` of the unit being reduced (0 when S == 1).
+    /// Reduce-scatter outputs: `rd * s_f` of the unit being reduced (0 when S == 1, and under
+    /// shard-optimizer, whose reduce-scatter runs in place).
     Staging,
     /// Estimated activations (not part of the exact ledger).
     Activations,
@@ -215,7 +239,11 @@ pub struct MemoryPlan {
     pub peak_phase: Phase,
     /// Unit use computing at the overall peak.
     pub peak_unit: String,
-    /// Model states per rank (persistent categories), see [`CategoryBytes::model_states`].
+    /// Model states per rank: the bytes held for the whole step, i.e. the optimizer step's
+    /// ledger total. For every sharding strategy that is [`CategoryBytes::model_states`]
+    /// (param shards, low-precision shards, grad shards, optimizer state); under
+    /// shard-optimizer (ZeRO-1) it also counts the replicated `unsharded_params` and
+    /// `unsharded_grads`, alive all step (see the module doc).
     pub model_states: Bytes,
     /// Every schedule position of one step.
     pub timeline: Vec<TimelinePoint>,
@@ -405,14 +433,20 @@ pub fn memory_plan(
     let shard_t: u64 = sums.iter().map(|s| s.shard_trainable).sum();
     let padded_t: u64 = sums.iter().map(|s| s.padded_trainable).sum();
 
+    // Shard-optimizer (ZeRO-1): params and grads replicated all step (see the module doc).
+    let replicated = schedule.replicated;
     let persistent = CategoryBytes {
         param_shards: Bytes(4 * shard_all),
-        param_shards_low_precision: if cfg.param_dtype != DType::F32 {
+        param_shards_low_precision: if cfg.param_dtype != DType::F32 && !replicated {
             Bytes(pd * shard_all)
         } else {
             Bytes(0)
         },
-        grad_shards: Bytes(4 * shard_t),
+        grad_shards: if replicated {
+            Bytes(0)
+        } else {
+            Bytes(4 * shard_t)
+        },
         optimizer_state: Bytes(cfg.optimizer.state_bytes_per_element() * shard_t),
         ..Default::default()
     };
@@ -460,7 +494,10 @@ pub fn memory_plan(
         graph + acts[i].backward + acts[i].output
     };
 
-    let sync_last = cfg.grad_sync == GradSync::LastMicroBatch && cfg.grad_accum > 1;
+    // Under shard-optimizer the replicated rd buffer itself accumulates (no f32 copy).
+    let sync_last = cfg.grad_sync == GradSync::LastMicroBatch && cfg.grad_accum > 1 && !replicated;
+    let all_units: Vec<usize> = (0..units.len()).collect();
+    let replicated_grads = Bytes(rd * padded_t);
     let persistent_grads = Bytes(4 * padded_t);
     let micro_batches: Vec<u64> = if cfg.grad_accum > 1 {
         vec![0, cfg.grad_accum - 1]
@@ -476,6 +513,9 @@ pub fn memory_plan(
             b.unsharded_params = unsharded(&st.alive);
             if sync_last {
                 b.unsharded_grads = persistent_grads;
+            }
+            if replicated {
+                b.unsharded_grads = replicated_grads;
             }
             b.activations = fwd_act(k);
             timeline.push(point(mb, Phase::Forward, k, st, b));
@@ -502,19 +542,27 @@ pub fn memory_plan(
                         .sum::<u64>(),
                 );
             }
-            if reduce_now && shard_size > 1 {
+            if replicated {
+                // grads_alive holds every trainable unit; reduced in place: no staging.
+                b.unsharded_grads = replicated_grads;
+            } else if reduce_now && shard_size > 1 {
                 b.staging = Bytes(rd * sums[st.unit].shard_trainable);
             }
             b.activations = bwd_act(m - 1 - k);
             timeline.push(point(mb, Phase::Backward, k, st, b));
         }
     }
+    let mut opt_bytes = persistent;
+    if replicated {
+        opt_bytes.unsharded_params = unsharded(&all_units);
+        opt_bytes.unsharded_grads = replicated_grads;
+    }
     timeline.push(TimelinePoint {
         micro_batch: cfg.grad_accum - 1,
         phase: Phase::OptimizerStep,
         step: 0,
         label: "all shards".into(),
-        bytes: persistent,
+        bytes: opt_bytes,
     });
 
     let phases: Vec<PhaseMemory> = [Phase::Forward, Phase::Backward, Phase::OptimizerStep]
@@ -547,7 +595,7 @@ pub fn memory_plan(
         peak: top.peak_total,
         peak_phase: top.phase,
         peak_unit: top.peak_unit.clone(),
-        model_states: persistent.model_states(),
+        model_states: opt_bytes.ledger_total(),
         phases,
         timeline,
     }

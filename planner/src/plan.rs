@@ -4,7 +4,7 @@ use crate::config::{PlanConfig, Strategy};
 use crate::error::PlanError;
 use crate::layout::{layout_units, UnitLayout};
 use crate::memory::{memory_plan, MemoryPlan};
-use crate::schedule::{build_schedule, Schedule};
+use crate::schedule::{build_replicated_schedule, build_schedule, Schedule};
 use crate::spec::{Architecture, ModelSpec};
 use fsdp_types::{Bytes, Numel};
 use serde::{Deserialize, Serialize};
@@ -148,9 +148,13 @@ struct FingerprintInput<'a> {
 /// the schedule and the memory plan, and fingerprints the result. Pure and deterministic: no
 /// I/O, no clock, no randomness; the same inputs give the same bytes on every rank.
 ///
-/// `Strategy::Auto` tries NoShard, ShardGradOp, Hybrid (each shard-group size dividing `W`,
-/// smallest first) and FullShard, and keeps the first whose peak fits `device_memory`; if none
-/// fits it keeps FullShard (the least memory) and says so in `auto_reason`.
+/// `Strategy::Auto` tries NoShard, ShardOptimizer, ShardGradOp, Hybrid (each shard-group size
+/// dividing `W`, smallest first) and FullShard, fastest first (ShardOptimizer and ShardGradOp
+/// move the volume of DDP's all-reduce, Rajbhandari et al. 2020 sec. 7, but ShardOptimizer
+/// all-gathers once after the optimizer step while ShardGradOp all-gathers unit by unit in
+/// forward; FullShard gathers again in backward, 1.5x the volume), and
+/// keeps the first whose peak fits `device_memory`; if none fits it keeps FullShard (the least
+/// memory) and says so in `auto_reason`.
 ///
 /// Errors: `ZeroWorldSize`, `ShardSizeNotDivisor`, `ZeroAlignment`, `InvalidConfig`
 /// (micro-batch, sequence length or accumulation 0; auto without a budget; a sequence longer
@@ -172,6 +176,7 @@ pub fn plan(spec: &ModelSpec, cfg: &PlanConfig) -> Result<ShardPlan, PlanError> 
     let w = cfg.world_size;
     let mut candidates = vec![Strategy::NoShard];
     if w > 1 {
+        candidates.push(Strategy::ShardOptimizer);
         candidates.push(Strategy::ShardGradOp);
         candidates.extend(
             (2..w)
@@ -223,7 +228,11 @@ fn plan_with(
     let w = cfg.world_size;
     let shard_size = strategy.shard_size(w).expect("resolved strategy");
     let units = layout_units(spec, shard_size, cfg.alignment)?;
-    let schedule = build_schedule(spec, &units, strategy.reshard_after_forward(), cfg.prefetch);
+    let schedule = if strategy.replicated_params_and_grads() {
+        build_replicated_schedule(spec, &units)
+    } else {
+        build_schedule(spec, &units, strategy.reshard_after_forward(), cfg.prefetch)
+    };
     let memory = memory_plan(&spec.arch, &units, &schedule, cfg, shard_size);
     let per_unit: Vec<Numel> = units
         .iter()
@@ -295,7 +304,8 @@ pub struct MinWorld {
 /// Largest world size the fit search tries.
 pub const MAX_SEARCH_WORLD: u64 = 1 << 20;
 
-/// For each of full shard, shard-grad-op, no-shard and hybrid, the smallest world size whose
+/// For each of full shard, shard-grad-op, shard-optimizer, no-shard and hybrid (in that
+/// order in the result), the smallest world size whose
 /// peak fits `budget`, with every other setting of `cfg` kept. The peak falls with the world
 /// size except for padding (at most `alignment * W` elements per flat param), so the search
 /// doubles to the first fitting size and then bisects.
@@ -320,6 +330,7 @@ pub fn min_world_sizes(
     for s in [
         Strategy::FullShard,
         Strategy::ShardGradOp,
+        Strategy::ShardOptimizer,
         Strategy::NoShard,
     ] {
         let p1 = peak_at(s, 1)?;

@@ -93,7 +93,9 @@ pub fn render_table(plan: &ShardPlan, fit: Option<&FitReport>) -> String {
         o,
         "strategy   {}{}",
         plan.strategy,
-        if plan.schedule.reshard_after_forward {
+        if plan.schedule.replicated {
+            "; params and grads replicated all step, optimizer state and master weights sharded"
+        } else if plan.schedule.reshard_after_forward {
             "; reshard after forward"
         } else {
             "; keep unsharded after forward"
@@ -118,6 +120,8 @@ pub fn render_table(plan: &ShardPlan, fit: Option<&FitReport>) -> String {
         c.seq_len,
         c.grad_accum,
         match c.grad_sync {
+            _ if plan.schedule.replicated && c.grad_accum > 1 =>
+                "last micro-batch only (replicated gradients)",
             crate::config::GradSync::EveryMicroBatch => "every micro-batch",
             crate::config::GradSync::LastMicroBatch => "last micro-batch only",
         },
@@ -269,7 +273,7 @@ pub fn render_table(plan: &ShardPlan, fit: Option<&FitReport>) -> String {
                     mw.peak
                 ),
             };
-            let _ = writeln!(o, "  {name:<14} {line}");
+            let _ = writeln!(o, "  {name:<16} {line}");
         }
     }
     o

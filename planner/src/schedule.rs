@@ -11,7 +11,11 @@
 //! - forward, keep after forward: uses `0..=k+p`;
 //! - backward, reshard after forward: backward uses `k..=k+p`;
 //! - backward, keep after forward: backward uses `k..m` (units not yet done with backward);
-//! - the root unit is alive from its first forward use until its last backward use.
+//! - the root unit is alive from its first forward use until its last backward use;
+//! - replicated parameters and gradients (shard-optimizer, ZeRO-1): every unit is alive at
+//!   every step, forward and backward, no all-gather is issued (nothing to prefetch), and every
+//!   trainable unit's gradient buffer is alive at every backward step (see
+//!   [`build_replicated_schedule`]).
 
 use crate::layout::UnitLayout;
 use crate::spec::ModelSpec;
@@ -60,6 +64,11 @@ pub struct Schedule {
     pub prefetch: u64,
     /// The tied-head root unit used first and last, if any.
     pub root_unit: Option<usize>,
+    /// Parameters and gradients stay unsharded (replicated) for the whole step, only the
+    /// master weights and optimizer state are sharded (shard-optimizer, ZeRO-1). Omitted from
+    /// JSON (and from the fingerprint input) when false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replicated: bool,
     /// Forward steps.
     pub forward: Vec<ScheduleStep>,
     /// Backward steps (reverse of the forward uses).
@@ -174,9 +183,39 @@ pub fn build_schedule(
         reshard_after_forward,
         prefetch,
         root_unit: root,
+        replicated: false,
         forward,
         backward,
     }
+}
+
+/// The schedule of the shard-optimizer strategy (ZeRO-1, Rajbhandari et al. 2020 sec. 5.1):
+/// the uses, roles, labels and `reduce_scatter` flags of the keep-after-forward schedule, but
+/// every unit is alive (unsharded) at every forward and backward step, no all-gather is issued
+/// during forward or backward (`prefetch` lists empty, depth 0: the replicated parameters are
+/// made whole by the all-gather after the optimizer step), and every trainable unit's
+/// gradient buffer is alive at every backward step (`grads_alive`: the gradients of all units
+/// accumulate in one persistent unsharded buffer). A unit's `reduce_scatter` is still set at
+/// its last backward use: its gradient is complete there and is reduce-scattered in place.
+pub fn build_replicated_schedule(spec: &ModelSpec, units: &[UnitLayout]) -> Schedule {
+    let mut s = build_schedule(spec, units, false, 0);
+    let all: Vec<usize> = (0..units.len()).collect();
+    let trainable: Vec<usize> = all
+        .iter()
+        .copied()
+        .filter(|&u| units[u].flat_params.iter().any(|f| f.trainable))
+        .collect();
+    for st in &mut s.forward {
+        st.alive.clone_from(&all);
+        st.prefetch.clear();
+    }
+    for st in &mut s.backward {
+        st.alive.clone_from(&all);
+        st.prefetch.clear();
+        st.grads_alive.clone_from(&trainable);
+    }
+    s.replicated = true;
+    s
 }
 
 /// Units of uses `k+1..=hi` not alive at the previous step and not the unit at `k`, in issue

@@ -270,6 +270,7 @@ fn auto_picks_the_fastest_strategy_that_fits() {
     assert_eq!(p.strategy, Strategy::ShardGradOp);
     let why = p.auto_reason.as_deref().unwrap();
     assert!(why.contains("no-shard needs"), "{why}");
+    assert!(why.contains("shard-optimizer needs"), "{why}");
     c.device_memory = Some(fsdp_types::Bytes(30 << 30));
     let p = plan(&spec, &c).unwrap();
     assert!(matches!(
@@ -282,4 +283,98 @@ fn auto_picks_the_fastest_strategy_that_fits() {
     assert_eq!(p.strategy, Strategy::FullShard);
     assert!(p.auto_reason.clone().unwrap().starts_with("nothing fits"));
     assert_eq!(p.fits(), Some(false));
+}
+
+#[test]
+fn shard_optimizer_keeps_params_and_grads_replicated_all_step() {
+    // Units b0 [10], b1 [10], tied root [6,5] (30): padded 10 + 10 + 30 = 50 for S = 2.
+    let mut c = cfg(2, Strategy::ShardOptimizer);
+    c.grad_accum = 2;
+    c.grad_sync = GradSync::LastMicroBatch;
+    let p = plan(&chain(2, true), &c).unwrap();
+    assert_eq!((p.shard_size, p.replicate_size), (2, 1));
+    assert!(p.schedule.replicated && !p.schedule.reshard_after_forward);
+    for st in p.schedule.forward.iter().chain(&p.schedule.backward) {
+        assert_eq!(st.alive, vec![0, 1, 2], "{}", st.label);
+        assert!(st.prefetch.is_empty(), "{}", st.label);
+    }
+    for st in &p.schedule.backward {
+        assert_eq!(st.grads_alive, vec![0, 1, 2], "{}", st.label);
+    }
+    // The root is reduce-scattered once, at its last backward use (the embedding).
+    let rs: Vec<&str> = p
+        .schedule
+        .backward
+        .iter()
+        .filter(|s| s.reduce_scatter)
+        .map(|s| s.label.as_str())
+        .collect();
+    assert_eq!(rs, ["b1", "b0", "root (embedding)"]);
+    // bf16 params 2*50, f32 grads 4*50 (the replicated buffer accumulates: no extra f32
+    // copy under sync-last), f32 master 4*25, AdamW 8*25; in-place reduce-scatter.
+    assert_eq!(p.memory.timeline.len(), 2 * (4 + 4) + 1);
+    for t in &p.memory.timeline {
+        let b = t.bytes;
+        assert_eq!(b.unsharded_params.0, 100, "{t:?}");
+        assert_eq!(b.unsharded_grads.0, 200, "{t:?}");
+        assert_eq!(b.param_shards.0, 100, "{t:?}");
+        assert_eq!(b.optimizer_state.0, 200, "{t:?}");
+        assert_eq!(
+            (b.param_shards_low_precision.0, b.grad_shards.0, b.staging.0),
+            (0, 0, 0),
+            "{t:?}"
+        );
+        assert_eq!(b.total().0, 600, "{t:?}");
+    }
+    assert_eq!(p.memory.model_states.0, 600);
+    assert_eq!(p.memory.peak.0, 600);
+    // A different strategy, a different fingerprint; the same config, the same one.
+    let fs = plan(&chain(2, true), &cfg(2, Strategy::ShardGradOp)).unwrap();
+    assert_ne!(fs.fingerprint, p.fingerprint);
+    assert_eq!(
+        plan(&chain(2, true), &c).unwrap().fingerprint,
+        p.fingerprint
+    );
+}
+
+#[test]
+fn auto_tries_shard_optimizer_after_no_shard() {
+    let spec = fsdp_planner::preset("gpt2-xl").unwrap();
+    let mut c = PlanConfig::new(8);
+    c.param_dtype = DType::BF16;
+    c.reduce_dtype = DType::BF16;
+    let peak = |s: Strategy| {
+        let mut c = c.clone();
+        c.strategy = s;
+        plan(&spec, &c).unwrap().memory.peak
+    };
+    let (ddp, z1) = (peak(Strategy::NoShard), peak(Strategy::ShardOptimizer));
+    assert!(z1 < ddp && z1 > peak(Strategy::ShardGradOp));
+    c.strategy = Strategy::Auto;
+    c.device_memory = Some(z1);
+    let p = plan(&spec, &c).unwrap();
+    assert_eq!(p.strategy, Strategy::ShardOptimizer);
+    let why = p.auto_reason.as_deref().unwrap();
+    assert!(
+        why.starts_with("shard-optimizer is the fastest strategy that fits"),
+        "{why}"
+    );
+    assert!(why.contains(&format!("no-shard needs {ddp}")), "{why}");
+    c.device_memory = Some(ddp);
+    assert_eq!(plan(&spec, &c).unwrap().strategy, Strategy::NoShard);
+    // The fit report lists shard-optimizer between shard-grad-op and no-shard.
+    let mw = fsdp_planner::min_world_sizes(&spec, &c, z1).unwrap();
+    let names: Vec<&str> = mw.iter().map(|m| m.strategy.cli_name()).collect();
+    assert_eq!(
+        names,
+        [
+            "full-shard",
+            "shard-grad-op",
+            "shard-optimizer",
+            "no-shard",
+            "hybrid"
+        ]
+    );
+    let z1_min = mw[2].world_size.unwrap();
+    assert!(z1_min <= 8 && mw[2].peak <= z1);
 }

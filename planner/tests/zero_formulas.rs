@@ -13,8 +13,11 @@
 //! - paper K = 12 (fp32 master 4 + momentum 4 + variance 4) <-> `param_shards` (4) +
 //!   `optimizer_state` (8).
 //!
-//! Optimizer-only sharding (ZeRO-1, 2Psi + 2Psi + 12Psi/N) is not a strategy of this planner
-//! (FSDP has no equivalent), so it has no test here.
+//! Optimizer-only sharding (ZeRO-1, `Strategy::ShardOptimizer`) keeps the paper's replicated
+//! bf16 parameters and gradients as `unsharded_params` and `unsharded_grads` alive all step,
+//! reduce-scatters in place (no f32 gradient shard, no staging) and writes updated master
+//! shards straight into the replicated parameters (no bf16 shard copy): its model states are
+//! exactly the paper's `2Psi + 2Psi + 12Psi/N`.
 
 use fsdp_planner::{plan, preset, Phase, PlanConfig, Strategy};
 use fsdp_types::DType;
@@ -106,4 +109,73 @@ fn ddp_no_shard_fp32_is_16_psi() {
     // The shard is the parameter: no gathered copy in f32.
     assert_eq!(p.memory.phase(Phase::Forward).max.unsharded_params.0, 0);
     assert_eq!(p.memory.phase(Phase::Backward).max.staging.0, 0);
+}
+
+#[test]
+fn zero1_optimizer_only_is_2_psi_plus_2_psi_plus_12_psi_over_n() {
+    for (name, n) in [("gpt2-large", 16u64), ("llama2-7b", 64), ("gpt2", 3)] {
+        let (p, psi, padded) = states(name, n, Strategy::ShardOptimizer, true);
+        assert_eq!(
+            p.shard_size, n,
+            "{name}: optimizer state sharded over the world"
+        );
+        assert_eq!(p.replicate_size, 1);
+        let per = padded / n;
+        assert_eq!(per * n, padded);
+        // Padding is below one element per rank per flat param.
+        let flats = p
+            .units
+            .iter()
+            .map(|u| u.flat_params.len() as u64)
+            .sum::<u64>();
+        assert!(padded - psi < n * flats, "{name}");
+        // Paper (Rajbhandari et al. 2020, Figure 1, P_os): 2Psi + 2Psi + K Psi/N, K = 12.
+        assert_eq!(
+            p.memory.model_states.0,
+            2 * padded + 2 * padded + 12 * per,
+            "{name} N={n}"
+        );
+        let ideal = 4.0 * psi as f64 + 12.0 * psi as f64 / n as f64;
+        let rel = (p.memory.model_states.0 as f64 - ideal) / ideal;
+        assert!((0.0..1e-3).contains(&rel), "{name} N={n}: {rel}");
+        // Category by category, at every point of the step (everything alive all step).
+        for t in &p.memory.timeline {
+            let b = t.bytes;
+            let at = format!("{name} {:?} {}", t.phase, t.label);
+            assert_eq!(b.unsharded_params.0, 2 * padded, "{at}: 2Psi bf16 params");
+            assert_eq!(b.unsharded_grads.0, 2 * padded, "{at}: 2Psi bf16 grads");
+            assert_eq!(b.param_shards.0, 4 * per, "{at}: f32 master shard");
+            assert_eq!(b.optimizer_state.0, 8 * per, "{at}: Adam moments");
+            assert_eq!(b.param_shards_low_precision.0, 0, "{at}");
+            assert_eq!(b.grad_shards.0, 0, "{at}");
+            assert_eq!(b.staging.0, 0, "{at}: in-place reduce-scatter");
+            assert_eq!(b.ledger_total(), p.memory.model_states, "{at}");
+        }
+        // Every unit stays unsharded at every step; no all-gather before the optimizer step.
+        let all: Vec<usize> = (0..p.units.len()).collect();
+        for st in p.schedule.forward.iter().chain(&p.schedule.backward) {
+            assert_eq!(st.alive, all);
+            assert!(st.prefetch.is_empty());
+        }
+        assert!(p.schedule.replicated);
+    }
+    // Less memory than DDP, more than ZeRO-2 at the optimizer step.
+    let (ddp, _, _) = states("gpt2-large", 16, Strategy::NoShard, true);
+    let (z1, _, _) = states("gpt2-large", 16, Strategy::ShardOptimizer, true);
+    let (z2, _, _) = states("gpt2-large", 16, Strategy::ShardGradOp, true);
+    assert!(z1.memory.model_states < ddp.memory.model_states);
+    assert!(z2.memory.model_states < z1.memory.model_states);
+    assert!(z1.memory.peak < ddp.memory.peak);
+    assert!(z2.memory.peak < z1.memory.peak);
+}
+
+#[test]
+fn zero1_fp32_world_of_one_is_16_psi_like_ddp() {
+    // S = 1 with f32 params: the master shard is the parameter (no copy), grads 4Psi,
+    // Adam 8Psi: the same 16Psi as DDP.
+    let (p, psi, padded) = states("gpt2", 1, Strategy::ShardOptimizer, false);
+    assert_eq!(padded, psi);
+    assert_eq!(p.memory.model_states.0, 16 * psi);
+    let (ddp, _, _) = states("gpt2", 1, Strategy::NoShard, false);
+    assert_eq!(p.memory.model_states, ddp.memory.model_states);
 }

@@ -27,6 +27,10 @@ pub enum StrategyArg {
     FullShard,
     /// Shard grads and optimizer state; keep params unsharded after forward (ZeRO-2).
     ShardGradOp,
+    /// Shard optimizer state and master weights only; params and grads stay replicated
+    /// (ZeRO-1). Plan only: `fsdp train` cannot execute it.
+    #[value(alias = "zero1")]
+    ShardOptimizer,
     /// Replicate everything (DDP).
     NoShard,
     /// Full shard inside groups of --shard-size ranks, replicated across groups.
@@ -136,6 +140,7 @@ pub fn config_from_args(a: &PlanArgs) -> Result<PlanConfig, CliError> {
     let strategy = match a.strategy {
         StrategyArg::FullShard => Strategy::FullShard,
         StrategyArg::ShardGradOp => Strategy::ShardGradOp,
+        StrategyArg::ShardOptimizer => Strategy::ShardOptimizer,
         StrategyArg::NoShard => Strategy::NoShard,
         StrategyArg::Auto => Strategy::Auto,
         StrategyArg::Hybrid => Strategy::Hybrid {

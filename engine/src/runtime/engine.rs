@@ -199,8 +199,9 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
     ///
     /// `init` is `[unit][non-tied param][element]` (see [`StagedModel::init_params`]).
     ///
-    /// Errors: [`EngineError::Config`] (world size, shard size, dtypes, optimizer or stages
-    /// differ from the plan; wrong init sizes), [`EngineError::RankMismatch`] (fingerprint or
+    /// Errors: [`EngineError::Config`] (a shard-optimizer plan, which this engine does not
+    /// execute; world size, shard size, dtypes, optimizer or stages differ from the plan;
+    /// wrong init sizes), [`EngineError::RankMismatch`] (fingerprint or
     /// initial-weight checksum differs from rank 0's), [`EngineError::Comm`].
     pub fn new(
         model: &'a M,
@@ -209,6 +210,12 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         cfg: EngineConfig,
         init: &[Vec<Vec<f32>>],
     ) -> Result<Self> {
+        if plan.strategy.replicated_params_and_grads() {
+            return Err(EngineError::Config(format!(
+                "strategy {} (ZeRO-1: replicated params and grads, sharded optimizer state) is planned by `fsdp plan` but this engine does not execute it; use full-shard, shard-grad-op, no-shard or hybrid",
+                plan.strategy
+            )));
+        }
         let mut comm = Collectives::new(comm);
         let topo = comm.topology();
         let rank = comm.rank();
