@@ -1,0 +1,85 @@
+//! `fsdp train` pre-flight checks on the thread backend: the world-size cap and the memory check
+//! (W x plan peak + margin against MemAvailable), both exit 2 before any rank starts.
+
+use std::process::Command;
+
+fn fsdp(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_fsdp"))
+        .args(args)
+        .output()
+        .expect("run fsdp");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn huge_world_size_is_refused_with_the_thread_limit() {
+    for w in ["100000", "2000"] {
+        let (code, err) = fsdp(&["train", "--world-size", w, "--steps", "1"]);
+        assert_eq!(code, 2, "{err}");
+        assert!(
+            err.contains(&format!(
+                "--world-size {w} exceeds the thread backend's limit of 1024"
+            )),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn huge_micro_batch_is_refused_by_the_memory_check() {
+    let (code, err) = fsdp(&[
+        "train",
+        "--model",
+        "tiny",
+        "--steps",
+        "1",
+        "--micro-batch",
+        "1000000",
+    ]);
+    if fsdp::cli::train::available_memory().is_none() {
+        return; // no /proc/meminfo: the check is skipped by design
+    }
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("not enough memory: 1 rank thread(s) x peak"),
+        "{err}"
+    );
+    assert!(err.contains("--micro-batch 1000000"), "{err}");
+    assert!(
+        err.contains("use a smaller --world-size, --micro-batch, --seq-len or"),
+        "{err}"
+    );
+}
+
+#[test]
+fn absurd_batch_values_do_not_overflow() {
+    let max = u64::MAX.to_string();
+    for flag in ["--micro-batch", "--grad-accum"] {
+        let (code, err) = fsdp(&["train", "--model", "tiny", "--steps", "1", flag, &max]);
+        assert_eq!(code, 2, "{flag}: {err}");
+        assert!(!err.contains("panicked"), "{flag}: {err}");
+        if flag == "--grad-accum" && fsdp::cli::train::available_memory().is_some() {
+            assert!(err.contains("not enough memory"), "{err}");
+        }
+    }
+}
+
+#[test]
+fn preflight_numbers_against_a_given_budget() {
+    let opts = fsdp::train::TrainOptions {
+        model: "tiny".into(),
+        world_size: 4,
+        ..Default::default()
+    };
+    // 1 MiB cannot hold 4 tiny ranks; unknown memory skips the check; 64 GiB holds them.
+    let e = fsdp::cli::train::preflight_threads(&opts, Some(1 << 20)).unwrap_err();
+    assert_eq!(e.exit_code(), 2);
+    let m = e.to_string();
+    assert!(m.contains("4 rank thread(s) x peak"), "{m}");
+    assert!(m.contains("> 1.0 MiB available"), "{m}");
+    assert!(fsdp::cli::train::preflight_threads(&opts, None).is_ok());
+    assert!(fsdp::cli::train::preflight_threads(&opts, Some(64 << 30)).is_ok());
+}
