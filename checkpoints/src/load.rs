@@ -444,13 +444,19 @@ pub(crate) fn check_same_model(file: &Path, found: &ModelSpec, expected: &ModelS
 /// root, with its `latest` pointer), one target rank at a time (memory: one rank's state).
 /// Training state (step, optimizer, data position, RNG) is carried over unchanged.
 ///
-/// Errors: as [`Checkpoint::load_rank`] and [`crate::save_checkpoint`].
+/// Errors: as [`Checkpoint::load_rank`] and [`crate::save_checkpoint`]; when loading or writing
+/// a rank fails, the temporary `.tmp-step-*` directory is removed before returning the error.
 pub fn reshard(src: &Checkpoint, target: &CheckpointLayout, out_root: &Path) -> Result<PathBuf> {
     let train = src.manifest().train.clone();
     let pending = crate::save::begin_save(out_root, target, train.step)?;
-    for r in 0..target.shard_size {
+    let written = (0..target.shard_size).try_for_each(|r| {
         let st = src.load_rank(target, r)?;
-        pending.write_rank(r, &st.as_refs())?;
+        pending.write_rank(r, &st.as_refs()).map(|_| ())
+    });
+    if let Err(e) = written {
+        // Best effort: the error being returned matters more than a failed cleanup.
+        let _ = std::fs::remove_dir_all(pending.tmp_dir());
+        return Err(e);
     }
     pending.commit(&train, 0)
 }

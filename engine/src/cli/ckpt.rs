@@ -8,6 +8,7 @@ use fsdp_checkpoints::{
     consolidate_optimizer_to_file, consolidate_to_file, reshard, Checkpoint, CheckpointLayout,
     CkptError, Verify,
 };
+use fsdp_planner::config::MAX_WORLD_SIZE;
 use fsdp_types::{Bytes, DType, Numel};
 use std::path::PathBuf;
 
@@ -74,6 +75,34 @@ pub enum CkptAction {
     },
 }
 
+/// Refuses a reshard whose shard-group size `shard_size` exceeds the element count of the
+/// source's largest flat parameter: shard indices from that count on would hold nothing but
+/// padding in every flat parameter, so those rank files (one per shard index, each read and
+/// written in full) would be empty of model state. This also bounds the number of files a
+/// reshard writes by the model's size.
+///
+/// Errors: [`CliError::Usage`] giving the shard size, the element count and the world size.
+pub fn check_reshard_size(
+    src: &CheckpointLayout,
+    world_size: u64,
+    shard_size: u64,
+) -> Result<(), CliError> {
+    let largest = src
+        .flat_params()
+        .map(|(_, _, f)| f.unpadded_numel.0)
+        .max()
+        .unwrap_or(0);
+    if shard_size > largest {
+        return Err(CliError::Usage(format!(
+            "--world-size {world_size}: shard size {shard_size} exceeds the {largest} elements of \
+             the model's largest flat parameter, so ranks {largest}..{shard_size} of each shard \
+             group would hold only padding; use a shard size of at most {largest} (--world-size, \
+             or --strategy hybrid --shard-size)"
+        )));
+    }
+    Ok(())
+}
+
 /// Shard-group size of `strategy` at `world_size` (`--strategy` names of `fsdp train`).
 pub fn shard_size_for(
     strategy: &str,
@@ -138,10 +167,16 @@ pub fn run(args: CkptArgs) -> Result<(), CliError> {
             if world_size == 0 {
                 return Err(CliError::Usage("--world-size must be at least 1".into()));
             }
+            if world_size > MAX_WORLD_SIZE {
+                return Err(CliError::Usage(format!(
+                    "--world-size {world_size} exceeds the planner's limit of {MAX_WORLD_SIZE} ranks"
+                )));
+            }
             let s = shard_size_for(&strategy, world_size, shard_size)?;
             let ck = Checkpoint::open(&dir, Verify::Checksums)?;
             ck.verify_all()?;
             let src = ck.layout();
+            check_reshard_size(src, world_size, s)?;
             let target = CheckpointLayout::new(
                 src.spec.clone(),
                 world_size,
