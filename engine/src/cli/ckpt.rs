@@ -485,7 +485,8 @@ pub struct TrainCkptArgs {
     pub keep_last: usize,
     /// Resume from the newest complete checkpoint in --ckpt-dir (start fresh if there is none).
     /// The run continues exactly: same losses and parameters as an uninterrupted run with the
-    /// same flags. A different --world-size / --strategy reshards the state on load.
+    /// same flags. A different --world-size / --strategy reshards the state on load. A
+    /// checkpoint already at or past --steps: "nothing to train", exit 0.
     #[arg(long, requires = "ckpt_dir")]
     pub resume: bool,
     /// Start from the parameters of a full safetensors file (e.g. `fsdp ckpt consolidate`
@@ -659,6 +660,17 @@ impl CheckpointHooks {
             resume_from,
             train,
         })
+    }
+}
+
+impl CheckpointHooks {
+    /// The 0-based step a `--resume` run continues from (the number of optimizer steps the
+    /// checkpoint has completed) and the checkpoint's directory; `None` when the run starts
+    /// fresh.
+    pub fn resume_step(&self) -> Option<(u64, &std::path::Path)> {
+        self.resume_from
+            .as_ref()
+            .map(|ck| (ck.manifest().train.step, ck.dir()))
     }
 }
 

@@ -281,6 +281,23 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
     }
     super::ckpt::apply_init_from(&args.ckpt, &mut opts)?;
     let hooks = super::ckpt::CheckpointHooks::new(&args.ckpt, &opts)?;
+    // A checkpoint already at or past --steps leaves no step to run: say so and succeed
+    // (exit 0) rather than print a summary of zero steps (no loss, no speed to report).
+    if let Some((step, dir)) = hooks.resume_step().filter(|(s, _)| *s >= opts.steps) {
+        if root {
+            let msg = format!(
+                "checkpoint {} is at step {step} >= --steps {}: nothing to train",
+                dir.display(),
+                opts.steps
+            );
+            if args.json {
+                eprintln!("{msg}");
+            } else {
+                println!("{msg}");
+            }
+        }
+        return Ok(());
+    }
     let bar = if args.json || !root {
         None
     } else {
