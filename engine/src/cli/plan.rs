@@ -5,7 +5,7 @@
 
 use super::CliError;
 use fsdp_planner::config::{GradSync, Optimizer, PlanConfig, Strategy};
-use fsdp_planner::{hf, plan, preset, report, ModelSpec, PlanError};
+use fsdp_planner::{hf, plan, preset, report, Architecture, ModelSpec, PlanError};
 use fsdp_types::{Bytes, DType};
 use std::path::PathBuf;
 
@@ -100,9 +100,10 @@ pub struct PlanArgs {
     /// Sequences per micro-batch per rank.
     #[arg(long, default_value_t = 1)]
     pub micro_batch: u64,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = 1024)]
-    pub seq_len: u64,
+    /// Tokens per sequence (default: 1024, or the model's position table / maximum sequence
+    /// length if shorter; see [`default_seq_len`]).
+    #[arg(long)]
+    pub seq_len: Option<u64>,
     /// Micro-batches per optimizer step.
     #[arg(long, default_value_t = 1)]
     pub grad_accum: u64,
@@ -182,12 +183,27 @@ pub fn config_from_args(a: &PlanArgs) -> Result<PlanConfig, CliError> {
         },
         prefetch: a.prefetch,
         micro_batch: a.micro_batch,
-        seq_len: a.seq_len,
+        seq_len: a.seq_len.unwrap_or(DEFAULT_SEQ_LEN),
         alignment: a.alignment,
         device_memory,
     };
     cfg.validate().map_err(usage)?;
     Ok(cfg)
+}
+
+/// `--seq-len` when neither the flag nor the model bounds it: 1024 tokens.
+pub const DEFAULT_SEQ_LEN: u64 = 1024;
+
+/// The `--seq-len` used when the flag is not given: [`DEFAULT_SEQ_LEN`], capped at the model's
+/// position table (GPT-2 `n_positions`) or configured maximum sequence length (Llama
+/// `max_position_embeddings`), so `fsdp plan --model tiny` (256 positions) plans 256 tokens.
+pub fn default_seq_len(spec: &ModelSpec) -> u64 {
+    let cap = match &spec.arch {
+        Architecture::Gpt2(c) => c.n_positions,
+        Architecture::Llama(c) => c.max_seq,
+        Architecture::Generic => DEFAULT_SEQ_LEN,
+    };
+    DEFAULT_SEQ_LEN.min(cap.max(1))
 }
 
 /// Reads the model named by `--model`, `--hf-config` or `--safetensors`.
@@ -213,9 +229,10 @@ pub fn model_from_args(a: &PlanArgs) -> Result<ModelSpec, CliError> {
 }
 
 /// Runs `fsdp plan`.
-pub fn run(args: PlanArgs) -> Result<(), CliError> {
-    let cfg = config_from_args(&args)?;
+pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
     let spec = model_from_args(&args)?;
+    args.seq_len = Some(args.seq_len.unwrap_or_else(|| default_seq_len(&spec)));
+    let cfg = config_from_args(&args)?;
     let p = plan(&spec, &cfg).map_err(usage)?;
     let text = match args.format {
         Format::Table => {
