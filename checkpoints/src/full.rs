@@ -187,6 +187,37 @@ fn f16_to_f32(h: u16) -> f32 {
     f32::from_bits(bits)
 }
 
+/// Checks the framing of a safetensors file before parsing it: an 8-byte little-endian
+/// header length `N`, then `N` bytes of JSON header, then the tensor data. A file shorter than
+/// the 8 bytes, or one declaring a header longer than what follows, is truncated or not a
+/// safetensors file at all (safetensors' own error for the latter, "header too large", hides
+/// the sizes).
+///
+/// Errors: [`CkptError`] via `bad_file`, naming the file and both sizes in bytes.
+fn check_safetensors_sizes(path: &Path, bytes: &[u8]) -> Result<()> {
+    let len = bytes.len() as u64;
+    let Some(head) = bytes.get(..8) else {
+        return Err(bad_file(
+            path,
+            format!(
+                "is {len} bytes: truncated or not a safetensors file (one needs at least the \
+                 8-byte header length)"
+            ),
+        ));
+    };
+    let n = u64::from_le_bytes(head.try_into().expect("8 bytes"));
+    if n > len - 8 {
+        return Err(bad_file(
+            path,
+            format!(
+                "is {len} bytes but declares a {n}-byte JSON header after its 8-byte length: \
+                 truncated or not a safetensors file"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Reads a full safetensors file (F32, F16, BF16 or F64 tensors, converted to f32).
 ///
 /// Errors: `NotAFullCheckpoint` for a per-rank shard file of a sharded checkpoint (BC-08);
@@ -195,6 +226,7 @@ pub fn read_full(path: &Path) -> Result<FullState> {
     let file = std::fs::File::open(path).map_err(io_err(path, "open"))?;
     // SAFETY: read-only map of a file we do not modify.
     let mmap = unsafe { Mmap::map(&file) }.map_err(io_err(path, "memory-map"))?;
+    check_safetensors_sizes(path, &mmap[..])?;
     let st = safetensors::SafeTensors::deserialize(&mmap[..])
         .map_err(|e| bad_file(path, format!("not a valid safetensors file: {e}")))?;
     let (_, meta) = safetensors::SafeTensors::read_metadata(&mmap[..])

@@ -43,6 +43,12 @@ pub enum DataError {
         /// The operating-system error.
         source: std::io::Error,
     },
+    /// The path names a directory (or another non-regular file), not a text file.
+    #[error("{path} is a directory, not a text file: pass a file, e.g. --data {path}/input.txt")]
+    NotAFile {
+        /// The path given.
+        path: PathBuf,
+    },
     /// The file has 0 bytes.
     #[error("{path} is empty: nothing to train on")]
     Empty {
@@ -110,7 +116,13 @@ impl TextData {
             source,
         };
         let file = File::open(path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len();
+        let meta = file.metadata().map_err(io)?;
+        if meta.is_dir() {
+            return Err(DataError::NotAFile {
+                path: path.to_path_buf(),
+            });
+        }
+        let len = meta.len();
         if len == 0 {
             return Err(DataError::Empty {
                 path: path.to_path_buf(),

@@ -311,16 +311,33 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         Some(b)
     };
     let json = args.json;
+    // Without a terminal the bar is hidden (or would litter a log with redraws): print one
+    // plain line per evaluated step (every --eval-every steps and the last) instead.
+    let plain = {
+        use std::io::IsTerminal;
+        !json && root && !(std::io::stdout().is_terminal() && std::io::stderr().is_terminal())
+    };
+    let total_steps = opts.steps;
     let progress = |r: &StepReport| {
         if json {
             if let Ok(s) = serde_json::to_string(r) {
                 println!("{s}");
             }
-        } else if let Some(b) = &bar {
+            return;
+        }
+        if let (true, Some(v)) = (plain, r.val_loss) {
+            println!(
+                "step {}/{total_steps} | train loss {:.4} | val loss {v:.4} | {:.0} tokens/s",
+                r.step, r.loss, r.tokens_per_s
+            );
+        }
+        if let Some(b) = &bar {
             let val = r
                 .val_loss
                 .map(|v| format!(" val {v:.4}"))
                 .unwrap_or_default();
+            // `r.step` is 1-based: the bar shows it next to its own loss (also after --resume).
+            b.set_position(r.step);
             b.set_message(format!(
                 "loss {:.4}{val} | {:.0} tok/s | live {}{}",
                 r.loss,
@@ -330,7 +347,6 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
                     .map(|p| format!(" | heap {}", mib(p)))
                     .unwrap_or_default()
             ));
-            b.inc(1);
         }
     };
     let report = match &mpi {

@@ -1,0 +1,104 @@
+//! `fsdp train` messages for bad files, and plain progress lines when not on a terminal.
+
+use std::process::Command;
+
+fn fsdp(args: &[&str]) -> (i32, String, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_fsdp"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn init_from_a_short_file_says_truncated_with_sizes() {
+    let t = tempfile::tempdir().unwrap();
+    let ten = t.path().join("ten.txt");
+    std::fs::write(&ten, b"0123456789").unwrap();
+    let (code, _, err) = fsdp(&[
+        "train",
+        "--steps",
+        "1",
+        "--init-from",
+        ten.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("ten.txt: is 10 bytes but declares a"), "{err}");
+    assert!(err.contains("truncated or not a safetensors file"), "{err}");
+    assert!(!err.contains("header too large"), "{err}");
+    let two = t.path().join("two.txt");
+    std::fs::write(&two, b"ab").unwrap();
+    let (code, _, err) = fsdp(&[
+        "train",
+        "--steps",
+        "1",
+        "--init-from",
+        two.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("two.txt: is 2 bytes: truncated or not a safetensors file"),
+        "{err}"
+    );
+}
+
+#[test]
+fn data_directory_is_named_as_a_directory() {
+    let t = tempfile::tempdir().unwrap();
+    let d = t.path().to_str().unwrap();
+    let (code, _, err) = fsdp(&["train", "--steps", "1", "--data", d]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(&format!("{d} is a directory, not a text file")),
+        "{err}"
+    );
+    assert!(!err.contains("os error"), "{err}");
+}
+
+#[test]
+fn piped_run_prints_one_line_per_evaluation() {
+    let args = [
+        "train",
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--micro-batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--eval-batches",
+        "1",
+        "--warmup",
+        "1",
+    ];
+    let (code, out, err) = fsdp(&args);
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<&str> = out.lines().filter(|l| l.starts_with("step ")).collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    assert!(lines[0].starts_with("step 2/4 | train loss "), "{out}");
+    assert!(lines[1].starts_with("step 4/4 | train loss "), "{out}");
+    let loss = |l: &str, key: &str| -> f64 {
+        let rest = &l[l.find(key).unwrap() + key.len()..];
+        rest.split_whitespace().next().unwrap().parse().unwrap()
+    };
+    for l in &lines {
+        assert!(
+            l.contains(" | val loss ") && l.ends_with(" tokens/s"),
+            "{l}"
+        );
+        let (t, v) = (loss(l, "train loss "), loss(l, "val loss "));
+        // Byte-level model from scratch: near ln(256) = 5.55, finite and positive.
+        assert!(t > 3.0 && t < 6.5 && v > 3.0 && v < 6.5, "{l}");
+    }
+    // With --json only JSON lines are printed.
+    let mut json = args.to_vec();
+    json.push("--json");
+    let (code, out, err) = fsdp(&json);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.lines().all(|l| l.starts_with('{')), "{out}");
+}
