@@ -88,8 +88,8 @@ pub fn gpt2_spec(name: &str, cfg: &Gpt2Config) -> ModelSpec {
 }
 
 /// Byte-level GPT presets for training on text with a 256-symbol vocabulary (untied head):
-/// `tiny` (d 128, 4 layers, 4 heads, ~0.9M params), `mini` (d 256, 4 layers, ~3.4M),
-/// `small` (d 384, 6 layers, ~10.9M), `base` (d 768, 6 layers, ~43M).
+/// `tiny` (d 128, 4 layers, 4 heads, 891,648 params), `mini` (d 256, 4 layers, 3,552,768),
+/// `small` (d 384, 6 layers, 11,237,376), `base` (d 768, 6 layers, 43,708,416).
 pub fn byte_gpt_config(name: &str) -> Option<Gpt2Config> {
     let (d, l, h, pos) = match name {
         "tiny" => (128, 4, 4, 256),

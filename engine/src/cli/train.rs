@@ -49,7 +49,7 @@ pub struct TrainArgs {
     /// documentation, embedded at build time.
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Model preset: tiny (~0.9M params), mini (~3.4M), small (~10.9M), base (~43M).
+    /// Model preset: tiny (0.89M params), mini (3.55M), small (11.2M), base (43.7M).
     #[arg(long, default_value = "tiny")]
     pub model: String,
     /// Number of ranks (threads on the in-process backend).
