@@ -24,6 +24,7 @@ mod error;
 /// The MPI backend (feature `mpi`): [`mpi::MpiComm`] over Open MPI through rsmpi.
 #[cfg(feature = "mpi")]
 pub mod mpi;
+mod progress;
 mod reduce;
 mod thread;
 mod topology;

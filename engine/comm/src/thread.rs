@@ -24,15 +24,15 @@
 //! Any failure aborts the whole world: later calls on every rank return the same error.
 
 use crate::buf::OwnedBuf;
-use crate::comm::{check_call, Communicator, Completed, PendingOp, PendingWait};
+use crate::comm::{check_call, Communicator, Completed, PendingOp};
 use crate::error::{CallDesc, CommError, OpKind, RankCalls};
+use crate::progress::{Job, ProgressQueue};
 use crate::reduce::reduce_dyn;
 use crate::topology::{Group, ReduceOp, Topology};
 use crate::{Buf, BufMut};
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// How long a rank waits for its peers to join a collective before [`CommError::Timeout`]: 60 s.
@@ -459,44 +459,6 @@ fn execute(
     Ok(())
 }
 
-type Job = Box<dyn FnOnce() -> Result<Completed, CommError> + Send>;
-
-/// One-shot completion cell shared by the progress thread and a [`PendingOp`].
-type Cell1 = Arc<(Mutex<Option<Result<Completed, CommError>>>, Condvar)>;
-
-struct ThreadPending {
-    cell: Cell1,
-}
-
-impl PendingWait for ThreadPending {
-    fn wait(self: Box<Self>) -> Result<Completed, CommError> {
-        let (m, cv) = &*self.cell;
-        let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
-            if let Some(r) = g.take() {
-                return r;
-            }
-            g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
-        }
-    }
-    fn is_complete(&self) -> bool {
-        self.cell
-            .0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
-    }
-}
-
-/// The per-rank progress thread that runs started collectives in issue order.
-struct Progress {
-    tx: Option<mpsc::Sender<(Job, Cell1)>>,
-    handle: Option<JoinHandle<()>>,
-    /// Number of jobs finished, with a condvar to wait for a count.
-    done: Arc<(Mutex<u64>, Condvar)>,
-    issued: u64,
-}
-
 /// One rank of an in-process thread world; create them with [`thread_communicators`] or
 /// [`run_threads`] and move each into its own thread.
 ///
@@ -509,7 +471,7 @@ pub struct ThreadComm {
     world: Arc<World>,
     rank: usize,
     seq: Cell<[u64; 3]>,
-    progress: RefCell<Option<Progress>>,
+    progress: ProgressQueue,
 }
 
 impl std::fmt::Debug for ThreadComm {
@@ -535,7 +497,7 @@ pub fn thread_communicators(
             world: world.clone(),
             rank,
             seq: Cell::new([0; 3]),
-            progress: RefCell::new(None),
+            progress: ProgressQueue::new("threads", rank, format!("fsdp-rank-{rank}-comm")),
         })
         .collect())
 }
@@ -622,14 +584,7 @@ impl ThreadComm {
 
     /// Waits until every started collective of this rank has finished.
     fn drain(&self) {
-        let p = self.progress.borrow();
-        if let Some(p) = p.as_ref() {
-            let (m, cv) = &*p.done;
-            let mut d = m.lock().unwrap_or_else(|e| e.into_inner());
-            while *d < p.issued {
-                d = cv.wait(d).unwrap_or_else(|e| e.into_inner());
-            }
-        }
+        self.progress.drain();
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -664,54 +619,7 @@ impl ThreadComm {
 
     /// Queues `job` on the progress thread (started on first use).
     fn submit(&self, call: CallDesc, job: Job) -> Result<PendingOp, CommError> {
-        let mut slot = self.progress.borrow_mut();
-        if slot.is_none() {
-            let (tx, rx) = mpsc::channel::<(Job, Cell1)>();
-            let done = Arc::new((Mutex::new(0u64), Condvar::new()));
-            let done2 = done.clone();
-            let rank = self.rank;
-            let handle = std::thread::Builder::new()
-                .name(format!("fsdp-rank-{rank}-comm"))
-                .spawn(move || {
-                    for (job, cell) in rx {
-                        let r = catch_unwind(AssertUnwindSafe(job)).unwrap_or_else(|p| {
-                            Err(CommError::PeerFailed {
-                                peer: rank,
-                                reason: panic_message(&*p),
-                            })
-                        });
-                        *cell.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
-                        cell.1.notify_all();
-                        let (m, cv) = &*done2;
-                        *m.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-                        cv.notify_all();
-                    }
-                })
-                .map_err(|e| CommError::Unsupported {
-                    backend: "threads",
-                    what: format!("cannot spawn the progress thread of rank {rank}: {e}"),
-                })?;
-            *slot = Some(Progress {
-                tx: Some(tx),
-                handle: Some(handle),
-                done,
-                issued: 0,
-            });
-        }
-        let p = slot.as_mut().expect("progress thread exists");
-        let cell: Cell1 = Arc::new((Mutex::new(None), Condvar::new()));
-        let sent =
-            p.tx.as_ref()
-                .map(|tx| tx.send((job, cell.clone())).is_ok())
-                .unwrap_or(false);
-        if !sent {
-            return Err(CommError::Unsupported {
-                backend: "threads",
-                what: format!("the progress thread of rank {} has stopped", self.rank),
-            });
-        }
-        p.issued += 1;
-        Ok(PendingOp::deferred(call, Box::new(ThreadPending { cell })))
+        self.progress.submit(call, job)
     }
 }
 
@@ -722,12 +630,7 @@ impl Drop for ThreadComm {
             // Tell the peers first, so a started collective waiting for them fails fast.
             self.world.mark_exit(self.rank, true);
         }
-        if let Some(mut p) = self.progress.get_mut().take() {
-            drop(p.tx.take());
-            if let Some(h) = p.handle.take() {
-                let _ = h.join();
-            }
-        }
+        self.progress.shutdown();
         if !failed {
             self.world.mark_exit(self.rank, false);
         }

@@ -63,16 +63,16 @@ mod wire;
 pub use launcher::MpiLauncher;
 
 use crate::buf::{Buf, BufMut, OwnedBuf};
-use crate::comm::{check_call, Communicator, Completed, PendingOp, PendingWait};
+use crate::comm::{check_call, Communicator, Completed, PendingOp};
 use crate::error::{CallDesc, CommError, OpKind, RankCalls};
+use crate::progress::{Job, ProgressQueue};
 use crate::reduce::reduce_dyn;
 use crate::topology::{Group, ReduceOp, Topology};
 use fsdp_types::DType;
 use mpi::ffi;
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 use std::os::raw::{c_int, c_void};
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -752,40 +752,6 @@ impl Watchdog {
     }
 }
 
-type Job = Box<dyn FnOnce() -> Result<Completed, CommError> + Send>;
-type Cell1 = Arc<(Mutex<Option<Result<Completed, CommError>>>, Condvar)>;
-
-struct MpiPending {
-    cell: Cell1,
-}
-
-impl PendingWait for MpiPending {
-    fn wait(self: Box<Self>) -> Result<Completed, CommError> {
-        let (m, cv) = &*self.cell;
-        let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
-            if let Some(r) = g.take() {
-                return r;
-            }
-            g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
-        }
-    }
-    fn is_complete(&self) -> bool {
-        self.cell
-            .0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
-    }
-}
-
-struct Progress {
-    tx: Option<mpsc::Sender<(Job, Cell1)>>,
-    handle: Option<JoinHandle<()>>,
-    done: Arc<(Mutex<u64>, Condvar)>,
-    issued: u64,
-}
-
 /// One rank of an MPI world: implements [`Communicator`] over MPI communicators (see the module
 /// docs for the protocol).
 ///
@@ -798,7 +764,7 @@ pub struct MpiComm {
     rank: usize,
     topology: Topology,
     seq: Cell<[u64; 3]>,
-    progress: RefCell<Option<Progress>>,
+    progress: ProgressQueue,
     watchdog: Option<JoinHandle<()>>,
     universe: Arc<MpiUniverse>,
 }
@@ -902,7 +868,7 @@ impl MpiComm {
             rank: me,
             topology,
             seq: Cell::new([0; 3]),
-            progress: RefCell::new(None),
+            progress: ProgressQueue::new("mpi", me, format!("fsdp-mpi-rank-{me}-comm")),
             watchdog: Some(handle),
             universe: universe.clone(),
         }))
@@ -963,14 +929,7 @@ impl MpiComm {
 
     /// Waits until every started collective of this rank has finished.
     fn drain(&self) {
-        let p = self.progress.borrow();
-        if let Some(p) = p.as_ref() {
-            let (m, cv) = &*p.done;
-            let mut d = m.lock().unwrap_or_else(|e| e.into_inner());
-            while *d < p.issued {
-                d = cv.wait(d).unwrap_or_else(|e| e.into_inner());
-            }
-        }
+        self.progress.drain();
     }
 
     fn run_sync(&self, call: CallDesc, send: usize, recv: usize) -> Result<(), CommError> {
@@ -978,54 +937,7 @@ impl MpiComm {
     }
 
     fn submit(&self, call: CallDesc, job: Job) -> Result<PendingOp, CommError> {
-        let mut slot = self.progress.borrow_mut();
-        if slot.is_none() {
-            let (tx, rx) = mpsc::channel::<(Job, Cell1)>();
-            let done = Arc::new((Mutex::new(0u64), Condvar::new()));
-            let done2 = done.clone();
-            let rank = self.rank;
-            let handle = std::thread::Builder::new()
-                .name(format!("fsdp-mpi-rank-{rank}-comm"))
-                .spawn(move || {
-                    for (job, cell) in rx {
-                        let r = catch_unwind(AssertUnwindSafe(job)).unwrap_or_else(|p| {
-                            Err(CommError::PeerFailed {
-                                peer: rank,
-                                reason: crate::thread::panic_message(&*p),
-                            })
-                        });
-                        *cell.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
-                        cell.1.notify_all();
-                        let (m, cv) = &*done2;
-                        *m.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-                        cv.notify_all();
-                    }
-                })
-                .map_err(|e| CommError::Unsupported {
-                    backend: "mpi",
-                    what: format!("cannot spawn the progress thread of rank {rank}: {e}"),
-                })?;
-            *slot = Some(Progress {
-                tx: Some(tx),
-                handle: Some(handle),
-                done,
-                issued: 0,
-            });
-        }
-        let p = slot.as_mut().expect("progress thread exists");
-        let cell: Cell1 = Arc::new((Mutex::new(None), Condvar::new()));
-        let sent =
-            p.tx.as_ref()
-                .map(|tx| tx.send((job, cell.clone())).is_ok())
-                .unwrap_or(false);
-        if !sent {
-            return Err(CommError::Unsupported {
-                backend: "mpi",
-                what: format!("the progress thread of rank {} has stopped", self.rank),
-            });
-        }
-        p.issued += 1;
-        Ok(PendingOp::deferred(call, Box::new(MpiPending { cell })))
+        self.progress.submit(call, job)
     }
 
     fn start_job(
@@ -1058,12 +970,7 @@ impl Drop for MpiComm {
                 reason: "the rank panicked".into(),
             });
         }
-        if let Some(mut p) = self.progress.get_mut().take() {
-            drop(p.tx.take());
-            if let Some(h) = p.handle.take() {
-                let _ = h.join();
-            }
-        }
+        self.progress.shutdown();
         let seq = self.seq.get();
         let mut core = self.lock();
         let mut w = wire::Writer::default();
