@@ -139,6 +139,22 @@ pub trait Communicator: Send {
     /// mismatch, peer exit, timeout.
     fn all_gather(&self, group: Group, send: Buf<'_>, recv: BufMut<'_>) -> Result<(), CommError>;
 
+    /// In-place all-gather (MPI's `MPI_IN_PLACE` all-gather; NCCL's in-place form, send buffer
+    /// = `buf + group_rank x n`): `buf` holds `group size x n` elements and this rank's own
+    /// shard is already in block `[g x n, (g+1) x n)`, `g` its group rank; afterwards block `i`
+    /// holds group rank `i`'s shard. Saves the separate send buffer (the engine casts its fp32
+    /// master shard straight into its block of the unsharded buffer). The default copies the
+    /// own block out and calls [`Communicator::all_gather`]; backends override it to gather
+    /// without the copy. Matches other ranks' [`Communicator::all_gather`] calls of the same
+    /// sizes.
+    ///
+    /// Errors: [`CommError::SizeMismatch`] when `buf.len()` is not a multiple of the group
+    /// size; mismatch, peer exit, timeout.
+    fn all_gather_in_place(&self, group: Group, mut buf: BufMut<'_>) -> Result<(), CommError> {
+        let own = own_block(self, group, &buf.as_buf())?;
+        self.all_gather(group, own.as_buf(), buf.reborrow())
+    }
+
     /// Reduces every group rank's `send` (`group size x n` elements) element-wise with `op` and
     /// writes elements `[i x n, (i+1) x n)` of the result to group rank `i`'s `recv` (n elements).
     ///
@@ -185,6 +201,24 @@ pub trait Communicator: Send {
                 send: Some(send),
                 buf: recv,
             }),
+        ))
+    }
+
+    /// Starts an in-place all-gather of `buf` (see [`Communicator::all_gather_in_place`]);
+    /// [`PendingOp::wait`] returns `buf` with every block filled. The default runs it eagerly.
+    ///
+    /// Errors: bad buffers immediately; communication errors from `wait`.
+    fn start_all_gather_in_place(
+        &self,
+        group: Group,
+        mut buf: OwnedBuf,
+    ) -> Result<PendingOp, CommError> {
+        let own = own_block(self, group, &buf.as_buf())?;
+        let call = describe(self, OpKind::AllGather, group, None, &own, &buf, None, 0)?;
+        let r = self.all_gather(group, own.as_buf(), buf.as_buf_mut());
+        Ok(PendingOp::ready(
+            call,
+            r.map(|()| Completed { send: None, buf }),
         ))
     }
 
@@ -272,6 +306,38 @@ pub trait Communicator: Send {
             r.map(|()| Completed { send: None, buf }),
         ))
     }
+}
+
+/// A copy of this rank's block of an in-place all-gather buffer (`buf.len() / group size`
+/// elements at `group_rank x n`).
+///
+/// Errors: [`CommError::SizeMismatch`] when `buf.len()` is not a multiple of the group size.
+pub(crate) fn own_block<C: Communicator + ?Sized>(
+    comm: &C,
+    group: Group,
+    buf: &Buf<'_>,
+) -> Result<OwnedBuf, CommError> {
+    let g = comm.group_size(group);
+    let len = buf.len();
+    if g == 0 || len % g != 0 {
+        return Err(CommError::SizeMismatch {
+            rank: comm.rank(),
+            op: OpKind::AllGather,
+            group,
+            group_size: g,
+            what: "in-place buf",
+            expected: len.div_ceil(g.max(1)) * g.max(1),
+            got: len,
+        });
+    }
+    let n = len / g;
+    let r = comm.group_rank(group) * n..(comm.group_rank(group) + 1) * n;
+    Ok(match buf {
+        Buf::F32(x) => OwnedBuf::F32(x[r].to_vec()),
+        Buf::BF16(x) => OwnedBuf::BF16(x[r].to_vec()),
+        Buf::F16(x) => OwnedBuf::F16(x[r].to_vec()),
+        Buf::F64(x) => OwnedBuf::F64(x[r].to_vec()),
+    })
 }
 
 /// Checks the buffers of one call on the calling rank and describes it (with call number `seq`).
