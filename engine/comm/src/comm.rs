@@ -317,11 +317,32 @@ pub(crate) fn own_block<C: Communicator + ?Sized>(
     group: Group,
     buf: &Buf<'_>,
 ) -> Result<OwnedBuf, CommError> {
-    let g = comm.group_size(group);
     let len = buf.len();
-    if g == 0 || len % g != 0 {
+    let n = in_place_shard(comm.rank(), comm.topology(), group, len)?;
+    let r = comm.group_rank(group) * n..(comm.group_rank(group) + 1) * n;
+    Ok(match buf {
+        Buf::F32(x) => OwnedBuf::F32(x[r].to_vec()),
+        Buf::BF16(x) => OwnedBuf::BF16(x[r].to_vec()),
+        Buf::F16(x) => OwnedBuf::F16(x[r].to_vec()),
+        Buf::F64(x) => OwnedBuf::F64(x[r].to_vec()),
+    })
+}
+
+/// The shard length `n` (elements) of an in-place all-gather buffer of `len` elements on
+/// `group`: `len / group size`.
+///
+/// Errors: [`CommError::SizeMismatch`] (`what` = `in-place buf`, `expected` = `len` rounded up
+/// to a multiple of the group size) when `len` is not a multiple of the group size.
+pub(crate) fn in_place_shard(
+    rank: usize,
+    topology: Topology,
+    group: Group,
+    len: usize,
+) -> Result<usize, CommError> {
+    let g = topology.group_size(group);
+    if g == 0 || !len.is_multiple_of(g) {
         return Err(CommError::SizeMismatch {
-            rank: comm.rank(),
+            rank,
             op: OpKind::AllGather,
             group,
             group_size: g,
@@ -330,14 +351,36 @@ pub(crate) fn own_block<C: Communicator + ?Sized>(
             got: len,
         });
     }
-    let n = len / g;
-    let r = comm.group_rank(group) * n..(comm.group_rank(group) + 1) * n;
-    Ok(match buf {
-        Buf::F32(x) => OwnedBuf::F32(x[r].to_vec()),
-        Buf::BF16(x) => OwnedBuf::BF16(x[r].to_vec()),
-        Buf::F16(x) => OwnedBuf::F16(x[r].to_vec()),
-        Buf::F64(x) => OwnedBuf::F64(x[r].to_vec()),
-    })
+    Ok(len / g)
+}
+
+/// Checks an in-place all-gather buffer of `dtype` and `len` elements on `group` and describes
+/// the call (number `seq`) exactly as a plain all-gather of `len / group size` elements into
+/// `len`, so in-place and plain ranks of one group match.
+///
+/// Errors: as [`in_place_shard`].
+pub(crate) fn check_in_place_call(
+    rank: usize,
+    topology: Topology,
+    group: Group,
+    dtype: DType,
+    len: usize,
+    seq: u64,
+) -> Result<CallDesc, CommError> {
+    let n = in_place_shard(rank, topology, group, len)?;
+    check_call(
+        rank,
+        topology,
+        OpKind::AllGather,
+        group,
+        None,
+        dtype,
+        n,
+        dtype,
+        len,
+        None,
+        seq,
+    )
 }
 
 /// Checks the buffers of one call on the calling rank and describes it (with call number `seq`).

@@ -4,7 +4,8 @@
 //! its tests call [`run_all`] or the individual checks, which return a [`CheckFailure`] with the
 //! first wrong value or error. The checks cover world sizes 1..8 and hybrid topologies (2x2,
 //! 3x2, 2x3, DDP 1x4), sizes 0, 1, odd, larger than a reduction block, every dtype, every group,
-//! started (asynchronous) calls, the error cases, and the real-world cases BC-05, BC-06 and
+//! started (asynchronous) calls, in-place all-gather (alone and mixed with plain all-gathers of
+//! the same collective), the error cases, and the real-world cases BC-05, BC-06 and
 //! BC-10 of `shared/cases/real-world-cases.md`. Expected values come from an independent scalar
 //! reference (sequential sum in rank order, 16-bit accumulated in f32, one division for `Avg`),
 //! compared bit for bit.
@@ -94,6 +95,18 @@ pub const CHECKS: &[(&str, Check)] = &[
         reduce_scatter_matches_reference,
     ),
     ("all_reduce_matches_reference", all_reduce_matches_reference),
+    (
+        "all_gather_in_place_matches_reference",
+        all_gather_in_place_matches_reference,
+    ),
+    (
+        "all_gather_in_place_mixes_with_plain_all_gather",
+        all_gather_in_place_mixes_with_plain_all_gather,
+    ),
+    (
+        "all_gather_in_place_size_not_multiple_is_error",
+        all_gather_in_place_size_not_multiple_is_error,
+    ),
     ("broadcast_from_every_root", broadcast_from_every_root),
     (
         "large_buffers_match_reference",
@@ -422,6 +435,246 @@ pub fn all_reduce_matches_reference(l: &dyn Launcher) -> Result<(), CheckFailure
                 }
                 compare(C, &format!("{t}, {group} group, rank {r}"), got, &want)?;
             }
+        }
+    }
+    Ok(())
+}
+
+/// An in-place all-gather buffer of `g x n` elements of `dtype` for group rank `gr` of world
+/// rank `rank`: block `gr` holds the rank's shard (`values(dtype, rank, n, salt)`), every other
+/// block stale NaNs (never an expected value) that the collective must overwrite.
+fn in_place_buf(dtype: DType, rank: usize, gr: usize, g: usize, n: usize, salt: u64) -> OwnedBuf {
+    let mut v = vec![f64::NAN; g * n];
+    for i in 0..n {
+        v[gr * n + i] = value(dtype, rank, i, salt);
+    }
+    OwnedBuf::from_f64(dtype, &v)
+}
+
+/// Shard lengths of the in-place all-gather checks: [`SIZES`] plus a large odd one (about 2^18
+/// elements) on the 4-rank worlds (4x1 and 2x2).
+fn in_place_sizes(t: Topology) -> Vec<usize> {
+    let mut s = SIZES.to_vec();
+    if t.world_size == 4 && t.replicate_size <= 2 {
+        s.push((1 << 18) + 1);
+    }
+    s
+}
+
+/// In-place all-gather (`MPI_IN_PLACE` semantics), synchronous and started: every topology
+/// (W = 1..8, hybrid 2x2, 3x2, 2x3, DDP 1x4), every group, every dtype, shard sizes 0, 1, odd,
+/// above a reduction block and (4x1, 2x2) about 2^18; each rank's buffer holds its own shard in
+/// its block and stale values elsewhere; afterwards block `i` of every member holds group rank
+/// `i`'s shard, bit for bit. The started calls are all issued before the first wait (prefetch).
+pub fn all_gather_in_place_matches_reference(l: &dyn Launcher) -> Result<(), CheckFailure> {
+    const C: &str = "all_gather_in_place_matches_reference";
+    for t in topologies() {
+        if !fits(l, t) {
+            continue;
+        }
+        let sizes = in_place_sizes(t);
+        for group in GROUPS {
+            let g = t.group_size(group);
+            let body = |c: &dyn Communicator| -> RankResult {
+                let gr = c.group_rank(group);
+                let mut out = Vec::new();
+                for (di, &d) in DTYPES.iter().enumerate() {
+                    for &n in &sizes {
+                        let mut buf = in_place_buf(d, c.rank(), gr, g, n, 500 + di as u64);
+                        c.all_gather_in_place(group, buf.as_buf_mut())?;
+                        out.extend(buf.to_f64_vec());
+                    }
+                }
+                let mut pending = Vec::new();
+                for (di, &d) in DTYPES.iter().enumerate() {
+                    for &n in &sizes {
+                        let buf = in_place_buf(d, c.rank(), gr, g, n, 520 + di as u64);
+                        pending.push(c.start_all_gather_in_place(group, buf)?);
+                    }
+                }
+                for p in pending {
+                    let done = p.wait_all()?;
+                    if done.send.is_some() {
+                        // An in-place call has no separate send buffer to hand back.
+                        return Ok(vec![f64::NAN]);
+                    }
+                    out.extend(done.buf.to_f64_vec());
+                }
+                Ok(out)
+            };
+            let res = launch_ok(C, l, t, &body)?;
+            let mut memo = Memo::default();
+            for (r, got) in res.iter().enumerate() {
+                let members = t.group_members(group, r);
+                let mut want = Vec::new();
+                for salt in [500u64, 520] {
+                    for (di, &d) in DTYPES.iter().enumerate() {
+                        for &n in &sizes {
+                            for &m in &members {
+                                want.extend_from_slice(memo.get(d, m, n, salt + di as u64));
+                            }
+                        }
+                    }
+                }
+                compare(C, &format!("{t}, {group} group, rank {r}"), got, &want)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// In-place and plain all-gathers are one collective: on 1x1, 4x1 (world) and 2x2, 2x3 (shard
+/// and replicate groups), odd group ranks call [`Communicator::all_gather`] while even ones call
+/// [`Communicator::all_gather_in_place`], then the reverse, then started forms mixed
+/// (in-place started against plain started and against plain synchronous); every rank of
+/// every group holds every member's shard, bit for bit, in f32, bf16 and f64.
+pub fn all_gather_in_place_mixes_with_plain_all_gather(
+    l: &dyn Launcher,
+) -> Result<(), CheckFailure> {
+    const C: &str = "all_gather_in_place_mixes_with_plain_all_gather";
+    let dtypes = [DType::F32, DType::BF16, DType::F64];
+    let cases = [
+        (topo(1, 1), Group::World),
+        (topo(4, 1), Group::World),
+        (topo(2, 2), Group::Shard),
+        (topo(2, 2), Group::Replicate),
+        (topo(2, 3), Group::Shard),
+        (topo(2, 3), Group::Replicate),
+    ];
+    let n = 3 * crate::reduce::BLOCK + 5;
+    for (t, group) in cases {
+        if !fits(l, t) {
+            continue;
+        }
+        let g = t.group_size(group);
+        let body = |c: &dyn Communicator| -> RankResult {
+            let gr = c.group_rank(group);
+            let mut out = Vec::new();
+            for (di, &d) in dtypes.iter().enumerate() {
+                // Round 0: even group ranks in place; round 1: odd ones; both synchronous.
+                for round in 0..2u64 {
+                    let salt = 600 + 10 * round + di as u64;
+                    if gr % 2 == round as usize {
+                        let mut buf = in_place_buf(d, c.rank(), gr, g, n, salt);
+                        c.all_gather_in_place(group, buf.as_buf_mut())?;
+                        out.extend(buf.to_f64_vec());
+                    } else {
+                        let send = values(d, c.rank(), n, salt);
+                        let mut recv = OwnedBuf::zeros(d, g * n);
+                        c.all_gather(group, send.as_buf(), recv.as_buf_mut())?;
+                        out.extend(recv.to_f64_vec());
+                    }
+                }
+                // Round 2: in-place started against plain started; round 3: in-place started
+                // against plain synchronous.
+                for round in 2..4u64 {
+                    let salt = 600 + 10 * round + di as u64;
+                    if gr % 2 == 0 {
+                        let buf = in_place_buf(d, c.rank(), gr, g, n, salt);
+                        let p = c.start_all_gather_in_place(group, buf)?;
+                        out.extend(p.wait()?.to_f64_vec());
+                    } else if round == 2 {
+                        let send = values(d, c.rank(), n, salt);
+                        let p = c.start_all_gather(group, send, OwnedBuf::zeros(d, g * n))?;
+                        out.extend(p.wait()?.to_f64_vec());
+                    } else {
+                        let send = values(d, c.rank(), n, salt);
+                        let mut recv = OwnedBuf::zeros(d, g * n);
+                        c.all_gather(group, send.as_buf(), recv.as_buf_mut())?;
+                        out.extend(recv.to_f64_vec());
+                    }
+                }
+            }
+            Ok(out)
+        };
+        let res = launch_ok(C, l, t, &body)?;
+        let mut memo = Memo::default();
+        for (r, got) in res.iter().enumerate() {
+            let members = t.group_members(group, r);
+            let mut want = Vec::new();
+            for (di, &d) in dtypes.iter().enumerate() {
+                for round in 0..4u64 {
+                    for &m in &members {
+                        want.extend_from_slice(memo.get(d, m, n, 600 + 10 * round + di as u64));
+                    }
+                }
+            }
+            compare(C, &format!("{t}, {group} group, rank {r}"), got, &want)?;
+        }
+    }
+    Ok(())
+}
+
+/// An in-place all-gather buffer whose length is not a multiple of the group size is a
+/// [`CommError::SizeMismatch`] on the calling rank (`in-place buf`, the rounded-up length
+/// expected, the length got, the group size), synchronous and started, on the world group of
+/// 3 ranks and the shard and replicate groups of 2x3; the world stays usable afterwards (a
+/// correct in-place all-gather and an all-reduce follow).
+pub fn all_gather_in_place_size_not_multiple_is_error(
+    l: &dyn Launcher,
+) -> Result<(), CheckFailure> {
+    const C: &str = "all_gather_in_place_size_not_multiple_is_error";
+    for (t, group) in [
+        (topo(3, 1), Group::World),
+        (topo(2, 3), Group::Shard),
+        (topo(2, 3), Group::Replicate),
+    ] {
+        if !fits(l, t) {
+            continue;
+        }
+        let g = t.group_size(group);
+        let body = |c: &dyn Communicator| -> RankResult {
+            let mut codes = Vec::new();
+            let is_size_err = |e: &CommError, expected: usize, got: usize| {
+                matches!(
+                    e,
+                    CommError::SizeMismatch {
+                        op: OpKind::AllGather,
+                        what: "in-place buf",
+                        expected: ex,
+                        got: gt,
+                        group_size: gs,
+                        group: gp,
+                        ..
+                    } if *ex == expected && *gt == got && *gs == g && *gp == group
+                )
+            };
+            let len = 2 * g + 1;
+            let mut buf = OwnedBuf::zeros(DType::F32, len);
+            codes.push(match c.all_gather_in_place(group, buf.as_buf_mut()) {
+                Err(e) if is_size_err(&e, 3 * g, len) => 1.0,
+                _ => 0.0,
+            });
+            let len = 3 * g - 1;
+            codes.push(
+                match c.start_all_gather_in_place(group, OwnedBuf::zeros(DType::BF16, len)) {
+                    Err(e) if is_size_err(&e, 3 * g, len) => 1.0,
+                    _ => 0.0,
+                },
+            );
+            // The group still works: a correct in-place all-gather, then a world all-reduce.
+            let gr = c.group_rank(group);
+            let mut buf = in_place_buf(DType::F32, c.rank(), gr, g, 5, 700);
+            c.all_gather_in_place(group, buf.as_buf_mut())?;
+            codes.extend(buf.to_f64_vec());
+            let mut x = vec![1.0f32; 3];
+            c.all_reduce(Group::World, ReduceOp::Sum, (&mut x).into())?;
+            codes.extend(x.iter().map(|&v| v as f64));
+            Ok(codes)
+        };
+        let res = launch_ok(C, l, t, &body)?;
+        for (r, got) in res.iter().enumerate() {
+            let mut want = vec![1.0, 1.0];
+            for m in t.group_members(group, r) {
+                want.extend(values(DType::F32, m, 5, 700).to_f64_vec());
+            }
+            want.extend([t.world_size as f64; 3]);
+            compare(
+                C,
+                &format!("{t}, {group} group, rank {r} (1 = the expected error)"),
+                got,
+                &want,
+            )?;
         }
     }
     Ok(())

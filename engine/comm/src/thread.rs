@@ -11,7 +11,9 @@
 //!    reduction, dtype, element counts, call number); otherwise all return
 //!    [`CommError::MismatchedCalls`] naming every rank's call, before any byte is touched.
 //! 3. **Move**: each rank reads its peers' buffers directly. All-gather: copy every peer's shard
-//!    into the own receive buffer. Reduce-scatter: group rank `i` reduces chunk `i` of all send
+//!    into the own receive buffer (in place, `MPI_IN_PLACE`-style: the send buffer a rank posts
+//!    is its own block of its receive buffer, which peers read while it writes the other
+//!    blocks, and which it does not copy onto itself). Reduce-scatter: group rank `i` reduces chunk `i` of all send
 //!    buffers, in rank order, into its receive buffer, so the `g` ranks split the arithmetic.
 //!    All-reduce: the same reduction of chunk `i` in place, a rendezvous, then each rank copies
 //!    the other reduced chunks (reduce-scatter + all-gather, Rabenseifner's algorithm as in
@@ -24,7 +26,7 @@
 //! Any failure aborts the whole world: later calls on every rank return the same error.
 
 use crate::buf::OwnedBuf;
-use crate::comm::{check_call, Communicator, Completed, PendingOp};
+use crate::comm::{check_call, check_in_place_call, Communicator, Completed, PendingOp};
 use crate::error::{CallDesc, CommError, OpKind, RankCalls};
 use crate::progress::{Job, ProgressQueue};
 use crate::reduce::reduce_dyn;
@@ -338,7 +340,9 @@ fn chunk_start(n: usize, g: usize, i: usize) -> usize {
 ///
 /// SAFETY contract (upheld by the callers in this module): `send` is valid for reads of
 /// `call.send_numel` elements and `recv` for reads and writes of `call.recv_numel` elements of
-/// `call.dtype` until this function returns, and nothing else accesses `recv` meanwhile.
+/// `call.dtype` until this function returns, and nothing else accesses `recv` meanwhile. The
+/// one allowed overlap: an all-gather's `send` may be block `group rank` of `recv` (in place),
+/// which this rank then only reads (peers read it too) while writing the other blocks.
 fn execute(
     world: &World,
     rank: usize,
@@ -376,14 +380,18 @@ fn execute(
             let bytes = call.send_numel * esize;
             for k in 0..g {
                 let j = (grank + k) % g;
-                // SAFETY: peer j's send buffer stays valid until the release rendezvous; chunk
-                // j of our receive buffer is ours alone.
+                let dst = recv + j * bytes;
+                if snap[j].send == dst {
+                    // In-place all-gather: our own shard already sits in its block (and peers
+                    // may be reading it right now); never copy a block onto itself.
+                    continue;
+                }
+                // SAFETY: peer j's send buffer stays valid until the release rendezvous and is
+                // only read; block j of our receive buffer is written by us alone and is
+                // disjoint from it (a peer's send buffer never lies in our receive buffer, and
+                // our own send block was skipped above when it does).
                 unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        snap[j].send as *const u8,
-                        (recv as *mut u8).add(j * bytes),
-                        bytes,
-                    )
+                    std::ptr::copy_nonoverlapping(snap[j].send as *const u8, dst as *mut u8, bytes)
                 };
             }
         }
@@ -613,6 +621,23 @@ impl ThreadComm {
         )
     }
 
+    /// Describes an in-place all-gather of `len` elements of `dtype` on `group` (takes a call
+    /// number, like every call, so ranks stay in step after an identical bad call) and returns
+    /// the call with the byte offset of this rank's own block in the buffer.
+    fn describe_in_place(
+        &self,
+        group: Group,
+        dtype: fsdp_types::DType,
+        len: usize,
+    ) -> Result<(CallDesc, usize), CommError> {
+        let seq = self.next_seq(group);
+        let call = check_in_place_call(self.rank, self.world.topology, group, dtype, len, seq)?;
+        let own = self.world.topology.group_rank(group, self.rank)
+            * call.send_numel
+            * dtype.size_bytes() as usize;
+        Ok((call, own))
+    }
+
     fn run_sync(&self, call: CallDesc, send: usize, recv: usize) -> Result<(), CommError> {
         execute(&self.world, self.rank, call, send, recv)
     }
@@ -672,6 +697,16 @@ impl Communicator for ThreadComm {
         )?;
         let (s, r) = addrs(&send, &mut recv);
         self.run_sync(call, s, r)
+    }
+
+    /// In place, without a copy: this rank posts its own block as its send buffer; peers read
+    /// it while this rank fills the other blocks (disjoint ranges), and the own block is never
+    /// copied onto itself. Matches peers' plain [`Communicator::all_gather`] of the same sizes.
+    fn all_gather_in_place(&self, group: Group, mut buf: BufMut<'_>) -> Result<(), CommError> {
+        self.drain();
+        let (call, own) = self.describe_in_place(group, buf.dtype(), buf.len())?;
+        let base = buf.as_mut_ptr() as usize;
+        self.run_sync(call, base + own, base)
     }
 
     fn reduce_scatter(
@@ -742,6 +777,26 @@ impl Communicator for ThreadComm {
                     send: Some(send),
                     buf: recv,
                 })
+            }),
+        )
+    }
+
+    /// Queued on this rank's progress thread like the other started calls; in place as
+    /// [`ThreadComm::all_gather_in_place`]. `wait` hands `buf` back (`send` is `None`).
+    fn start_all_gather_in_place(
+        &self,
+        group: Group,
+        mut buf: OwnedBuf,
+    ) -> Result<PendingOp, CommError> {
+        let (call, own) = self.describe_in_place(group, buf.dtype(), buf.len())?;
+        let world = self.world.clone();
+        let rank = self.rank;
+        self.submit(
+            call,
+            Box::new(move || {
+                let base = buf.as_buf_mut().as_mut_ptr() as usize;
+                execute(&world, rank, call, base + own, base)?;
+                Ok(Completed { send: None, buf })
             }),
         )
     }

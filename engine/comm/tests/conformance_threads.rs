@@ -18,6 +18,9 @@ checks!(
     all_gather_matches_reference,
     reduce_scatter_matches_reference,
     all_reduce_matches_reference,
+    all_gather_in_place_matches_reference,
+    all_gather_in_place_mixes_with_plain_all_gather,
+    all_gather_in_place_size_not_multiple_is_error,
     broadcast_from_every_root,
     large_buffers_match_reference,
     barrier_waits_for_every_rank,
@@ -35,5 +38,5 @@ checks!(
 #[test]
 fn every_check_has_a_test() {
     // Keeps this file in step with conformance::CHECKS.
-    assert_eq!(conformance::CHECKS.len(), 15);
+    assert_eq!(conformance::CHECKS.len(), 18);
 }
