@@ -210,4 +210,41 @@ pub enum CommError {
         /// What is not supported.
         what: String,
     },
+    /// A bootstrap environment variable (torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+    /// `MASTER_ADDR`, `MASTER_PORT`) is missing or does not parse (see [`crate::rendezvous`]).
+    #[error("environment variable {name}{}: {reason}", value.as_ref().map(|v| format!("={v:?}")).unwrap_or_default())]
+    Env {
+        /// The variable's name.
+        name: &'static str,
+        /// Its value (`None` when it is not set).
+        value: Option<String>,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The TCP rendezvous that hands every rank the NCCL unique id failed: address in use, a
+    /// rank that never arrived, world-size disagreement, a broken connection.
+    #[error("rendezvous at {addr} (rank {rank} of world size {world_size}): {reason}")]
+    Rendezvous {
+        /// `MASTER_ADDR:MASTER_PORT`.
+        addr: String,
+        /// The rank that reports the failure.
+        rank: usize,
+        /// The world size that rank expects.
+        world_size: usize,
+        /// What went wrong, with the numbers (ranks, seconds, sizes).
+        reason: String,
+    },
+    /// A CUDA driver or NCCL call failed; `message` is the library's own text
+    /// (`cuGetErrorString`, `ncclGetErrorString` + `ncclGetLastError`).
+    #[error("rank {rank}: {library} {call} failed: {message}")]
+    Device {
+        /// The rank whose call failed.
+        rank: usize,
+        /// `cuda` or `nccl`.
+        library: &'static str,
+        /// The call, with its sizes (e.g. `ncclAllGather(1024 x bf16)`).
+        call: String,
+        /// The library's error text.
+        message: String,
+    },
 }

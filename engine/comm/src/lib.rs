@@ -26,6 +26,7 @@ mod error;
 pub mod mpi;
 mod progress;
 mod reduce;
+pub mod rendezvous;
 mod thread;
 mod topology;
 

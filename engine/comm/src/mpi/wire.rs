@@ -188,6 +188,12 @@ fn static_str(s: String) -> &'static str {
         "threads",
         "mpi",
         "nccl",
+        "cuda",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
         "shard_size and replicate_size must both be at least 1",
         "world_size must equal shard_size x replicate_size",
     ];
@@ -305,6 +311,41 @@ pub(crate) fn encode_error(e: &CommError, w: &mut Writer) {
             w.str(backend);
             w.str(what);
         }
+        CommError::Env {
+            name,
+            value,
+            reason,
+        } => {
+            w.u64(10);
+            w.str(name);
+            w.u64(u64::from(value.is_some()));
+            w.str(value.as_deref().unwrap_or(""));
+            w.str(reason);
+        }
+        CommError::Rendezvous {
+            addr,
+            rank,
+            world_size,
+            reason,
+        } => {
+            w.u64(11);
+            w.str(addr);
+            w.usize(*rank);
+            w.usize(*world_size);
+            w.str(reason);
+        }
+        CommError::Device {
+            rank,
+            library,
+            call,
+            message,
+        } => {
+            w.u64(12);
+            w.usize(*rank);
+            w.str(library);
+            w.str(call);
+            w.str(message);
+        }
     }
 }
 
@@ -381,6 +422,28 @@ pub(crate) fn decode_error(r: &mut Reader<'_>) -> Option<CommError> {
         9 => CommError::Unsupported {
             backend: static_str(r.string()?),
             what: r.string()?,
+        },
+        10 => {
+            let name = static_str(r.string()?);
+            let set = r.u64()? != 0;
+            let value = r.string()?;
+            CommError::Env {
+                name,
+                value: set.then_some(value),
+                reason: r.string()?,
+            }
+        }
+        11 => CommError::Rendezvous {
+            addr: r.string()?,
+            rank: r.usize()?,
+            world_size: r.usize()?,
+            reason: r.string()?,
+        },
+        12 => CommError::Device {
+            rank: r.usize()?,
+            library: static_str(r.string()?),
+            call: r.string()?,
+            message: r.string()?,
         },
         _ => return None,
     })
@@ -479,6 +542,23 @@ mod tests {
             CommError::Unsupported {
                 backend: "mpi",
                 what: "too big".into(),
+            },
+            CommError::Env {
+                name: "RANK",
+                value: Some("x".into()),
+                reason: "not a number".into(),
+            },
+            CommError::Rendezvous {
+                addr: "127.0.0.1:29500".into(),
+                rank: 1,
+                world_size: 2,
+                reason: "rank 1 never arrived".into(),
+            },
+            CommError::Device {
+                rank: 0,
+                library: "nccl",
+                call: "ncclAllGather".into(),
+                message: "unhandled cuda error".into(),
             },
         ];
         for e in errors {
