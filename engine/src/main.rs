@@ -1,4 +1,4 @@
-//! The `fsdp` command line: `plan`, `train`, `ckpt`.
+//! The `fsdp` command line: `plan`, `train`, `ckpt`, `launch`.
 //!
 //! The binary installs [`CountingAllocator`] as its global allocator so that `fsdp train` can
 //! report the process heap peak next to the plan.
@@ -57,6 +57,11 @@ fn main() -> ExitCode {
             size_compute_threads(a.world_size, a.threads_per_rank);
             fsdp::cli::train::run(a, Some(&ALLOC))
         }
+        // The launcher exits with the failing rank's own code.
+        Command::Launch(a) => match fsdp::cli::launch::run(a) {
+            Ok(code) => return ExitCode::from(code),
+            Err(e) => Err(e),
+        },
         command => fsdp::cli::run(Cli { command }),
     };
     match result {

@@ -4,6 +4,7 @@
 use clap::{Parser, Subcommand};
 
 pub mod ckpt;
+pub mod launch;
 pub mod plan;
 pub mod train;
 
@@ -46,6 +47,9 @@ pub enum Command {
     Ckpt(ckpt::CkptArgs),
     /// Train a byte-level GPT on text with W rank threads under a sharding strategy.
     Train(train::TrainArgs),
+    /// Start N processes of one job on this node (torchrun's environment), prefix their output
+    /// with their rank, stop all when one fails.
+    Launch(launch::LaunchArgs),
 }
 
 /// Runs one parsed command line.
@@ -54,5 +58,9 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Plan(a) => plan::run(a),
         Command::Ckpt(a) => ckpt::run(a),
         Command::Train(a) => train::run(a, None),
+        Command::Launch(a) => match launch::run(a)? {
+            0 => Ok(()),
+            code => Err(CliError::Failed(format!("a rank exited with code {code}"))),
+        },
     }
 }
