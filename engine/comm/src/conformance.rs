@@ -451,11 +451,11 @@ fn in_place_buf(dtype: DType, rank: usize, gr: usize, g: usize, n: usize, salt: 
     OwnedBuf::from_f64(dtype, &v)
 }
 
-/// Shard lengths of the in-place all-gather checks: [`SIZES`] plus a large odd one (about 2^18
-/// elements) on the 4-rank worlds (4x1 and 2x2).
-fn in_place_sizes(t: Topology) -> Vec<usize> {
+/// Shard lengths of the in-place all-gather checks: [`SIZES`], plus a large odd one (about 2^18
+/// elements) for f32 and bf16 on the 4-rank fully sharded world.
+fn in_place_sizes(t: Topology, dtype: DType) -> Vec<usize> {
     let mut s = SIZES.to_vec();
-    if t.world_size == 4 && t.replicate_size <= 2 {
+    if t == topo(4, 1) && matches!(dtype, DType::F32 | DType::BF16) {
         s.push((1 << 18) + 1);
     }
     s
@@ -463,23 +463,23 @@ fn in_place_sizes(t: Topology) -> Vec<usize> {
 
 /// In-place all-gather (`MPI_IN_PLACE` semantics), synchronous and started: every topology
 /// (W = 1..8, hybrid 2x2, 3x2, 2x3, DDP 1x4), every group, every dtype, shard sizes 0, 1, odd,
-/// above a reduction block and (4x1, 2x2) about 2^18; each rank's buffer holds its own shard in
-/// its block and stale values elsewhere; afterwards block `i` of every member holds group rank
-/// `i`'s shard, bit for bit. The started calls are all issued before the first wait (prefetch).
+/// above a reduction block and (4x1, f32 and bf16) about 2^18; each rank's buffer holds its own
+/// shard in its block and stale values elsewhere; afterwards block `i` of every member holds
+/// group rank `i`'s shard, bit for bit. The started calls are all issued before the first wait
+/// (prefetch).
 pub fn all_gather_in_place_matches_reference(l: &dyn Launcher) -> Result<(), CheckFailure> {
     const C: &str = "all_gather_in_place_matches_reference";
     for t in topologies() {
         if !fits(l, t) {
             continue;
         }
-        let sizes = in_place_sizes(t);
         for group in GROUPS {
             let g = t.group_size(group);
             let body = |c: &dyn Communicator| -> RankResult {
                 let gr = c.group_rank(group);
                 let mut out = Vec::new();
                 for (di, &d) in DTYPES.iter().enumerate() {
-                    for &n in &sizes {
+                    for &n in &in_place_sizes(t, d) {
                         let mut buf = in_place_buf(d, c.rank(), gr, g, n, 500 + di as u64);
                         c.all_gather_in_place(group, buf.as_buf_mut())?;
                         out.extend(buf.to_f64_vec());
@@ -487,7 +487,7 @@ pub fn all_gather_in_place_matches_reference(l: &dyn Launcher) -> Result<(), Che
                 }
                 let mut pending = Vec::new();
                 for (di, &d) in DTYPES.iter().enumerate() {
-                    for &n in &sizes {
+                    for &n in &in_place_sizes(t, d) {
                         let buf = in_place_buf(d, c.rank(), gr, g, n, 520 + di as u64);
                         pending.push(c.start_all_gather_in_place(group, buf)?);
                     }
@@ -509,7 +509,7 @@ pub fn all_gather_in_place_matches_reference(l: &dyn Launcher) -> Result<(), Che
                 let mut want = Vec::new();
                 for salt in [500u64, 520] {
                     for (di, &d) in DTYPES.iter().enumerate() {
-                        for &n in &sizes {
+                        for &n in &in_place_sizes(t, d) {
                             for &m in &members {
                                 want.extend_from_slice(memo.get(d, m, n, salt + di as u64));
                             }

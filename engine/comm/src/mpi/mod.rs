@@ -25,7 +25,15 @@
 //!    phase: nobody leaves before every member arrived.
 //! 2. **Data phase** (blocking MPI collectives on the group communicator, only after every
 //!    member's header matched, so every member is inside the same call):
-//!    * all-gather: `MPI_Allgather`, straight into the caller's buffer;
+//!    * all-gather: `MPI_Allgather` with `MPI_IN_PLACE` on every member, straight into the
+//!      caller's buffer: an in-place call ([`Communicator::all_gather_in_place`]) already holds
+//!      its shard in its block; a plain call first copies its send buffer into its own block
+//!      of the receive buffer (the copy MPI itself makes for a separate send buffer). Every
+//!      member passes `MPI_IN_PLACE` because the MPI standard (4.1, section 6.7) requires it
+//!      at all processes or none, and in-place and plain ranks form one collective here. With
+//!      an MPI library whose `MPI_IN_PLACE` value is not known (see
+//!      [`MpiUniverse::in_place_sentinel`]) every member passes a send buffer instead (an
+//!      in-place rank copies its block out first);
 //!    * reduce-scatter: `MPI_Alltoall` of the `g` chunks into a staging buffer (group rank `i`
 //!      receives chunk `i` of every member, in rank order), then the rank-order reduction of
 //!      [`crate::reduce_in_rank_order`] (16-bit dtypes accumulated in f32, `Avg` = one division
@@ -63,7 +71,7 @@ mod wire;
 pub use launcher::MpiLauncher;
 
 use crate::buf::{Buf, BufMut, OwnedBuf};
-use crate::comm::{check_call, Communicator, Completed, PendingOp};
+use crate::comm::{check_call, check_in_place_call, Communicator, Completed, PendingOp};
 use crate::error::{CallDesc, CommError, OpKind, RankCalls};
 use crate::progress::{Job, ProgressQueue};
 use crate::reduce::reduce_dyn;
@@ -86,6 +94,7 @@ pub struct MpiUniverse {
     universe: mpi::environment::Universe,
     rank: usize,
     size: usize,
+    in_place: Option<usize>,
 }
 
 // SAFETY: the universe only finalises MPI on drop; MPI is initialised with
@@ -133,10 +142,12 @@ impl MpiUniverse {
             ffi::MPI_Comm_rank(world, &mut rank);
             ffi::MPI_Comm_size(world, &mut size);
         }
+        let in_place = in_place_for(&mpi::environment::library_version().unwrap_or_default());
         Ok(Arc::new(MpiUniverse {
             universe,
             rank: rank as usize,
             size: size as usize,
+            in_place,
         }))
     }
 
@@ -148,6 +159,14 @@ impl MpiUniverse {
     /// Number of processes of the MPI job (`MPI_COMM_WORLD` size).
     pub fn size(&self) -> usize {
         self.size
+    }
+
+    /// The address value of the library's `MPI_IN_PLACE` (a C macro the bindings cannot
+    /// export): `1` for Open MPI (`(void *) 1` in its `mpi.h`), `usize::MAX` for MPICH and its
+    /// derivatives Intel MPI and MVAPICH (`(void *) -1`), `None` for another library, which
+    /// then gathers with separate send buffers.
+    pub fn in_place_sentinel(&self) -> Option<usize> {
+        self.in_place
     }
 
     /// The MPI library's version string (e.g. `Open MPI v4.1.4, ...`).
@@ -166,6 +185,19 @@ impl MpiUniverse {
     pub(crate) fn world_handle(&self) -> ffi::MPI_Comm {
         let _ = &self.universe;
         unsafe { ffi::RSMPI_COMM_WORLD }
+    }
+}
+
+/// `MPI_IN_PLACE` of the library whose `MPI_Get_library_version` string is `version` (see
+/// [`MpiUniverse::in_place_sentinel`]).
+fn in_place_for(version: &str) -> Option<usize> {
+    let v = version.trim_start();
+    if v.starts_with("Open MPI") {
+        Some(1)
+    } else if v.starts_with("MPICH") || v.starts_with("Intel(R) MPI") || v.starts_with("MVAPICH") {
+        Some(usize::MAX)
+    } else {
+        None
     }
 }
 
@@ -192,6 +224,8 @@ struct Core {
     notices: Vec<(ffi::MPI_Request, Vec<u8>)>,
     /// Staging for reductions (u64 words so every dtype is aligned).
     stage: Vec<u64>,
+    /// The library's `MPI_IN_PLACE` ([`MpiUniverse::in_place_sentinel`]).
+    in_place: Option<usize>,
     watchdog: Arc<Watchdog>,
 }
 
@@ -525,7 +559,8 @@ impl Core {
     /// Runs one collective: rendezvous, then the data phase (see the module docs).
     ///
     /// SAFETY contract: `send` is valid for reads of `call.send_numel` elements and `recv` for
-    /// reads and writes of `call.recv_numel` elements of `call.dtype` until this returns.
+    /// reads and writes of `call.recv_numel` elements of `call.dtype` until this returns. An
+    /// all-gather's `send` may be block `group rank` of `recv` (in place); no other overlap.
     fn execute(&mut self, call: CallDesc, send: usize, recv: usize) -> Result<(), CommError> {
         self.rendezvous(&call)?;
         let Some(dtype) = call.dtype else {
@@ -547,16 +582,29 @@ impl Core {
                 }
                 let c = count(n, &call)?;
                 count(n * g, &call)?;
+                let bytes = n * es;
+                // SAFETY: block `gr` lies inside `recv` (g x n elements).
+                let own = unsafe { recv.add(gr * bytes) };
+                let in_place = send == own;
+                let src: *const u8 = match self.in_place {
+                    Some(sentinel) => {
+                        if !in_place {
+                            // SAFETY: a plain call's send buffer (n elements) is disjoint from
+                            // its receive buffer; block `gr` is ours to write.
+                            unsafe { std::ptr::copy_nonoverlapping(send, own, bytes) };
+                        }
+                        sentinel as *const u8
+                    }
+                    None if in_place => {
+                        let stage = self.stage_ptr(bytes);
+                        // SAFETY: the stage holds `bytes` bytes and is not the caller's buffer.
+                        unsafe { std::ptr::copy_nonoverlapping(own, stage, bytes) };
+                        stage
+                    }
+                    None => send,
+                };
                 self.guarded(&call, || unsafe {
-                    ffi::MPI_Allgather(
-                        send as *const c_void,
-                        c,
-                        t,
-                        recv as *mut c_void,
-                        c,
-                        t,
-                        comm,
-                    );
+                    ffi::MPI_Allgather(src as *const c_void, c, t, recv as *mut c_void, c, t, comm);
                 });
                 Ok(())
             }
@@ -861,6 +909,7 @@ impl MpiComm {
             exited: vec![None; w],
             notices: Vec::new(),
             stage: Vec::new(),
+            in_place: universe.in_place_sentinel(),
             watchdog,
         };
         Ok(Some(MpiComm {
@@ -936,22 +985,44 @@ impl MpiComm {
         self.lock().execute(call, send, recv)
     }
 
+    /// Describes an in-place all-gather of `len` elements of `dtype` on `group` (it takes a
+    /// call number even when the length is wrong, as every call does) and returns the call and
+    /// the byte offset of this rank's block.
+    fn describe_in_place(
+        &self,
+        group: Group,
+        dtype: DType,
+        len: usize,
+    ) -> Result<(CallDesc, usize), CommError> {
+        let seq = self.next_seq(group);
+        let call = check_in_place_call(self.rank, self.topology, group, dtype, len, seq)?;
+        let own = self.topology.group_rank(group, self.rank)
+            * call.send_numel
+            * dtype.size_bytes() as usize;
+        Ok((call, own))
+    }
+
     fn submit(&self, call: CallDesc, job: Job) -> Result<PendingOp, CommError> {
         self.progress.submit(call, job)
     }
 
+    /// Queues `call` on the progress thread. `send`: the separate send buffer, or `None` for an
+    /// in-place call, whose send data starts `own` bytes into `buf`.
     fn start_job(
         &self,
         call: CallDesc,
         send: Option<OwnedBuf>,
         mut buf: OwnedBuf,
+        own: usize,
     ) -> Result<PendingOp, CommError> {
         let core = self.core.clone();
         self.submit(
             call,
             Box::new(move || {
                 let r = buf.as_buf_mut().as_mut_ptr() as usize;
-                let s = send.as_ref().map_or(r, |s| s.as_buf().as_ptr() as usize);
+                let s = send
+                    .as_ref()
+                    .map_or(r + own, |s| s.as_buf().as_ptr() as usize);
                 core.lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .execute(call, s, r)?;
@@ -1035,6 +1106,14 @@ impl Communicator for MpiComm {
         self.run_sync(call, s, r)
     }
 
+    /// `MPI_Allgather` with `MPI_IN_PLACE` (see the module docs); no copy of the own block.
+    fn all_gather_in_place(&self, group: Group, mut buf: BufMut<'_>) -> Result<(), CommError> {
+        self.drain();
+        let (call, own) = self.describe_in_place(group, buf.dtype(), buf.len())?;
+        let base = buf.as_mut_ptr() as usize;
+        self.run_sync(call, base + own, base)
+    }
+
     fn reduce_scatter(
         &self,
         group: Group,
@@ -1092,7 +1171,17 @@ impl Communicator for MpiComm {
             (recv.dtype(), recv.len()),
             None,
         )?;
-        self.start_job(call, Some(send), recv)
+        self.start_job(call, Some(send), recv, 0)
+    }
+
+    /// Queued on the progress thread; in place as [`MpiComm::all_gather_in_place`].
+    fn start_all_gather_in_place(
+        &self,
+        group: Group,
+        buf: OwnedBuf,
+    ) -> Result<PendingOp, CommError> {
+        let (call, own) = self.describe_in_place(group, buf.dtype(), buf.len())?;
+        self.start_job(call, None, buf, own)
     }
 
     fn start_reduce_scatter(
@@ -1110,7 +1199,7 @@ impl Communicator for MpiComm {
             (recv.dtype(), recv.len()),
             None,
         )?;
-        self.start_job(call, Some(send), recv)
+        self.start_job(call, Some(send), recv, 0)
     }
 
     fn start_all_reduce(
@@ -1121,7 +1210,7 @@ impl Communicator for MpiComm {
     ) -> Result<PendingOp, CommError> {
         let d = (buf.dtype(), buf.len());
         let call = self.describe(OpKind::AllReduce, group, Some(op), d, d, None)?;
-        self.start_job(call, None, buf)
+        self.start_job(call, None, buf, 0)
     }
 
     fn start_broadcast(
@@ -1132,6 +1221,29 @@ impl Communicator for MpiComm {
     ) -> Result<PendingOp, CommError> {
         let d = (buf.dtype(), buf.len());
         let call = self.describe(OpKind::Broadcast, group, None, d, d, Some(root))?;
-        self.start_job(call, None, buf)
+        self.start_job(call, None, buf, 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::in_place_for;
+
+    #[test]
+    fn in_place_sentinel_by_library() {
+        // Open MPI's mpi.h: `#define MPI_IN_PLACE ((void *) 1)`; MPICH's: `(void *) -1`.
+        assert_eq!(
+            in_place_for("Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4"),
+            Some(1)
+        );
+        assert_eq!(
+            in_place_for("MPICH Version:\t4.0.2\nMPICH Release date: ..."),
+            Some(usize::MAX)
+        );
+        assert_eq!(
+            in_place_for("Intel(R) MPI Library 2021.6"),
+            Some(usize::MAX)
+        );
+        assert_eq!(in_place_for("Some Other MPI 1.0"), None);
     }
 }
