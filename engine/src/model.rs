@@ -16,6 +16,15 @@
 //! run as fused candle custom ops with hand-written backward passes ([`ops`]); on other devices
 //! the same math is composed from candle's primitive tensor ops. Both paths are tested against
 //! each other.
+//!
+//! Dtypes: a unit computes in the dtype of its parameters (`param_dtype`): f32, bf16 or f16 in
+//! training, f64 on the CPU for gradient checks. Stage inputs after the embedding and every
+//! activation are in that dtype, matrix products run in it (candle's CPU matmul widens bf16 to
+//! f32 and narrows the product; f16 uses gemm's f16 kernel), and the normalisations, softmax,
+//! GELU and cross-entropy compute in f32 on 16-bit storage ([`ops`] module docs, on both the
+//! fused and the reference path), with the loss returned in f32 ([`ops::compute_dtype`]).
+//! Parameters of one unit in different dtypes, or activations in another dtype than the
+//! parameters, are an error (no silent cast). Mixed precision after Micikevicius et al. 2018.
 
 pub mod ops;
 
@@ -393,7 +402,8 @@ impl Gpt {
     ///
     /// `unit_params`: ALL parameters of the stage's unit ([`Gpt::unit_of`]) in declaration
     /// order (a tied parameter passed as its target's tensor), shapes from the spec, all of one
-    /// float dtype (f32 in training; f64 works on the CPU for gradient checks).
+    /// float dtype, the unit's compute dtype (`param_dtype`: f32, bf16 or f16 in training; f64
+    /// works on the CPU for gradient checks). Hidden states in and out have that dtype too.
     /// - `Embed`: `x` u32 token ids `[B, T]` -> hidden `[B, T, D]` (`wte[x] + wpe[0..T]`).
     /// - `Block(i)`: hidden `[B, T, D]` -> `[B, T, D]`:
     ///   `x + attn(ln_1(x))`, then `+ mlp(ln_2(.))` (pre-LayerNorm, causal multi-head
@@ -404,8 +414,9 @@ impl Gpt {
     /// uses only `wte`/`wpe`, its `Head` stage only `ln_f` and `lm_head`): after backward,
     /// `grads.get(param)` is `None` for the unused ones, meaning a zero gradient.
     ///
-    /// Errors: wrong parameter count or shapes, `T > n_positions`, a token id `>= V`, or a
-    /// dtype mismatch.
+    /// Errors: wrong parameter count or shapes, `T > n_positions`, a token id `>= V`,
+    /// parameters of more than one dtype or of a non-float dtype, hidden states `x` of another
+    /// dtype than the parameters.
     pub fn forward_stage(
         &self,
         stage: Stage,
@@ -413,6 +424,9 @@ impl Gpt {
         x: &Tensor,
     ) -> candle_core::Result<Tensor> {
         self.check_params(stage, unit_params)?;
+        if stage != Stage::Embed {
+            check_activation_dtype(stage, unit_params, x)?;
+        }
         match stage {
             Stage::Embed => self.embed_fwd(unit_params, x),
             Stage::Block(i) => self.block_fwd(&self.blocks[i], unit_params, x),
@@ -425,9 +439,11 @@ impl Gpt {
     }
 
     /// Head stage with the loss: hidden `x` `[B, T, D]` and `targets` u32 `[B, T]` -> a scalar
-    /// (0-dim tensor, dtype of `x`): the SUM over the `B*T` tokens of the cross-entropy
-    /// `-log softmax(logits)[target]` in nats. The engine divides by the global token count
-    /// exactly once.
+    /// (0-dim tensor of dtype [`ops::compute_dtype`]`(x.dtype())`: F32 for f32, bf16 and f16
+    /// units, so a 16-bit unit's loss is not rounded to 16 bits; F64 for f64): the SUM over the
+    /// `B*T` tokens of the cross-entropy `-log softmax(logits)[target]` in nats. The engine
+    /// divides by the global token count exactly once. Backward from it gives gradients in the
+    /// unit's dtype.
     ///
     /// Errors: as [`Gpt::forward_stage`] for `Head`; a target `>= V`; `targets` not `[B, T]`.
     pub fn head_loss(
@@ -437,6 +453,7 @@ impl Gpt {
         targets: &Tensor,
     ) -> candle_core::Result<Tensor> {
         self.check_params(Stage::Head, unit_params)?;
+        check_activation_dtype(Stage::Head, unit_params, x)?;
         let (b, t, _) = x.dims3()?;
         let (tb, tt) = targets.dims2()?;
         if (tb, tt) != (b, t) {
@@ -494,6 +511,29 @@ impl Gpt {
                 candle_core::bail!("{}: expected shape {want:?}, got {:?}", p.name, t.dims());
             }
         }
+        if let Some(first) = params.first() {
+            let dt = first.dtype();
+            if !matches!(dt, DType::F32 | DType::F64 | DType::BF16 | DType::F16) {
+                candle_core::bail!(
+                    "{stage:?}: unit {}: parameter {} is {dt:?}; parameters must be f32, f64, \
+                     bf16 or f16",
+                    unit.name,
+                    unit.params[0].name
+                );
+            }
+            for (p, t) in unit.params.iter().zip(params) {
+                if t.dtype() != dt {
+                    candle_core::bail!(
+                        "{stage:?}: unit {}: parameter {} is {:?} but {} is {dt:?}; all \
+                         parameters of a unit must have one dtype (param_dtype)",
+                        unit.name,
+                        p.name,
+                        t.dtype(),
+                        unit.params[0].name
+                    );
+                }
+            }
+        }
         Ok(())
     }
 
@@ -518,6 +558,15 @@ impl Gpt {
         let max = flat.max(0)?.to_scalar::<u32>()?;
         if max >= v {
             candle_core::bail!("Embed: token id {max} >= vocab_size {v}");
+        }
+        if is_half(wte) {
+            // As ops::embedding: the sum in f32, rounded once; the gradient rows (repeated
+            // tokens, positions over the batch) accumulated in f32, not 16 bits.
+            let (wte32, wpe32) = (wte.to_dtype(DType::F32)?, wpe.to_dtype(DType::F32)?);
+            let tok = wte32.index_select(&flat, 0)?.reshape((b, t, d))?;
+            return tok
+                .broadcast_add(&wpe32.narrow(0, 0, t)?)?
+                .to_dtype(wte.dtype());
         }
         let tok = wte.index_select(&flat, 0)?.reshape((b, t, d))?;
         tok.broadcast_add(&wpe.narrow(0, 0, t)?)
@@ -553,10 +602,7 @@ impl Gpt {
         let f = if self.fused(&f) {
             ops::bias_gelu(&f, ix.c_fc.b.map(|i| &p[i]))?
         } else {
-            match ix.c_fc.b {
-                Some(bi) => f.broadcast_add(&p[bi])?.gelu()?,
-                None => f.gelu()?,
-            }
+            gelu_ref(&f, ix.c_fc.b.map(|i| &p[i]))?
         };
         let y = linear(fz, &f, &p[ix.mlp_proj.w], ix.mlp_proj.b.map(|i| &p[i]))?;
         (x2 + y)?.reshape((b, t, d))
@@ -581,9 +627,35 @@ impl Gpt {
     }
 }
 
-/// Whether the fused CPU custom ops can serve this tensor (CPU, f32 or f64).
+/// Whether the fused CPU custom ops can serve this tensor (CPU; f32, f64, bf16 or f16).
 fn use_fused(t: &Tensor) -> bool {
-    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+    t.device().is_cpu()
+        && matches!(
+            t.dtype(),
+            DType::F32 | DType::F64 | DType::BF16 | DType::F16
+        )
+}
+
+/// Checks that the hidden states `x` entering `stage` have the dtype of the unit's parameters:
+/// f32 activations with bf16 weights (or the reverse) is an error, never a silent cast.
+fn check_activation_dtype(stage: Stage, params: &[Tensor], x: &Tensor) -> candle_core::Result<()> {
+    if let Some(p) = params.first() {
+        if x.dtype() != p.dtype() {
+            candle_core::bail!(
+                "{stage:?}: input activations are {:?} but the unit's parameters are {:?} \
+                 (param_dtype); cast explicitly",
+                x.dtype(),
+                p.dtype()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Whether `t` is a 16-bit float (bf16, f16): the reference compositions widen it to f32
+/// around the normalisations, softmax, GELU and cross-entropy, as the fused ops do.
+fn is_half(t: &Tensor) -> bool {
+    matches!(t.dtype(), DType::BF16 | DType::F16)
 }
 
 /// `x @ w (+ b)` for `x` `[N, in]`, `w` `[in, out]`, `b` `[out]`.
@@ -591,7 +663,7 @@ fn linear(fused: bool, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_cor
     let y = x.matmul(w)?;
     match b {
         Some(b) if fused => ops::bias_add(&y, b),
-        Some(b) => y.broadcast_add(b),
+        Some(b) => bias_add_ref(&y, b),
         None => Ok(y),
     }
 }
@@ -610,14 +682,47 @@ fn layer_norm(
     }
 }
 
+/// Reference `x + b` (`x` `[N, F]`, `b` `[F]`) from candle primitives; bf16/f16 are widened to
+/// f32 and the sum narrowed (the same bits as candle's 16-bit add), so the bias gradient is
+/// summed over rows in f32 as in [`ops::bias_add`], not in 16 bits.
+pub fn bias_add_ref(x: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    if is_half(x) {
+        return x
+            .to_dtype(DType::F32)?
+            .broadcast_add(&b.to_dtype(DType::F32)?)?
+            .to_dtype(x.dtype());
+    }
+    x.broadcast_add(b)
+}
+
+/// Reference `gelu(x + b)` (tanh approximation) from candle primitives, `x` `[N, F]`, `b`
+/// `[F]`; bf16/f16 inputs are widened to f32 (the bias add is not rounded to 16 bits) and the
+/// result narrowed back, as [`ops::bias_gelu`].
+pub fn gelu_ref(x: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    if is_half(x) {
+        let b32 = b.map(|b| b.to_dtype(DType::F32)).transpose()?;
+        return gelu_ref(&x.to_dtype(DType::F32)?, b32.as_ref())?.to_dtype(x.dtype());
+    }
+    match b {
+        Some(b) => x.broadcast_add(b)?.gelu(),
+        None => x.gelu(),
+    }
+}
+
 /// Reference LayerNorm from candle primitives (any device): `(x - mean) / sqrt(var + eps) * w
-/// + b`, biased variance over the last dim.
+/// + b`, biased variance over the last dim. bf16/f16 inputs are widened to f32 and the result
+/// narrowed back (as [`ops::layer_norm`]).
 pub fn layer_norm_ref(
     x: &Tensor,
     w: &Tensor,
     b: Option<&Tensor>,
     eps: f64,
 ) -> candle_core::Result<Tensor> {
+    if is_half(x) {
+        let f = |t: &Tensor| t.to_dtype(DType::F32);
+        let b32 = b.map(f).transpose()?;
+        return layer_norm_ref(&f(x)?, &f(w)?, b32.as_ref(), eps)?.to_dtype(x.dtype());
+    }
     let mean = x.mean_keepdim(D::Minus1)?;
     let xc = x.broadcast_sub(&mean)?;
     let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
@@ -630,8 +735,12 @@ pub fn layer_norm_ref(
 }
 
 /// Reference causal softmax from candle primitives: `softmax(scale * s + mask)` over the last
-/// dim of `s` `[..., T, T]`, where `mask[i][j] = -inf` for `j > i`.
+/// dim of `s` `[..., T, T]`, where `mask[i][j] = -inf` for `j > i`. bf16/f16 scores are
+/// widened to f32 and the probabilities narrowed back (as [`ops::causal_softmax`]).
 pub fn causal_softmax_ref(s: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
+    if is_half(s) {
+        return causal_softmax_ref(&s.to_dtype(DType::F32)?, scale)?.to_dtype(s.dtype());
+    }
     let t = s.dim(D::Minus1)?;
     let mask: Vec<f32> = (0..t * t)
         .map(|k| {
@@ -651,8 +760,13 @@ pub fn causal_softmax_ref(s: &Tensor, scale: f64) -> candle_core::Result<Tensor>
 }
 
 /// Reference summed cross-entropy from candle primitives: `logits` `[N, V]`, `targets` u32
-/// `[N]` -> scalar `sum_n (logsumexp(logits_n) - logits_n[target_n])`.
+/// `[N]` -> scalar `sum_n (logsumexp(logits_n) - logits_n[target_n])`, of dtype
+/// [`ops::compute_dtype`]`(logits.dtype())`: bf16/f16 logits are widened to f32 and the loss
+/// stays f32 (as [`ops::cross_entropy_sum`]).
 pub fn cross_entropy_sum_ref(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    if is_half(logits) {
+        return cross_entropy_sum_ref(&logits.to_dtype(DType::F32)?, targets);
+    }
     let n = logits.dim(0)?;
     let max = logits.max_keepdim(D::Minus1)?.detach();
     let lse = (logits

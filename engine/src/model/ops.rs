@@ -1,17 +1,63 @@
 //! Fused CPU custom ops for the GPT hot path, each with a hand-written backward pass that
-//! candle's autograd calls: LayerNorm, causal softmax, bias + GELU, summed cross-entropy.
+//! candle's autograd calls: LayerNorm, causal softmax, bias + GELU, summed cross-entropy,
+//! token + position embedding, bias add (with its column-sum backward) and the backward seed.
 //!
 //! Composed from candle primitives, each of these is 5-10 full passes over memory and as many
-//! temporaries in the autograd graph; fused, it is one pass forward and one backward. Each op
-//! works on contiguous f32 or f64 CPU tensors (inputs are made contiguous first, a no-op when
-//! they already are) and computes row by row, sequentially, so results are deterministic.
-//! They are tested against the reference compositions in [`crate::model`]
-//! (`layer_norm_ref`, `causal_softmax_ref`, `cross_entropy_sum_ref`, `Tensor::gelu`).
+//! temporaries in the autograd graph; fused, it is one pass forward and one backward. Inputs
+//! are made contiguous first (a no-op when they already are) and every op computes row by row,
+//! sequentially, so results are deterministic.
+//!
+//! # Dtypes: f32, f64, and bf16 / f16 storage with f32 math
+//!
+//! Each op takes CPU tensors of ONE float dtype (token ids and targets are u32):
+//! - f32 and f64 are computed in their own precision.
+//! - bf16 and f16 (a unit computing in `param_dtype`, mixed precision as in Micikevicius et al.
+//!   2018, "Mixed Precision Training", §3) are 16-bit STORAGE only: each input row is widened
+//!   exactly to f32, computed by the f32 kernel (same f32 operations in the same row-sequential
+//!   order, so the same f32 bits as the f32 op on the widened inputs), and each output element
+//!   is narrowed back to the input dtype with round-to-nearest-even (`half`'s `from_f32`, what
+//!   candle's `to_dtype` does), the way GPU bf16 kernels keep f32 registers and 16-bit memory.
+//!   Reductions (LayerNorm statistics and its `dw`/`db`, softmax sums, bias and embedding
+//!   gradients, cross-entropy) accumulate in f32 (cross-entropy's loss in f64), never in 16 bits.
+//!   Rows are widened one at a time into a reused scratch buffer (no full-tensor f32 copy),
+//!   except the embedding gradient, which is accumulated in an f32 `[V + P, D]` buffer.
+//!   So a 16-bit op's output is `round16(f32 op(widen(inputs)))` exactly: each element is
+//!   within one rounding (relative `2^-8` for bf16, `2^-11` for f16, or half an f16 subnormal
+//!   step, `2^-25`, below f16's normal range) of the f32 op on the same values.
+//!   The one backward that reads a 16-bit forward OUTPUT is the causal softmax's (it saves `y`,
+//!   already rounded), so its gradient carries that rounding through one dot product too.
+//! - [`cross_entropy_sum`] returns an F32 scalar for bf16/f16 logits (f32 for f32, f64 for f64;
+//!   see [`compute_dtype`]): the loss is never rounded to 16 bits. Its backward takes the f32
+//!   upstream gradient unrounded and returns the logits gradient in the logits dtype.
+//! - [`backward_seed`] works for all four dtypes.
+//! - Mixed float dtypes in one op (e.g. f32 activations with a bf16 weight) are an error naming
+//!   both dtypes, never a silent cast. Any other dtype is an error.
+//!
+//! Matrix products are not here: candle's CPU matmul serves bf16 (widened to f32, multiplied,
+//! narrowed) and f16 (gemm's f16 kernel). Parameter gradients from candle autograd come out in
+//! the parameters' dtype.
+//!
+//! The f32/f64 ops are tested against the reference compositions in [`crate::model`]
+//! (`layer_norm_ref`, `causal_softmax_ref`, `cross_entropy_sum_ref`, `Tensor::gelu`); the
+//! 16-bit ops against the f32 ops (engine/tests/model_half.rs).
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use std::borrow::Cow;
 
-/// The float element types the fused ops accept.
+/// The dtype the fused ops compute in for storage dtype `dtype`: F32 for BF16, F16 and F32;
+/// F64 for F64 (any other dtype is returned unchanged; the ops refuse it). It is also the dtype
+/// of the scalar [`cross_entropy_sum`] returns, and the dtype of its upstream gradient.
+pub fn compute_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::BF16 | DType::F16 => DType::F32,
+        d => d,
+    }
+}
+
+/// The float element types the fused kernels compute in (f32, f64).
 trait Flt: Copy + Send + Sync + 'static + std::fmt::Debug {
     fn of(v: f64) -> Self;
     fn f(self) -> f64;
@@ -91,6 +137,109 @@ macro_rules! impl_flt {
 impl_flt!(f32, F32, exp_f32);
 impl_flt!(f64, F64, f64::exp);
 
+/// The STORAGE element types the fused ops accept: f32 and f64 (computed as themselves,
+/// `Acc = Self`, no copies) and bf16 and f16 (`Acc = f32`: rows widened into scratch
+/// buffers, outputs narrowed with round-to-nearest-even).
+trait Elem: Copy + Send + Sync + 'static {
+    /// The type the kernels compute in.
+    type Acc: Flt;
+    /// The candle dtype of this storage type.
+    const DTYPE: DType;
+    fn slice(s: &CpuStorage) -> Option<&[Self]>;
+    fn wrap(v: Vec<Self>) -> CpuStorage;
+    fn zero() -> Self;
+    /// `src` in compute precision: `src` itself, or widened into `buf` (reused scratch).
+    fn acc<'a>(src: &'a [Self], buf: &'a mut Vec<Self::Acc>) -> &'a [Self::Acc];
+    /// A whole (small: a weight or bias vector) slice in compute precision.
+    fn acc_all(src: &[Self]) -> Cow<'_, [Self::Acc]>;
+    /// Runs `f` on the output row `dst` in compute precision: on `dst` itself (as initialised,
+    /// zeros), or on `buf` zeroed then narrowed into `dst`.
+    fn out_row<F: FnOnce(&mut [Self::Acc])>(dst: &mut [Self], buf: &mut Vec<Self::Acc>, f: F);
+    /// A compute-precision vector as storage: moved, or narrowed.
+    fn from_acc(v: Vec<Self::Acc>) -> Vec<Self>;
+}
+
+macro_rules! impl_elem_full {
+    ($t:ty, $var:ident, $dt:ident) => {
+        impl Elem for $t {
+            type Acc = $t;
+            const DTYPE: DType = DType::$dt;
+            fn slice(s: &CpuStorage) -> Option<&[Self]> {
+                <$t as Flt>::slice(s)
+            }
+            fn wrap(v: Vec<Self>) -> CpuStorage {
+                CpuStorage::$var(v)
+            }
+            #[inline(always)]
+            fn zero() -> Self {
+                0.0
+            }
+            #[inline(always)]
+            fn acc<'a>(src: &'a [Self], _buf: &'a mut Vec<Self>) -> &'a [Self] {
+                src
+            }
+            fn acc_all(src: &[Self]) -> Cow<'_, [Self]> {
+                Cow::Borrowed(src)
+            }
+            #[inline(always)]
+            fn out_row<F: FnOnce(&mut [Self])>(dst: &mut [Self], _buf: &mut Vec<Self>, f: F) {
+                f(dst)
+            }
+            fn from_acc(v: Vec<Self>) -> Vec<Self> {
+                v
+            }
+        }
+    };
+}
+impl_elem_full!(f32, F32, F32);
+impl_elem_full!(f64, F64, F64);
+
+macro_rules! impl_elem_half {
+    ($t:ty, $var:ident, $dt:ident) => {
+        impl Elem for $t {
+            type Acc = f32;
+            const DTYPE: DType = DType::$dt;
+            fn slice(s: &CpuStorage) -> Option<&[Self]> {
+                match s {
+                    CpuStorage::$var(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn wrap(v: Vec<Self>) -> CpuStorage {
+                CpuStorage::$var(v)
+            }
+            #[inline(always)]
+            fn zero() -> Self {
+                <$t>::ZERO
+            }
+            #[inline]
+            fn acc<'a>(src: &'a [Self], buf: &'a mut Vec<f32>) -> &'a [f32] {
+                buf.clear();
+                buf.resize(src.len(), 0.0);
+                src.convert_to_f32_slice(buf);
+                buf
+            }
+            fn acc_all(src: &[Self]) -> Cow<'_, [f32]> {
+                Cow::Owned(src.to_f32_vec())
+            }
+            #[inline]
+            fn out_row<F: FnOnce(&mut [f32])>(dst: &mut [Self], buf: &mut Vec<f32>, f: F) {
+                buf.clear();
+                buf.resize(dst.len(), 0.0);
+                f(buf);
+                dst.convert_from_f32_slice(buf);
+            }
+            fn from_acc(v: Vec<f32>) -> Vec<Self> {
+                let mut out = vec![<$t>::ZERO; v.len()];
+                out.convert_from_f32_slice(&v);
+                out
+            }
+        }
+    };
+}
+impl_elem_half!(bf16, BF16, BF16);
+impl_elem_half!(f16, F16, F16);
+
 /// `e^x` in f32 from IEEE-754 operations only (so the compiler vectorises it and it is the same
 /// on every platform): `x = n ln 2 + r` with `n = round(x / ln 2)` (the 1.5 * 2^23 trick),
 /// `|r| <= ln 2 / 2` (Cody-Waite split of ln 2), `e^r` by Cephes `expf`'s degree-7 minimax
@@ -169,13 +318,34 @@ fn lane_dot<T: Flt>(a: &[T], b: &[T]) -> T {
     s.add(u).add(t)
 }
 
-/// The contiguous element slice of `s` under layout `l`.
-fn view<'a, T: Flt>(op: &str, s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [T]> {
+/// The contiguous element slice of `s` under layout `l`, of storage type `E` (the dtype of the
+/// op's first float input): another dtype is a mixed-dtype error naming both.
+fn view<'a, E: Elem>(op: &str, s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [E]> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("{op}: input is not contiguous")))?;
+    let v = E::slice(s).ok_or_else(|| {
+        candle_core::Error::Msg(format!(
+            "{op}: mixed dtypes: an input is {:?} but the first input is {:?} (all float inputs \
+             of an op must have one dtype; cast explicitly)",
+            s.dtype(),
+            E::DTYPE
+        ))
+    })?;
+    Ok(&v[a..b])
+}
+
+/// The contiguous slice of `s` in compute type `T` (the f32 upstream gradient of a 16-bit
+/// cross-entropy).
+fn acc_view<'a, T: Flt>(op: &str, s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [T]> {
     let (a, b) = l
         .contiguous_offsets()
         .ok_or_else(|| candle_core::Error::Msg(format!("{op}: input is not contiguous")))?;
     let v = T::slice(s).ok_or_else(|| {
-        candle_core::Error::Msg(format!("{op}: dtype {:?} is not supported", s.dtype()))
+        candle_core::Error::Msg(format!(
+            "{op}: upstream gradient is {:?}, expected the compute dtype",
+            s.dtype()
+        ))
     })?;
     Ok(&v[a..b])
 }
@@ -190,15 +360,39 @@ fn u32_view<'a>(op: &str, s: &'a CpuStorage, l: &Layout) -> candle_core::Result<
     }
 }
 
-/// Dispatches a generic body over f32 / f64 storage.
+/// Dispatches a generic body over f32 / f64 / bf16 / f16 storage (the first float input's).
 macro_rules! dispatch {
     ($op:expr, $s:expr, $body:ident ( $($arg:expr),* )) => {
         match $s {
             CpuStorage::F32(_) => $body::<f32>($($arg),*),
             CpuStorage::F64(_) => $body::<f64>($($arg),*),
-            other => candle_core::bail!("{}: dtype {:?} is not supported", $op, other.dtype()),
+            CpuStorage::BF16(_) => $body::<bf16>($($arg),*),
+            CpuStorage::F16(_) => $body::<f16>($($arg),*),
+            other => candle_core::bail!(
+                "{}: dtype {:?} is not supported (f32, f64, bf16, f16)",
+                $op,
+                other.dtype()
+            ),
         }
     };
+}
+
+/// Checks that the named float tensors of op `op` share one dtype: a clear error naming each
+/// dtype otherwise (no silent cast).
+fn same_dtype(op: &str, ts: &[(&str, &Tensor)]) -> candle_core::Result<()> {
+    let first = ts[0].1.dtype();
+    if ts.iter().any(|(_, t)| t.dtype() != first) {
+        let list: Vec<String> = ts
+            .iter()
+            .map(|(n, t)| format!("{n} {:?}", t.dtype()))
+            .collect();
+        candle_core::bail!(
+            "{op}: mixed dtypes ({}); all float inputs of an op must have one dtype (cast \
+             explicitly)",
+            list.join(", ")
+        );
+    }
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -221,7 +415,7 @@ fn row_stats<T: Flt>(row: &[T], eps: f64, scratch: &mut [T]) -> (T, T) {
     (mean, T::of(1.0 / (var + eps).sqrt()))
 }
 
-fn ln_fwd<T: Flt>(
+fn ln_fwd<E: Elem>(
     eps: f64,
     s1: &CpuStorage,
     l1: &Layout,
@@ -230,19 +424,23 @@ fn ln_fwd<T: Flt>(
     s3: &CpuStorage,
     l3: &Layout,
 ) -> candle_core::Result<(CpuStorage, Shape)> {
-    let x = view::<T>("layer_norm", s1, l1)?;
-    let w = view::<T>("layer_norm", s2, l2)?;
-    let b = view::<T>("layer_norm", s3, l3)?;
+    let x = view::<E>("layer_norm", s1, l1)?;
+    let w = E::acc_all(view::<E>("layer_norm", s2, l2)?);
+    let b = E::acc_all(view::<E>("layer_norm", s3, l3)?);
     let d = w.len();
-    let mut y = vec![T::zero(); x.len()];
-    let mut xc = vec![T::zero(); d];
+    let mut y = vec![E::zero(); x.len()];
+    let mut xc = vec![<E::Acc as Flt>::zero(); d];
+    let (mut xbuf, mut ybuf) = (Vec::new(), Vec::new());
     for (row, yr) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
+        let row = E::acc(row, &mut xbuf);
         let (_, rstd) = row_stats(row, eps, &mut xc);
-        for j in 0..d {
-            yr[j] = xc[j].mul(rstd).mul(w[j]).add(b[j]);
-        }
+        E::out_row(yr, &mut ybuf, |yr| {
+            for j in 0..d {
+                yr[j] = xc[j].mul(rstd).mul(w[j]).add(b[j]);
+            }
+        });
     }
-    Ok((T::wrap(y), l1.shape().clone()))
+    Ok((E::wrap(y), l1.shape().clone()))
 }
 
 impl CustomOp3 for LayerNorm {
@@ -278,13 +476,13 @@ impl CustomOp3 for LayerNorm {
 }
 
 /// Backward of LayerNorm: inputs `(x [N, D], w [D], g [N, D])`, output packed `[N + 2, D]` =
-/// rows `dx`, then `dw = sum_n g * xhat`, then `db = sum_n g`.
-/// `dx = rstd * (g w - mean(g w) - xhat * mean(g w xhat))`.
+/// rows `dx`, then `dw = sum_n g * xhat`, then `db = sum_n g` (both accumulated in the compute
+/// dtype, rows in order). `dx = rstd * (g w - mean(g w) - xhat * mean(g w xhat))`.
 struct LayerNormBwd {
     eps: f64,
 }
 
-fn ln_bwd<T: Flt>(
+fn ln_bwd<E: Elem>(
     eps: f64,
     s1: &CpuStorage,
     l1: &Layout,
@@ -293,21 +491,26 @@ fn ln_bwd<T: Flt>(
     s3: &CpuStorage,
     l3: &Layout,
 ) -> candle_core::Result<(CpuStorage, Shape)> {
-    let x = view::<T>("layer_norm_bwd", s1, l1)?;
-    let w = view::<T>("layer_norm_bwd", s2, l2)?;
-    let g = view::<T>("layer_norm_bwd", s3, l3)?;
+    let x = view::<E>("layer_norm_bwd", s1, l1)?;
+    let w = E::acc_all(view::<E>("layer_norm_bwd", s2, l2)?);
+    let g = view::<E>("layer_norm_bwd", s3, l3)?;
     let d = w.len();
     let n = x.len() / d;
-    let mut out = vec![T::zero(); (n + 2) * d];
+    let zero = <E::Acc as Flt>::zero();
+    let mut out = vec![E::zero(); (n + 2) * d];
     let (dx, rest) = out.split_at_mut(n * d);
-    let (dw, db) = rest.split_at_mut(d);
-    let mut xhat = vec![T::zero(); d];
-    let mut gw = vec![T::zero(); d];
+    let (dw_out, db_out) = rest.split_at_mut(d);
+    let (mut dw, mut db) = (vec![zero; d], vec![zero; d]);
+    let mut xhat = vec![zero; d];
+    let mut gw = vec![zero; d];
+    let (mut xbuf, mut gbuf, mut obuf) = (Vec::new(), Vec::new(), Vec::new());
     for ((xr, gr), dxr) in x
         .chunks_exact(d)
         .zip(g.chunks_exact(d))
         .zip(dx.chunks_exact_mut(d))
     {
+        let xr = E::acc(xr, &mut xbuf);
+        let gr = E::acc(gr, &mut gbuf);
         let (_, rstd) = row_stats(xr, eps, &mut xhat);
         for j in 0..d {
             xhat[j] = xhat[j].mul(rstd);
@@ -315,13 +518,17 @@ fn ln_bwd<T: Flt>(
             dw[j] = dw[j].add(gr[j].mul(xhat[j]));
             db[j] = db[j].add(gr[j]);
         }
-        let m_gw = T::of(lane_sum(&gw).f() / d as f64);
-        let m_gwx = T::of(lane_dot(&gw, &xhat).f() / d as f64);
-        for j in 0..d {
-            dxr[j] = rstd.mul(gw[j].sub(m_gw).sub(xhat[j].mul(m_gwx)));
-        }
+        let m_gw = <E::Acc as Flt>::of(lane_sum(&gw).f() / d as f64);
+        let m_gwx = <E::Acc as Flt>::of(lane_dot(&gw, &xhat).f() / d as f64);
+        E::out_row(dxr, &mut obuf, |dxr| {
+            for j in 0..d {
+                dxr[j] = rstd.mul(gw[j].sub(m_gw).sub(xhat[j].mul(m_gwx)));
+            }
+        });
     }
-    Ok((T::wrap(out), Shape::from((n + 2, d))))
+    E::out_row(dw_out, &mut obuf, |o| o.copy_from_slice(&dw));
+    E::out_row(db_out, &mut obuf, |o| o.copy_from_slice(&db));
+    Ok((E::wrap(out), Shape::from((n + 2, d))))
 }
 
 impl CustomOp3 for LayerNormBwd {
@@ -342,8 +549,9 @@ impl CustomOp3 for LayerNormBwd {
 }
 
 /// Fused LayerNorm over the last dim: `x` `[N, D]`, `w` `[D]`, optional `b` `[D]` (zeros when
-/// absent) -> `[N, D]`. Gradients flow to `x`, `w` and `b`. Errors: non-f32/f64 dtype, shapes
-/// that do not match.
+/// absent) -> `[N, D]`, dtype of `x` (f32, f64, or bf16/f16 computed in f32, see the module
+/// docs). Gradients flow to `x`, `w` and `b`. Errors: mixed or unsupported dtypes, shapes that
+/// do not match.
 pub fn layer_norm(
     x: &Tensor,
     w: &Tensor,
@@ -362,6 +570,7 @@ pub fn layer_norm(
             &zeros
         }
     };
+    same_dtype("layer_norm", &[("x", x), ("weight", w), ("bias", b)])?;
     x.contiguous()?
         .apply_op3(&w.contiguous()?, &b.contiguous()?, LayerNorm { eps })
 }
@@ -374,33 +583,36 @@ struct CausalSoftmax {
     scale: f64,
 }
 
-fn csm_fwd<T: Flt>(
+fn csm_fwd<E: Elem>(
     scale: f64,
     s: &CpuStorage,
     l: &Layout,
 ) -> candle_core::Result<(CpuStorage, Shape)> {
-    let x = view::<T>("causal_softmax", s, l)?;
+    let x = view::<E>("causal_softmax", s, l)?;
     let t = *l.dims().last().unwrap_or(&1);
-    let sc = T::of(scale);
-    let mut y = vec![T::zero(); x.len()];
+    let sc = <E::Acc as Flt>::of(scale);
+    let mut y = vec![E::zero(); x.len()];
+    let (mut xbuf, mut ybuf) = (Vec::new(), Vec::new());
     for (r, (xr, yr)) in x.chunks_exact(t).zip(y.chunks_exact_mut(t)).enumerate() {
         let i = r % t;
-        let valid = &xr[..=i];
+        let valid = E::acc(&xr[..=i], &mut xbuf);
         let mut m = valid[0];
         for &v in &valid[1..] {
             m = m.max(v);
         }
         let m = m.mul(sc);
-        let out = &mut yr[..=i];
-        for (o, &v) in out.iter_mut().zip(valid) {
-            *o = v.mul(sc).sub(m).exp_fast();
-        }
-        let inv = T::of(1.0 / lane_sum(out).f());
-        for v in out.iter_mut() {
-            *v = v.mul(inv);
-        }
+        E::out_row(yr, &mut ybuf, |yr| {
+            let out = &mut yr[..=i];
+            for (o, &v) in out.iter_mut().zip(valid) {
+                *o = v.mul(sc).sub(m).exp_fast();
+            }
+            let inv = <E::Acc as Flt>::of(1.0 / lane_sum(out).f());
+            for v in out.iter_mut() {
+                *v = v.mul(inv);
+            }
+        });
     }
-    Ok((T::wrap(y), l.shape().clone()))
+    Ok((E::wrap(y), l.shape().clone()))
 }
 
 impl CustomOp1 for CausalSoftmax {
@@ -423,22 +635,24 @@ impl CustomOp1 for CausalSoftmax {
 }
 
 /// Backward of the causal softmax: inputs `(y, g)`, output `scale * y * (g - sum_j g_j y_j)`.
+/// `y` is the saved forward output (for bf16/f16 already rounded to 16 bits).
 struct CausalSoftmaxBwd {
     scale: f64,
 }
 
-fn csm_bwd<T: Flt>(
+fn csm_bwd<E: Elem>(
     scale: f64,
     s1: &CpuStorage,
     l1: &Layout,
     s2: &CpuStorage,
     l2: &Layout,
 ) -> candle_core::Result<(CpuStorage, Shape)> {
-    let y = view::<T>("causal_softmax_bwd", s1, l1)?;
-    let g = view::<T>("causal_softmax_bwd", s2, l2)?;
+    let y = view::<E>("causal_softmax_bwd", s1, l1)?;
+    let g = view::<E>("causal_softmax_bwd", s2, l2)?;
     let t = *l1.dims().last().unwrap_or(&1);
-    let sc = T::of(scale);
-    let mut dx = vec![T::zero(); y.len()];
+    let sc = <E::Acc as Flt>::of(scale);
+    let mut dx = vec![E::zero(); y.len()];
+    let (mut ybuf, mut gbuf, mut obuf) = (Vec::new(), Vec::new(), Vec::new());
     for (r, ((yr, gr), dr)) in y
         .chunks_exact(t)
         .zip(g.chunks_exact(t))
@@ -446,12 +660,16 @@ fn csm_bwd<T: Flt>(
         .enumerate()
     {
         let i = r % t;
-        let dot = lane_dot(&gr[..=i], &yr[..=i]);
-        for j in 0..=i {
-            dr[j] = sc.mul(yr[j]).mul(gr[j].sub(dot));
-        }
+        let yr = E::acc(&yr[..=i], &mut ybuf);
+        let gr = E::acc(&gr[..=i], &mut gbuf);
+        let dot = lane_dot(gr, yr);
+        E::out_row(dr, &mut obuf, |dr| {
+            for j in 0..=i {
+                dr[j] = sc.mul(yr[j]).mul(gr[j].sub(dot));
+            }
+        });
     }
-    Ok((T::wrap(dx), l1.shape().clone()))
+    Ok((E::wrap(dx), l1.shape().clone()))
 }
 
 impl CustomOp2 for CausalSoftmaxBwd {
@@ -471,7 +689,8 @@ impl CustomOp2 for CausalSoftmaxBwd {
 
 /// Fused scaled causal softmax over the last dim of attention scores `s` `[..., T, T]`:
 /// `softmax(scale * s + mask)` with `mask[i][j] = -inf` for `j > i` (masked entries are exactly
-/// 0). Gradient flows to `s`. Errors: non-f32/f64 dtype, last two dims not equal.
+/// 0), dtype of `s` (f32, f64, or bf16/f16 computed in f32). Gradient flows to `s`. Errors:
+/// unsupported dtype, last two dims not equal.
 pub fn causal_softmax(s: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
     let dims = s.dims();
     if dims.len() < 2 || dims[dims.len() - 1] != dims[dims.len() - 2] {
@@ -489,25 +708,35 @@ const GELU_A: f64 = 0.044_715;
 
 struct BiasGelu;
 
-fn bg_fwd<T: Flt>(
+fn bg_fwd<E: Elem>(
     s1: &CpuStorage,
     l1: &Layout,
     s2: &CpuStorage,
     l2: &Layout,
 ) -> candle_core::Result<(CpuStorage, Shape)> {
-    let x = view::<T>("bias_gelu", s1, l1)?;
-    let b = view::<T>("bias_gelu", s2, l2)?;
+    type A<E> = <E as Elem>::Acc;
+    let x = view::<E>("bias_gelu", s1, l1)?;
+    let b = E::acc_all(view::<E>("bias_gelu", s2, l2)?);
     let f = b.len();
-    let (c, a, half, one) = (T::of(GELU_C), T::of(GELU_A), T::of(0.5), T::of(1.0));
-    let mut y = vec![T::zero(); x.len()];
+    let (c, a, half, one) = (
+        A::<E>::of(GELU_C),
+        A::<E>::of(GELU_A),
+        A::<E>::of(0.5),
+        A::<E>::of(1.0),
+    );
+    let mut y = vec![E::zero(); x.len()];
+    let (mut xbuf, mut ybuf) = (Vec::new(), Vec::new());
     for (row, yr) in x.chunks_exact(f).zip(y.chunks_exact_mut(f)) {
-        for j in 0..f {
-            let z = row[j].add(b[j]);
-            let u = c.mul(z.add(a.mul(z).mul(z).mul(z)));
-            yr[j] = half.mul(z).mul(one.add(tanh_fast(u)));
-        }
+        let row = E::acc(row, &mut xbuf);
+        E::out_row(yr, &mut ybuf, |yr| {
+            for j in 0..f {
+                let z = row[j].add(b[j]);
+                let u = c.mul(z.add(a.mul(z).mul(z).mul(z)));
+                yr[j] = half.mul(z).mul(one.add(tanh_fast(u)));
+            }
+        });
     }
-    Ok((T::wrap(y), l1.shape().clone()))
+    Ok((E::wrap(y), l1.shape().clone()))
 }
 
 impl CustomOp2 for BiasGelu {
@@ -540,11 +769,12 @@ impl CustomOp2 for BiasGelu {
 }
 
 /// Backward of bias + GELU: inputs `(x [N, F], b [F], g [N, F])`, output packed `[N + 1, F]`:
-/// rows `dz = g * gelu'(x + b)`, then `db = sum_n dz` (rows added in order),
+/// rows `dz = g * gelu'(x + b)`, then `db = sum_n dz` (rows added in order, in the compute
+/// dtype, from the unrounded `dz`),
 /// `gelu'(z) = 0.5 (1 + tanh u) + 0.5 z (1 - tanh^2 u) c (1 + 3 a z^2)`.
 struct BiasGeluBwd;
 
-fn bg_bwd<T: Flt>(
+fn bg_bwd<E: Elem>(
     s1: &CpuStorage,
     l1: &Layout,
     s2: &CpuStorage,
@@ -552,42 +782,50 @@ fn bg_bwd<T: Flt>(
     s3: &CpuStorage,
     l3: &Layout,
 ) -> candle_core::Result<(CpuStorage, Shape)> {
-    let x = view::<T>("bias_gelu_bwd", s1, l1)?;
-    let b = view::<T>("bias_gelu_bwd", s2, l2)?;
-    let g = view::<T>("bias_gelu_bwd", s3, l3)?;
+    type A<E> = <E as Elem>::Acc;
+    let x = view::<E>("bias_gelu_bwd", s1, l1)?;
+    let b = E::acc_all(view::<E>("bias_gelu_bwd", s2, l2)?);
+    let g = view::<E>("bias_gelu_bwd", s3, l3)?;
     let f = b.len();
     let (c, a, a3, half, one) = (
-        T::of(GELU_C),
-        T::of(GELU_A),
-        T::of(3.0 * GELU_A),
-        T::of(0.5),
-        T::of(1.0),
+        A::<E>::of(GELU_C),
+        A::<E>::of(GELU_A),
+        A::<E>::of(3.0 * GELU_A),
+        A::<E>::of(0.5),
+        A::<E>::of(1.0),
     );
     let n = x.len() / f;
-    let mut out = vec![T::zero(); (n + 1) * f];
-    let (dz, db) = out.split_at_mut(n * f);
+    let mut out = vec![E::zero(); (n + 1) * f];
+    let (dz, db_out) = out.split_at_mut(n * f);
+    let mut db = vec![A::<E>::zero(); f];
+    let (mut xbuf, mut gbuf, mut obuf) = (Vec::new(), Vec::new(), Vec::new());
     for ((row, gr), dr) in x
         .chunks_exact(f)
         .zip(g.chunks_exact(f))
         .zip(dz.chunks_exact_mut(f))
     {
-        for (((o, &xv), &bv), &gv) in dr.iter_mut().zip(row).zip(b).zip(gr) {
-            let z = xv.add(bv);
-            let z2 = z.mul(z);
-            let th = tanh_fast(c.mul(z.add(a.mul(z2).mul(z))));
-            let d = half.mul(one.add(th)).add(
-                half.mul(z)
-                    .mul(one.sub(th.mul(th)))
-                    .mul(c)
-                    .mul(one.add(a3.mul(z2))),
-            );
-            *o = gv.mul(d);
-        }
-        for (acc, &v) in db.iter_mut().zip(dr.iter()) {
-            *acc = acc.add(v);
-        }
+        let row = E::acc(row, &mut xbuf);
+        let gr = E::acc(gr, &mut gbuf);
+        E::out_row(dr, &mut obuf, |dr| {
+            for (((o, &xv), &bv), &gv) in dr.iter_mut().zip(row).zip(b.iter()).zip(gr) {
+                let z = xv.add(bv);
+                let z2 = z.mul(z);
+                let th = tanh_fast(c.mul(z.add(a.mul(z2).mul(z))));
+                let d = half.mul(one.add(th)).add(
+                    half.mul(z)
+                        .mul(one.sub(th.mul(th)))
+                        .mul(c)
+                        .mul(one.add(a3.mul(z2))),
+                );
+                *o = gv.mul(d);
+            }
+            for (acc, &v) in db.iter_mut().zip(dr.iter()) {
+                *acc = acc.add(v);
+            }
+        });
     }
-    Ok((T::wrap(out), Shape::from((n + 1, f))))
+    E::out_row(db_out, &mut obuf, |o| o.copy_from_slice(&db));
+    Ok((E::wrap(out), Shape::from((n + 1, f))))
 }
 
 impl CustomOp3 for BiasGeluBwd {
@@ -608,7 +846,9 @@ impl CustomOp3 for BiasGeluBwd {
 }
 
 /// Fused `gelu(x + b)` (tanh approximation): `x` `[N, F]`, optional bias `b` `[F]` (zeros when
-/// absent) -> `[N, F]`. Gradients flow to `x` and `b`. Errors: non-f32/f64 dtype, shapes.
+/// absent) -> `[N, F]`, dtype of `x` (f32, f64, or bf16/f16 computed in f32: `x + b` is NOT
+/// rounded to 16 bits before the GELU). Gradients flow to `x` and `b`. Errors: mixed or
+/// unsupported dtypes, shapes.
 pub fn bias_gelu(x: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
     let f = x.dim(candle_core::D::Minus1)?;
     let zeros;
@@ -622,6 +862,7 @@ pub fn bias_gelu(x: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> 
     if b.elem_count() != f {
         candle_core::bail!("bias_gelu: x {:?} vs bias {:?}", x.dims(), b.dims());
     }
+    same_dtype("bias_gelu", &[("x", x), ("bias", b)])?;
     x.contiguous()?.apply_op2(&b.contiguous()?, BiasGelu)
 }
 
@@ -630,23 +871,30 @@ pub fn bias_gelu(x: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> 
 
 struct CrossEntropySum;
 
-fn ce_fwd<T: Flt>(
+fn ce_fwd<E: Elem>(
     s1: &CpuStorage,
     l1: &Layout,
     s2: &CpuStorage,
     l2: &Layout,
 ) -> candle_core::Result<(CpuStorage, Shape)> {
-    let z = view::<T>("cross_entropy", s1, l1)?;
+    let z = view::<E>("cross_entropy", s1, l1)?;
     let t = u32_view("cross_entropy", s2, l2)?;
     let v = *l1.dims().last().unwrap_or(&1);
     let mut total = 0.0f64;
+    let mut zbuf = Vec::new();
     for (row, &tg) in z.chunks_exact(v).zip(t) {
         if tg as usize >= v {
             candle_core::bail!("cross_entropy: target {tg} >= vocab size {v}");
         }
+        let row = E::acc(row, &mut zbuf);
         total += lse(row) - row[tg as usize].f();
     }
-    Ok((T::wrap(vec![T::of(total)]), Shape::from(())))
+    // The loss is returned in the compute dtype (F32 for 16-bit logits), never rounded to 16
+    // bits.
+    Ok((
+        <E::Acc as Flt>::wrap(vec![<E::Acc as Flt>::of(total)]),
+        Shape::from(()),
+    ))
 }
 
 /// `log sum_j exp(z_j)` with the max subtracted, accumulated in f64.
@@ -676,17 +924,18 @@ impl CustomOp2 for CrossEntropySum {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let g = grad.reshape(1)?.to_dtype(z.dtype())?;
+        // The upstream gradient stays in the compute dtype (f32 for 16-bit logits).
+        let g = grad.reshape(1)?.to_dtype(compute_dtype(z.dtype()))?;
         let dz = z.apply_op3_no_bwd(t, &g, &CrossEntropyBwd)?;
         Ok((Some(dz), None))
     }
 }
 
-/// Backward of the summed cross-entropy: inputs `(z [N, V], t u32 [N], g [1])`, output
-/// `g * (softmax(z_n) - onehot(t_n))` per row.
+/// Backward of the summed cross-entropy: inputs `(z [N, V], t u32 [N], g [1])` (`g` in the
+/// compute dtype), output `g * (softmax(z_n) - onehot(t_n))` per row, dtype of `z`.
 struct CrossEntropyBwd;
 
-fn ce_bwd<T: Flt>(
+fn ce_bwd<E: Elem>(
     s1: &CpuStorage,
     l1: &Layout,
     s2: &CpuStorage,
@@ -694,20 +943,24 @@ fn ce_bwd<T: Flt>(
     s3: &CpuStorage,
     l3: &Layout,
 ) -> candle_core::Result<(CpuStorage, Shape)> {
-    let z = view::<T>("cross_entropy_bwd", s1, l1)?;
+    let z = view::<E>("cross_entropy_bwd", s1, l1)?;
     let t = u32_view("cross_entropy_bwd", s2, l2)?;
-    let g = view::<T>("cross_entropy_bwd", s3, l3)?[0].f();
+    let g = acc_view::<E::Acc>("cross_entropy_bwd", s3, l3)?[0].f();
     let v = *l1.dims().last().unwrap_or(&1);
-    let mut dz = Vec::with_capacity(z.len());
-    for (row, &tg) in z.chunks_exact(v).zip(t) {
+    let mut dz = vec![E::zero(); z.len()];
+    let (mut zbuf, mut obuf) = (Vec::new(), Vec::new());
+    for ((row, &tg), dr) in z.chunks_exact(v).zip(t).zip(dz.chunks_exact_mut(v)) {
+        let row = E::acc(row, &mut zbuf);
         let l = lse(row);
-        for (j, x) in row.iter().enumerate() {
-            let p = (x.f() - l).exp();
-            let d = if j == tg as usize { p - 1.0 } else { p };
-            dz.push(T::of(g * d));
-        }
+        E::out_row(dr, &mut obuf, |dr| {
+            for (j, (o, x)) in dr.iter_mut().zip(row).enumerate() {
+                let p = (x.f() - l).exp();
+                let d = if j == tg as usize { p - 1.0 } else { p };
+                *o = <E::Acc as Flt>::of(g * d);
+            }
+        });
     }
-    Ok((T::wrap(dz), l1.shape().clone()))
+    Ok((E::wrap(dz), l1.shape().clone()))
 }
 
 impl CustomOp3 for CrossEntropyBwd {
@@ -727,9 +980,11 @@ impl CustomOp3 for CrossEntropyBwd {
     }
 }
 
-/// Fused summed cross-entropy: `logits` `[N, V]`, `targets` u32 `[N]` -> a 0-dim scalar of the
-/// logits' dtype, `sum_n (logsumexp(logits_n) - logits_n[targets_n])` (accumulated in f64).
-/// Gradient flows to `logits`. Errors: a target `>= V`, `N` mismatch, non-f32/f64 dtype.
+/// Fused summed cross-entropy: `logits` `[N, V]`, `targets` u32 `[N]` -> a 0-dim scalar
+/// `sum_n (logsumexp(logits_n) - logits_n[targets_n])` in nats (accumulated in f64), of dtype
+/// [`compute_dtype`]`(logits.dtype())`: F32 for f32, bf16 and f16 logits (a 16-bit loss is not
+/// rounded to 16 bits), F64 for f64. Gradient flows to `logits`, in the logits' dtype.
+/// Errors: a target `>= V`, `N` mismatch, unsupported dtype.
 pub fn cross_entropy_sum(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
     let (n, _v) = logits.dims2()?;
     if targets.elem_count() != n {
@@ -750,7 +1005,7 @@ struct Embedding {
     t: usize,
 }
 
-fn emb_fwd<T: Flt>(
+fn emb_fwd<E: Elem>(
     t: usize,
     s1: &CpuStorage,
     l1: &Layout,
@@ -759,21 +1014,26 @@ fn emb_fwd<T: Flt>(
     s3: &CpuStorage,
     l3: &Layout,
 ) -> candle_core::Result<(CpuStorage, Shape)> {
-    let wte = view::<T>("embedding", s1, l1)?;
-    let wpe = view::<T>("embedding", s2, l2)?;
+    let wte = view::<E>("embedding", s1, l1)?;
+    let wpe = view::<E>("embedding", s2, l2)?;
     let ids = u32_view("embedding", s3, l3)?;
     let (v, d) = l1.shape().dims2()?;
-    let mut h = Vec::with_capacity(ids.len() * d);
-    for (n, &id) in ids.iter().enumerate() {
+    let mut h = vec![E::zero(); ids.len() * d];
+    let (mut tbuf, mut pbuf, mut obuf) = (Vec::new(), Vec::new(), Vec::new());
+    for (n, (&id, hr)) in ids.iter().zip(h.chunks_exact_mut(d)).enumerate() {
         if id as usize >= v {
             candle_core::bail!("Embed: token id {id} >= vocab_size {v}");
         }
-        let tok = &wte[id as usize * d..(id as usize + 1) * d];
+        let tok = E::acc(&wte[id as usize * d..(id as usize + 1) * d], &mut tbuf);
         let p = n % t;
-        let pos = &wpe[p * d..(p + 1) * d];
-        h.extend(tok.iter().zip(pos).map(|(a, b)| a.add(*b)));
+        let pos = E::acc(&wpe[p * d..(p + 1) * d], &mut pbuf);
+        E::out_row(hr, &mut obuf, |hr| {
+            for ((o, a), b) in hr.iter_mut().zip(tok).zip(pos) {
+                *o = a.add(*b);
+            }
+        });
     }
-    Ok((T::wrap(h), Shape::from((ids.len(), d))))
+    Ok((E::wrap(h), Shape::from((ids.len(), d))))
 }
 
 impl CustomOp3 for Embedding {
@@ -814,28 +1074,31 @@ impl CustomOp3 for Embedding {
 
 /// Backward of the embedding: inputs `(g [N, D], ids u32 [N])`, output packed `[V + P, D]`:
 /// `dwte` (rows of `g` added into row `ids[n]`, in order `n = 0, 1, ...`) then `dwpe` (row
-/// `p` = sum over sequences of `g[b T + p]`, rows `>= T` zero). The result is a fresh sum, so
-/// candle adds it to any other gradient of `wte` (a tied LM head) as ONE term: the total is
-/// the same bits whether the stages run in one graph or one unit at a time.
+/// `p` = sum over sequences of `g[b T + p]`, rows `>= T` zero), accumulated in the compute
+/// dtype (an f32 `[V + P, D]` buffer for 16-bit `g`) and narrowed once. The result is a fresh
+/// sum, so candle adds it to any other gradient of `wte` (a tied LM head) as ONE term: the
+/// total is the same bits whether the stages run in one graph or one unit at a time.
 struct EmbeddingBwd {
     t: usize,
     v: usize,
     p: usize,
 }
 
-fn emb_bwd<T: Flt>(
+fn emb_bwd<E: Elem>(
     (t, v, p): (usize, usize, usize),
     s1: &CpuStorage,
     l1: &Layout,
     s2: &CpuStorage,
     l2: &Layout,
 ) -> candle_core::Result<(CpuStorage, Shape)> {
-    let g = view::<T>("embedding_bwd", s1, l1)?;
+    let g = view::<E>("embedding_bwd", s1, l1)?;
     let ids = u32_view("embedding_bwd", s2, l2)?;
     let d = g.len() / ids.len().max(1);
-    let mut out = vec![T::zero(); (v + p) * d];
+    let mut out = vec![<E::Acc as Flt>::zero(); (v + p) * d];
     let (dwte, dwpe) = out.split_at_mut(v * d);
+    let mut gbuf = Vec::new();
     for (n, (&id, gr)) in ids.iter().zip(g.chunks_exact(d)).enumerate() {
+        let gr = E::acc(gr, &mut gbuf);
         let row = &mut dwte[id as usize * d..(id as usize + 1) * d];
         for (a, b) in row.iter_mut().zip(gr) {
             *a = a.add(*b);
@@ -846,7 +1109,7 @@ fn emb_bwd<T: Flt>(
             *a = a.add(*b);
         }
     }
-    Ok((T::wrap(out), Shape::from((v + p, d))))
+    Ok((E::wrap(E::from_acc(out)), Shape::from((v + p, d))))
 }
 
 impl CustomOp2 for EmbeddingBwd {
@@ -869,14 +1132,16 @@ impl CustomOp2 for EmbeddingBwd {
 }
 
 /// Fused token + position embedding: `wte` `[V, D]`, `wpe` `[P, D]`, `ids` u32 `[B, T]` (`T <=
-/// P`) -> `[B * T, D]`, row `b T + i` = `wte[ids[b][i]] + wpe[i]`. Gradients flow to `wte` and
-/// `wpe`. Errors: a token id `>= V`, `T > P`, non-f32/f64 dtype.
+/// P`) -> `[B * T, D]`, row `b T + i` = `wte[ids[b][i]] + wpe[i]`, dtype of `wte` (16-bit: the
+/// sum in f32, rounded once). Gradients flow to `wte` and `wpe`. Errors: a token id `>= V`,
+/// `T > P`, mixed or unsupported dtypes.
 pub fn embedding(wte: &Tensor, wpe: &Tensor, ids: &Tensor) -> candle_core::Result<Tensor> {
     let (_b, t) = ids.dims2()?;
     let p = wpe.dim(0)?;
     if t > p {
         candle_core::bail!("Embed: sequence length {t} exceeds n_positions {p}");
     }
+    same_dtype("embedding", &[("wte", wte), ("wpe", wpe)])?;
     wte.contiguous()?.apply_op3(
         &wpe.contiguous()?,
         &ids.flatten_all()?.contiguous()?,
@@ -891,22 +1156,26 @@ pub fn embedding(wte: &Tensor, wpe: &Tensor, ids: &Tensor) -> candle_core::Resul
 
 struct BiasAdd;
 
-fn ba_fwd<T: Flt>(
+fn ba_fwd<E: Elem>(
     s1: &CpuStorage,
     l1: &Layout,
     s2: &CpuStorage,
     l2: &Layout,
 ) -> candle_core::Result<(CpuStorage, Shape)> {
-    let x = view::<T>("bias_add", s1, l1)?;
-    let b = view::<T>("bias_add", s2, l2)?;
+    let x = view::<E>("bias_add", s1, l1)?;
+    let b = E::acc_all(view::<E>("bias_add", s2, l2)?);
     let f = b.len();
-    let mut y = vec![T::zero(); x.len()];
+    let mut y = vec![E::zero(); x.len()];
+    let (mut xbuf, mut ybuf) = (Vec::new(), Vec::new());
     for (xr, yr) in x.chunks_exact(f).zip(y.chunks_exact_mut(f)) {
-        for j in 0..f {
-            yr[j] = xr[j].add(b[j]);
-        }
+        let xr = E::acc(xr, &mut xbuf);
+        E::out_row(yr, &mut ybuf, |yr| {
+            for j in 0..f {
+                yr[j] = xr[j].add(b[j]);
+            }
+        });
     }
-    Ok((T::wrap(y), l1.shape().clone()))
+    Ok((E::wrap(y), l1.shape().clone()))
 }
 
 impl CustomOp2 for BiasAdd {
@@ -936,24 +1205,27 @@ impl CustomOp2 for BiasAdd {
     }
 }
 
-/// Column sums of a contiguous `[N, F]` tensor -> `[F]`, rows added in order.
+/// Column sums of a contiguous `[N, F]` tensor -> `[F]`, rows added in order in the compute
+/// dtype, narrowed once.
 struct ColumnSum {
     f: usize,
 }
 
-fn colsum<T: Flt>(
+fn colsum<E: Elem>(
     f: usize,
     s: &CpuStorage,
     l: &Layout,
 ) -> candle_core::Result<(CpuStorage, Shape)> {
-    let g = view::<T>("column_sum", s, l)?;
-    let mut out = vec![T::zero(); f];
+    let g = view::<E>("column_sum", s, l)?;
+    let mut out = vec![<E::Acc as Flt>::zero(); f];
+    let mut gbuf = Vec::new();
     for row in g.chunks_exact(f) {
+        let row = E::acc(row, &mut gbuf);
         for j in 0..f {
             out[j] = out[j].add(row[j]);
         }
     }
-    Ok((T::wrap(out), Shape::from(f)))
+    Ok((E::wrap(E::from_acc(out)), Shape::from(f)))
 }
 
 impl CustomOp1 for ColumnSum {
@@ -965,13 +1237,16 @@ impl CustomOp1 for ColumnSum {
     }
 }
 
-/// Fused `x + b`: `x` `[N, F]`, `b` `[F]` -> `[N, F]`. Gradients: `dx = g` (the same tensor),
-/// `db = sum_n g_n`. Errors: shapes that do not match, non-f32/f64 dtype.
+/// Fused `x + b`: `x` `[N, F]`, `b` `[F]` -> `[N, F]`, dtype of `x` (16-bit: added in f32,
+/// rounded once, as candle's own bf16/f16 add). Gradients: `dx = g` (the same tensor),
+/// `db = sum_n g_n` (accumulated in the compute dtype). Errors: shapes that do not match, mixed
+/// or unsupported dtypes.
 pub fn bias_add(x: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     let f = x.dim(candle_core::D::Minus1)?;
     if b.elem_count() != f {
         candle_core::bail!("bias_add: x {:?} vs bias {:?}", x.dims(), b.dims());
     }
+    same_dtype("bias_add", &[("x", x), ("bias", b)])?;
     x.contiguous()?.apply_op2(&b.contiguous()?, BiasAdd)
 }
 
@@ -982,19 +1257,16 @@ struct BackwardSeed {
     g: Tensor,
 }
 
+fn zero_scalar<E: Elem>() -> candle_core::Result<(CpuStorage, Shape)> {
+    Ok((E::wrap(vec![E::zero()]), Shape::from(())))
+}
+
 impl CustomOp1 for BackwardSeed {
     fn name(&self) -> &'static str {
         "backward-seed"
     }
     fn cpu_fwd(&self, s: &CpuStorage, _l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let zero = match s {
-            CpuStorage::F32(_) => CpuStorage::F32(vec![0.0]),
-            CpuStorage::F64(_) => CpuStorage::F64(vec![0.0]),
-            other => {
-                candle_core::bail!("backward_seed: dtype {:?} is not supported", other.dtype())
-            }
-        };
-        Ok((zero, Shape::from(())))
+        dispatch!(self.name(), s, zero_scalar())
     }
     fn bwd(
         &self,
@@ -1007,12 +1279,12 @@ impl CustomOp1 for BackwardSeed {
 }
 
 /// A 0-dim tensor `s` such that `s.backward()` delivers exactly `g` as the gradient of `y`
-/// (`y`, `g` of the same shape and float dtype): the upstream-gradient seed of unit-level
-/// recompute backward. It replaces `(y * g).sum_all().backward()`, which gives the same bits
-/// (`1 * g = g`) but costs two strided broadcast multiplies (also computing an unused
-/// gradient for `g`) — about 7 ms per `[1024, 256]` stage output on one core. The forward value
-/// is 0 on the CPU; on other devices this falls back to `(y * g).sum_all()`.
-/// Errors: shape or dtype mismatch.
+/// (`y`, `g` of the same shape and float dtype: f32, f64, bf16 or f16): the upstream-gradient
+/// seed of unit-level recompute backward. It replaces `(y * g).sum_all().backward()`, which
+/// gives the same bits for f32 (`1 * g = g`) but costs two strided broadcast multiplies (also
+/// computing an unused gradient for `g`) — about 7 ms per `[1024, 256]` stage output on one
+/// core. The forward value is 0 (of `y`'s dtype) on the CPU; on other devices this falls back
+/// to `(y * g).sum_all()`. Errors: shape or dtype mismatch, an unsupported dtype.
 pub fn backward_seed(y: &Tensor, g: &Tensor) -> candle_core::Result<Tensor> {
     if y.dims() != g.dims() || y.dtype() != g.dtype() {
         candle_core::bail!(
