@@ -61,6 +61,15 @@ pub enum KernelError {
         /// The valid range, in words.
         requirement: &'static str,
     },
+    /// A CUDA driver or NVRTC call of the CUDA kernels (feature `cuda`, module `cuda`) failed;
+    /// `message` is the library's own text (`cuGetErrorString`, NVRTC's compile log).
+    #[error("CUDA {call} failed: {message}")]
+    Device {
+        /// The call, with its sizes (e.g. `cuLaunchKernel(fsdp_adamw_tiles)`).
+        call: String,
+        /// The driver's or NVRTC's error text.
+        message: String,
+    },
     /// Optimizer steps are counted from 1 (the bias correction of step 0 divides by zero).
     #[error("optimizer step must be >= 1 (1-based), got {step}")]
     ZeroStep {

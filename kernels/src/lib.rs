@@ -15,13 +15,15 @@
 //! Every kernel is single-threaded and has a fixed operation order, so a result depends only on
 //! its inputs: what lets a sharded run equal a single-process run bit for bit.
 //!
-//! CUDA (issue 7): these functions are the reference. The CUDA kernels, behind
-//! `cfg(feature = "cuda")`, are to take the same names and argument order over device buffers,
-//! reuse [`AdamWScalars`] (identical f32 constants) and [`validate_spans`] on the host, and be
-//! tested against these functions on random inputs. This crate has no device code yet.
+//! CUDA (issue 7): these functions are the reference. Module [`cuda`] holds the CUDA kernels
+//! (`cuda::CudaKernels`, feature `cuda`: AdamW, casts, sum of squares, scale, accumulate,
+//! compiled by NVRTC at first use) with the same names and argument order over device buffers,
+//! the same [`AdamWScalars`] and span validation, tested against these functions on random
+//! inputs; its host-side logic (span tiles, launch grids, the device probe) builds everywhere.
 
 pub mod buffer;
 pub mod cast;
+pub mod cuda;
 pub mod elementwise;
 pub mod error;
 pub mod optim;
