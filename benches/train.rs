@@ -55,7 +55,7 @@ fn child(spec: &str) {
     let warm = 2.min(r.steps.len() - 1);
     let counted = &r.steps[warm..];
     let secs: f64 = counted.iter().map(|s| s.step_seconds).sum();
-    let comm: f64 = counted.iter().map(|s| s.comm_seconds).sum();
+    let comm: f64 = counted.iter().map(|s| s.comm_exposed_seconds).sum();
     let tokens: u64 = counted.iter().map(|s| s.tokens).sum();
     let n = counted.len() as f64;
     println!(

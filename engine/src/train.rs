@@ -59,6 +59,12 @@ pub struct TrainOptions {
     pub eval_batches: usize,
     /// Units gathered ahead (prefetch depth).
     pub prefetch: u64,
+    /// dtype the units compute in and the all-gather moves (f32, bf16, f16); master weights,
+    /// gradient shards and optimizer state stay f32. f16 turns on dynamic loss scaling.
+    pub param_dtype: fsdp_types::DType,
+    /// dtype of gradients in the reduce-scatter / all-reduce (f32, bf16, f16); 16-bit
+    /// reductions accumulate in f32 (real-world case BC-05).
+    pub reduce_dtype: fsdp_types::DType,
     /// Compute threads per rank (`None`: cores / world size, at least 1).
     pub threads_per_rank: Option<usize>,
     /// Initial full parameters `[unit][non-tied param][element]` instead of the seeded
@@ -87,6 +93,8 @@ impl Default for TrainOptions {
             eval_every: 0,
             eval_batches: 16,
             prefetch: 1,
+            param_dtype: fsdp_types::DType::F32,
+            reduce_dtype: fsdp_types::DType::F32,
             threads_per_rank: None,
             init_params: None,
         }
@@ -136,8 +144,13 @@ pub struct StepReport {
     pub tokens_per_s: f64,
     /// Wall time of the step (seconds).
     pub step_seconds: f64,
-    /// Time rank 0 spent inside collectives (seconds).
-    pub comm_seconds: f64,
+    /// Rank 0's exposed communication time (seconds): blocked in collectives, not hidden
+    /// behind compute by prefetching.
+    pub comm_exposed_seconds: f64,
+    /// f16 dynamic loss scale used in the step (`None` unless param_dtype is f16).
+    pub loss_scale: Option<f64>,
+    /// The step was skipped (f16 loss scaling found a non-finite gradient).
+    pub skipped: bool,
     /// Rank 0's engine-owned live bytes after the step.
     pub live_bytes: u64,
     /// Process heap bytes now (all ranks), if a counting allocator is installed.
@@ -174,6 +187,11 @@ pub struct TrainReport {
     pub shard_size: u64,
     /// Strategy executed.
     pub strategy: String,
+    /// Precision in use: compute (param_dtype), reduction dtype and its accumulation dtype,
+    /// master weights, loss scaling.
+    pub precision: String,
+    /// Rank 0's exposed communication time over all steps (seconds).
+    pub comm_exposed_seconds: f64,
     /// Every step's report (rank 0).
     pub steps: Vec<StepReport>,
     /// Mean training loss of the last min(10, steps) steps.
@@ -203,6 +221,8 @@ pub fn plan_config(o: &TrainOptions) -> PlanConfig {
     c.micro_batch = o.micro_batch as u64;
     c.seq_len = o.seq_len as u64;
     c.prefetch = o.prefetch;
+    c.param_dtype = o.param_dtype;
+    c.reduce_dtype = o.reduce_dtype;
     c
 }
 
@@ -443,6 +463,21 @@ pub fn train_with(
         world_size: o.world_size,
         shard_size: plan.shard_size,
         strategy: plan.strategy.to_string(),
+        precision: format!(
+            "compute {}, reduce {} (accumulated in f32), master weights f32{}",
+            plan.config.param_dtype,
+            plan.config.reduce_dtype,
+            if plan.config.param_dtype == fsdp_types::DType::F16 {
+                ", dynamic loss scaling"
+            } else {
+                ""
+            }
+        ),
+        comm_exposed_seconds: outcomes[0]
+            .steps
+            .iter()
+            .map(|s| s.comm_exposed_seconds)
+            .sum(),
         final_train_loss,
         final_val_loss: r0.val_loss,
         tokens_per_s: tokens as f64 / loop_seconds.max(1e-9),
@@ -528,7 +563,9 @@ fn run_rank(
             tokens: st.tokens,
             tokens_per_s: st.tokens as f64 / st.step_seconds.max(1e-9),
             step_seconds: st.step_seconds,
-            comm_seconds: st.comm_seconds,
+            comm_exposed_seconds: st.comm_exposed_seconds,
+            loss_scale: st.loss_scale,
+            skipped: st.skipped,
             live_bytes: e.ledger().live_total().0,
             process_bytes: alloc.map(|a| a.current()),
             val_loss: v,

@@ -10,7 +10,7 @@ use fsdp::optim::{AdamWConfig, Optimizer};
 use fsdp::runtime::{EngineConfig, InitSync, MicroBatch, RankEngine, StagedModel};
 use fsdp_comm::{run_threads, Topology};
 use fsdp_planner::{plan, GradSync, PlanConfig, ShardPlan, Strategy};
-use fsdp_types::Bytes;
+use fsdp_types::{Bytes, DType};
 use std::time::Duration;
 
 fn batch(b: usize, t: usize, salt: usize) -> MicroBatch {
@@ -34,6 +34,8 @@ struct Cfg {
     prefetch: u64,
     b: usize,
     t: usize,
+    /// (param_dtype, reduce_dtype).
+    dtypes: (DType, DType),
 }
 
 fn make(c: &Cfg) -> (Gpt, ShardPlan) {
@@ -45,6 +47,8 @@ fn make(c: &Cfg) -> (Gpt, ShardPlan) {
     pc.prefetch = c.prefetch;
     pc.micro_batch = c.b as u64;
     pc.seq_len = c.t as u64;
+    pc.param_dtype = c.dtypes.0;
+    pc.reduce_dtype = c.dtypes.1;
     let p = plan(model.spec(), &pc).unwrap();
     (model, p)
 }
@@ -126,6 +130,7 @@ fn memory_ledger_equals_plan_full_shard_prefetch_1_and_2() {
             prefetch,
             b: 1,
             t: 16,
+            dtypes: (DType::F32, DType::F32),
         });
     }
 }
@@ -141,6 +146,7 @@ fn memory_ledger_equals_plan_shard_grad_op_ddp_hybrid() {
         prefetch: 1,
         b: 1,
         t: 16,
+        dtypes: (DType::F32, DType::F32),
     });
     ledger_matches_plan(Cfg {
         preset: "tiny",
@@ -151,6 +157,7 @@ fn memory_ledger_equals_plan_shard_grad_op_ddp_hybrid() {
         prefetch: 1,
         b: 1,
         t: 16,
+        dtypes: (DType::F32, DType::F32),
     });
     ledger_matches_plan(Cfg {
         preset: "tiny",
@@ -161,6 +168,7 @@ fn memory_ledger_equals_plan_shard_grad_op_ddp_hybrid() {
         prefetch: 1,
         b: 1,
         t: 16,
+        dtypes: (DType::F32, DType::F32),
     });
 }
 
@@ -175,6 +183,7 @@ fn memory_ledger_equals_plan_with_accumulation_sync_every_and_last() {
         prefetch: 1,
         b: 1,
         t: 16,
+        dtypes: (DType::F32, DType::F32),
     });
     ledger_matches_plan(Cfg {
         preset: "tiny",
@@ -185,6 +194,7 @@ fn memory_ledger_equals_plan_with_accumulation_sync_every_and_last() {
         prefetch: 1,
         b: 1,
         t: 16,
+        dtypes: (DType::F32, DType::F32),
     });
     ledger_matches_plan(Cfg {
         preset: "tiny",
@@ -195,5 +205,50 @@ fn memory_ledger_equals_plan_with_accumulation_sync_every_and_last() {
         prefetch: 1,
         b: 1,
         t: 16,
+        dtypes: (DType::F32, DType::F32),
+    });
+}
+
+/// Mixed precision (issue 8): bf16 parameters with f32 master weights, bf16 or f32 on the wire,
+/// prefetch off, 1 and 2 (overlapped gathers and reductions from 1 on), full shard and DDP,
+/// and sync-last accumulation with a bf16 cast of the f32 accumulation buffer.
+#[test]
+fn memory_ledger_equals_plan_mixed_precision_prefetch_0_1_2() {
+    for prefetch in [0, 1, 2] {
+        for reduce in [DType::F32, DType::BF16] {
+            ledger_matches_plan(Cfg {
+                preset: "tiny",
+                w: 2,
+                strategy: Strategy::FullShard,
+                k: 1,
+                sync: GradSync::EveryMicroBatch,
+                prefetch,
+                b: 1,
+                t: 16,
+                dtypes: (DType::BF16, reduce),
+            });
+        }
+    }
+    ledger_matches_plan(Cfg {
+        preset: "tiny",
+        w: 2,
+        strategy: Strategy::NoShard,
+        k: 1,
+        sync: GradSync::EveryMicroBatch,
+        prefetch: 1,
+        b: 1,
+        t: 16,
+        dtypes: (DType::BF16, DType::BF16),
+    });
+    ledger_matches_plan(Cfg {
+        preset: "tiny",
+        w: 2,
+        strategy: Strategy::FullShard,
+        k: 2,
+        sync: GradSync::LastMicroBatch,
+        prefetch: 1,
+        b: 1,
+        t: 16,
+        dtypes: (DType::F16, DType::BF16),
     });
 }

@@ -27,6 +27,20 @@
 //! So [`MemoryPlan::model_states`] = `pd*P + rd*P_T + (4 + 8)*s` = the paper's
 //! `2Psi + 2Psi + 12Psi/N` with bf16 params and reduce dtype, exact up to padding.
 
+//!
+//! **Mixed precision** (`param_dtype` bf16/f16, fp32 master weights; Micikevicius et al. 2018,
+//! "Mixed Precision Training"): the all-gather moves `pd`-byte elements, cast from the master
+//! shard straight into the gather buffer (no kept low-precision shard); gradients travel in
+//! `rd` and are accumulated into fp32 gradient shards. Model states per rank under full
+//! shard are `4 s` (master) + `4 s_T` (fp32 gradient) + `8 s_T` (AdamW) = `16 Psi / N` bytes:
+//! the `(2 + 2 + 12) Psi / N` of ZeRO-3 (Rajbhandari et al. 2020, sec. 3 and 5.3), with the
+//! fp16 parameter and gradient halves held as one fp32 gradient shard instead.
+//!
+//! **Overlap**: with prefetch depth >= 1 and more than one rank, a unit's reduction is started
+//! when its gradient is complete and waited for after the next backward step gathered its
+//! gradients; each such backward step has two timeline points: while computing (the previous
+//! unit's send buffer and staging still in flight) and after starting its own reduction.
+
 use crate::config::{GradSync, PlanConfig};
 use crate::layout::UnitLayout;
 use crate::schedule::{Schedule, ScheduleStep, UseRole};
@@ -41,7 +55,10 @@ use std::fmt;
 pub enum Category {
     /// f32 master shards of all flat params: `4 * sum_A s_f`.
     ParamShards,
-    /// param_dtype copy of the shards when param_dtype != f32: `pd * sum_A s_f`.
+    /// A persistent param_dtype copy of the shards. Always 0 in plans of this version: each
+    /// unshard casts the fp32 master shard straight into this rank's block of the
+    /// param_dtype all-gather buffer and gathers in place (FSDP2-style, Zhao et al. 2023; no
+    /// FSDP1-style kept low-precision shard). Kept so `fsdp-plan/1` JSON keeps its fields.
     ParamShardsLowPrecision,
     /// f32 accumulated gradient shards, trainable only: `4 * sum_T s_f`.
     GradShards,
@@ -437,11 +454,9 @@ pub fn memory_plan(
     let replicated = schedule.replicated;
     let persistent = CategoryBytes {
         param_shards: Bytes(4 * shard_all),
-        param_shards_low_precision: if cfg.param_dtype != DType::F32 && !replicated {
-            Bytes(pd * shard_all)
-        } else {
-            Bytes(0)
-        },
+        // No persistent low-precision copy: each unshard casts the fp32 master shard straight
+        // into this rank's block of the param_dtype all-gather buffer (in-place all-gather).
+        param_shards_low_precision: Bytes(0),
         grad_shards: if replicated {
             Bytes(0)
         } else {
@@ -505,6 +520,33 @@ pub fn memory_plan(
         vec![0]
     };
 
+    // Overlapped reductions (prefetch depth >= 1 and a reduction that communicates): a unit's
+    // reduce-scatter (all-reduce when S == 1) is started after its gradient is complete and
+    // waited for after the next backward step's gradients were gathered, so during that step
+    // its send buffer and its staging output are still alive.
+    let overlap = crate::schedule::overlaps_reductions(schedule, cfg.world_size);
+    // Bytes of unit u's reduction send buffer beyond what grads_alive already counts, and of
+    // its staging output.
+    let send_extra = |u: usize| -> u64 {
+        if sync_last {
+            // The persistent f32 buffer is sent as is, or its rd cast.
+            if cfg.reduce_dtype != DType::F32 {
+                rd * sums[u].padded_trainable
+            } else {
+                0
+            }
+        } else {
+            rd * sums[u].padded_trainable
+        }
+    };
+    let staging_of = |u: usize| -> u64 {
+        if shard_size > 1 {
+            rd * sums[u].shard_trainable
+        } else {
+            0
+        }
+    };
+
     let mut timeline = Vec::new();
     for &mb in &micro_batches {
         let last_mb = mb + 1 == cfg.grad_accum;
@@ -520,10 +562,36 @@ pub fn memory_plan(
             b.activations = fwd_act(k);
             timeline.push(point(mb, Phase::Forward, k, st, b));
         }
+        // The reduction started at the previous backward step and still in flight.
+        let mut pending: Option<usize> = None;
         for (k, st) in schedule.backward.iter().enumerate() {
             let mut b = persistent;
             b.unsharded_params = unsharded(&st.alive);
             let reduce_now = st.reduce_scatter && (!sync_last || last_mb);
+            if overlap {
+                // Gradients of this step gathered while the previous reduction is in flight.
+                let mut a = b;
+                a.unsharded_grads = Bytes(if sync_last {
+                    4 * padded_t
+                } else {
+                    rd * st
+                        .grads_alive
+                        .iter()
+                        .map(|&u| sums[u].padded_trainable)
+                        .sum::<u64>()
+                });
+                if let Some(p) = pending.take() {
+                    a.unsharded_grads += Bytes(send_extra(p));
+                    a.staging = Bytes(staging_of(p));
+                }
+                a.activations = bwd_act(m - 1 - k);
+                timeline.push(point(mb, Phase::Backward, k, st, a));
+                if !reduce_now {
+                    continue;
+                }
+                // Then this step's reduction is started (point below) and stays in flight.
+                pending = Some(st.unit);
+            }
             if sync_last {
                 // Gradients accumulate straight into the persistent f32 buffer; on the last
                 // micro-batch a unit being reduced is cast to reduce_dtype first if needed.

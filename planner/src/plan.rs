@@ -70,6 +70,13 @@ pub struct ShardPlan {
 }
 
 impl ShardPlan {
+    /// Whether the engine overlaps gradient reductions with the next backward step: prefetch
+    /// depth >= 1, more than one rank, sharded gradients (see `memory` module doc, "Overlap").
+    /// The memory plan counts the in-flight reduction's buffers exactly when this holds.
+    pub fn overlaps_reductions(&self) -> bool {
+        crate::schedule::overlaps_reductions(&self.schedule, self.config.world_size)
+    }
+
     /// The fingerprint (64 hex digits). Every rank computes the same value; ranks compare it to
     /// rank 0's at start-up.
     pub fn fingerprint(&self) -> &str {

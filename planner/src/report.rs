@@ -110,7 +110,7 @@ pub fn render_table(plan: &ShardPlan, fit: Option<&FitReport>) -> String {
     };
     let _ = writeln!(
         o,
-        "precision  params {}, reduce {}, master f32; optimizer {opt}",
+        "precision  params {}, reduce {} (accumulated in f32), master f32; optimizer {opt}",
         c.param_dtype, c.reduce_dtype
     );
     let _ = writeln!(

@@ -229,3 +229,11 @@ fn prefetch_list(order: &[usize], k: usize, hi: usize, prev_alive: &[usize]) -> 
     }
     out
 }
+
+/// Whether a step under `schedule` on `world_size` ranks overlaps each unit's gradient
+/// reduction with the next backward step (prefetch depth >= 1, `world_size > 1`, not the
+/// replicated shard-optimizer schedule, whose reduction runs once in place). The planner's
+/// memory timeline and the engine both decide with this function.
+pub fn overlaps_reductions(schedule: &Schedule, world_size: u64) -> bool {
+    schedule.prefetch > 0 && world_size > 1 && !schedule.replicated
+}

@@ -51,25 +51,48 @@ fn full_shard_alive_sets_and_bytes() {
     assert_eq!(balive, vec![vec![2, 3], vec![1, 2], vec![0, 1], vec![0]]);
     assert_eq!(p.schedule.forward[0].prefetch, vec![1]);
     let t = &p.memory.timeline;
-    // param shards: 4 units x 5 elements x 4 B; low precision x 2 B; grads 4 B; AdamW 8 B.
+    // param shards: 4 units x 5 elements x 4 B; no kept low-precision copy (cast in place
+    // into the gather buffer); grads 4 B; AdamW 8 B.
     assert_eq!(t[0].bytes.param_shards.0, 80);
-    assert_eq!(t[0].bytes.param_shards_low_precision.0, 40);
+    assert_eq!(t[0].bytes.param_shards_low_precision.0, 0);
     assert_eq!(t[0].bytes.grad_shards.0, 80);
     assert_eq!(t[0].bytes.optimizer_state.0, 160);
     assert_eq!(t[0].bytes.unsharded_params.0, 2 * 20);
     assert_eq!(t[3].bytes.unsharded_params.0, 2 * 10);
-    // Backward of unit 3: its f32 flat gradient (10 x 4 B) and its reduce-scatter output.
-    assert_eq!(t[4].bytes.unsharded_grads.0, 40);
-    assert_eq!(t[4].bytes.staging.0, 20);
+    // Backward of unit 3 (W = 2, prefetch 1: reductions overlap): while computing, its f32
+    // flat gradient (10 x 4 B) only; after starting its reduce-scatter, also the output.
+    assert_eq!((t[4].label.as_str(), t[5].label.as_str()), ("b3", "b3"));
+    assert_eq!(
+        (t[4].bytes.unsharded_grads.0, t[4].bytes.staging.0),
+        (40, 0)
+    );
     assert_eq!(t[4].bytes.activations.0, 0);
+    assert_eq!(
+        (t[5].bytes.unsharded_grads.0, t[5].bytes.staging.0),
+        (40, 20)
+    );
+    // Unit 2's gradient is gathered while unit 3's reduce-scatter is in flight.
+    assert_eq!(
+        (t[6].bytes.unsharded_grads.0, t[6].bytes.staging.0),
+        (80, 20)
+    );
+    assert_eq!(t.len(), 4 + 2 * 4 + 1);
     let f = p.memory.phase(Phase::Forward);
-    assert_eq!(f.peak_total.0, 80 + 40 + 80 + 160 + 40);
+    assert_eq!(f.peak_total.0, 80 + 80 + 160 + 40);
     assert_eq!(f.peak_unit, "b0");
     let b = p.memory.phase(Phase::Backward);
-    assert_eq!(b.peak_total.0, 360 + 40 + 40 + 20);
+    assert_eq!(b.peak_total.0, 320 + 40 + 80 + 20);
     assert_eq!(p.memory.peak.0, 460);
     assert_eq!(p.memory.peak_phase, Phase::Backward);
-    assert_eq!(p.memory.phase(Phase::OptimizerStep).peak_total.0, 360);
+    assert_eq!(p.memory.phase(Phase::OptimizerStep).peak_total.0, 320);
+    // Model states: 16 bytes per shard element = ZeRO's (2 + 2 + 12) Psi / N.
+    assert_eq!(p.memory.model_states.0, 16 * 20);
+    // Prefetch 0: no overlap, one backward point per step, as the synchronous engine runs.
+    let mut c0 = cfg(2, Strategy::FullShard);
+    c0.prefetch = 0;
+    let p0 = plan(&chain(4, false), &c0).unwrap();
+    assert_eq!(p0.memory.timeline.len(), 4 + 4 + 1);
+    assert_eq!(p0.memory.phase(Phase::Backward).max.unsharded_grads.0, 40);
 }
 
 #[test]
@@ -165,11 +188,19 @@ fn hybrid_places_ranks_and_sync_last_reduces_on_last_micro_batch_only() {
     let mbs: Vec<u64> = p.memory.timeline.iter().map(|t| t.micro_batch).collect();
     assert_eq!(mbs.first(), Some(&0));
     assert_eq!(mbs.last(), Some(&2));
+    let mut first_last_mb_backward = true;
     for t in &p.memory.timeline {
         match (t.phase, t.micro_batch) {
             (Phase::OptimizerStep, _) => assert_eq!(t.bytes.unsharded_grads.0, 0),
+            (Phase::Backward, 2) if first_last_mb_backward => {
+                // Unit 3 computing, nothing in flight yet.
+                first_last_mb_backward = false;
+                assert_eq!(t.bytes.unsharded_grads.0, 160);
+                assert_eq!(t.bytes.staging.0, 0);
+            }
             (Phase::Backward, 2) => {
-                // persistent f32 (4 x 10 x 4 B) + bf16 cast of the unit reduced (10 x 2 B)
+                // persistent f32 (4 x 10 x 4 B) + bf16 cast of the unit reduced or in flight
+                // (10 x 2 B), and its reduce-scatter output
                 assert_eq!(t.bytes.unsharded_grads.0, 160 + 20);
                 assert_eq!(t.bytes.staging.0, 10);
             }

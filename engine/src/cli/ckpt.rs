@@ -467,6 +467,8 @@ pub fn ckpt_to_engine(
         shard_index: layout.shard_index(rank) as usize,
         plan_fingerprint: layout.plan_fingerprint.clone(),
         optimizer_step,
+        skipped_steps: 0,
+        loss_scaler: None,
         flats,
     }
 }

@@ -33,6 +33,28 @@ pub enum BackendArg {
     Mpi,
 }
 
+/// A floating-point dtype for `--param-dtype` / `--reduce-dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DTypeArg {
+    /// IEEE binary32.
+    F32,
+    /// bfloat16 (8-bit exponent, 7-bit mantissa).
+    Bf16,
+    /// IEEE binary16.
+    F16,
+}
+
+impl DTypeArg {
+    /// The dtype.
+    pub fn dtype(self) -> fsdp_types::DType {
+        match self {
+            DTypeArg::F32 => fsdp_types::DType::F32,
+            DTypeArg::Bf16 => fsdp_types::DType::BF16,
+            DTypeArg::F16 => fsdp_types::DType::F16,
+        }
+    }
+}
+
 /// When gradients are reduced during gradient accumulation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum GradSyncArg {
@@ -107,9 +129,20 @@ pub struct TrainArgs {
     /// Validation micro-batches per rank per evaluation (0: the whole split).
     #[arg(long, default_value_t = 16)]
     pub eval_batches: usize,
-    /// Units all-gathered ahead of the one computing.
+    /// Units all-gathered ahead of the one computing (0: no prefetch and no overlap: every
+    /// collective runs synchronously). From 1 on, all-gathers and reduce-scatters run on a
+    /// communication thread while the rank computes.
     #[arg(long, default_value_t = 1)]
     pub prefetch: u64,
+    /// dtype the units compute in and the all-gather moves: f32, bf16 or f16 (mixed precision:
+    /// master weights, gradient shards and optimizer state stay f32; f16 adds dynamic loss
+    /// scaling).
+    #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
+    pub param_dtype: DTypeArg,
+    /// dtype of gradients on the wire (reduce-scatter / all-reduce): f32, bf16 or f16;
+    /// 16-bit reductions accumulate in f32.
+    #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
+    pub reduce_dtype: DTypeArg,
     /// Compute threads per rank (default: cores / world size, at least 1).
     #[arg(long)]
     pub threads_per_rank: Option<usize>,
@@ -170,6 +203,8 @@ impl TrainArgs {
             eval_every: self.eval_every,
             eval_batches: self.eval_batches,
             prefetch: self.prefetch,
+            param_dtype: self.param_dtype.dtype(),
+            reduce_dtype: self.reduce_dtype.dtype(),
             threads_per_rank: self.threads_per_rank,
             init_params: None,
         })
@@ -325,10 +360,23 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
             }
             return;
         }
+        let scale = r
+            .loss_scale
+            .map(|s| {
+                format!(
+                    " | loss scale {s}{}",
+                    if r.skipped { " (step skipped)" } else { "" }
+                )
+            })
+            .unwrap_or_default();
         if let (true, Some(v)) = (plain, r.val_loss) {
             println!(
-                "step {}/{total_steps} | train loss {:.4} | val loss {v:.4} | {:.0} tokens/s",
-                r.step, r.loss, r.tokens_per_s
+                "step {}/{total_steps} | train loss {:.4} | val loss {v:.4} | {:.0} tokens/s | comm exposed {:.1} ms of {:.1} ms{scale}",
+                r.step,
+                r.loss,
+                r.tokens_per_s,
+                1e3 * r.comm_exposed_seconds,
+                1e3 * r.step_seconds
             );
         }
         if let Some(b) = &bar {
@@ -339,9 +387,10 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
             // `r.step` is 1-based: the bar shows it next to its own loss (also after --resume).
             b.set_position(r.step);
             b.set_message(format!(
-                "loss {:.4}{val} | {:.0} tok/s | live {}{}",
+                "loss {:.4}{val} | {:.0} tok/s | comm exposed {:.0} ms | live {}{}{scale}",
                 r.loss,
                 r.tokens_per_s,
+                1e3 * r.comm_exposed_seconds,
                 mib(r.live_bytes),
                 r.process_bytes
                     .map(|p| format!(" | heap {}", mib(p)))
@@ -379,6 +428,8 @@ fn summary_json(r: &TrainReport) -> serde_json::Value {
         "world_size": r.world_size,
         "shard_size": r.shard_size,
         "strategy": r.strategy,
+        "precision": r.precision,
+        "comm_exposed_seconds": r.comm_exposed_seconds,
         "final_train_loss": r.final_train_loss,
         "final_val_loss": r.final_val_loss,
         "tokens_per_s": r.tokens_per_s,
@@ -398,6 +449,10 @@ fn print_summary(r: &TrainReport) {
     println!(
         "train loss {:.4} (mean of last steps) | val loss {:.4} | {:.0} tokens/s | {:.1} s",
         r.final_train_loss, r.final_val_loss, r.tokens_per_s, r.seconds
+    );
+    println!(
+        "precision: {} | communication exposed (rank 0): {:.2} s of {:.1} s",
+        r.precision, r.comm_exposed_seconds, r.seconds
     );
     println!("memory per rank, engine-owned bytes: measured (ledger peak) / plan, per phase");
     println!(

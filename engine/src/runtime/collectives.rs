@@ -1,14 +1,20 @@
 //! The engine's view of a [`Communicator`]: the calls it makes, their errors mapped to
-//! [`EngineError::Comm`], and the wall time spent inside collectives (for metrics and benches).
+//! [`EngineError::Comm`], and the exposed communication time: wall time the calling (compute)
+//! thread spends blocked in collectives — inside synchronous calls, starting a collective and
+//! waiting for a started one. Time a started collective runs on the progress thread while the
+//! caller computes is hidden and not counted.
 
 use crate::error::{EngineError, Result};
-use fsdp_comm::{Buf, BufMut, Communicator, Group, ReduceOp, Topology};
+use fsdp_comm::{
+    Buf, BufMut, Communicator, Completed, Group, OwnedBuf, PendingOp, ReduceOp, Topology,
+};
 use std::time::{Duration, Instant};
 
-/// A borrowed communicator plus a stopwatch of time spent in collectives.
+/// A borrowed communicator plus a stopwatch of exposed communication time.
 pub struct Collectives<'a> {
     comm: &'a dyn Communicator,
-    /// Wall time spent inside collective calls since the last [`Collectives::take_time`].
+    /// Wall time the caller was blocked in collectives since the last
+    /// [`Collectives::take_time`].
     spent: Duration,
     /// Number of collective calls since the last [`Collectives::take_time`].
     calls: u64,
@@ -48,7 +54,7 @@ impl<'a> Collectives<'a> {
         self.comm.group_size(group)
     }
 
-    /// Returns and resets (time spent in collectives, number of calls).
+    /// Returns and resets (exposed communication time, number of collective calls).
     pub fn take_time(&mut self) -> (Duration, u64) {
         let r = (self.spent, self.calls);
         self.spent = Duration::ZERO;
@@ -64,6 +70,44 @@ impl<'a> Collectives<'a> {
         let r = f(self.comm);
         self.spent += t.elapsed();
         self.calls += 1;
+        r.map_err(|e| EngineError::Comm {
+            rank: self.comm.rank(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Starts an in-place all-gather of `buf` over `group` (this rank's block already filled;
+    /// see [`Communicator::all_gather_in_place`]); [`Collectives::wait`] returns it filled.
+    pub fn start_all_gather_in_place(&mut self, group: Group, buf: OwnedBuf) -> Result<PendingOp> {
+        self.timed(|c| c.start_all_gather_in_place(group, buf))
+    }
+
+    /// Starts a sum-reduce-scatter of `send` (group size x n elements) into `recv` (n).
+    pub fn start_reduce_scatter_sum(
+        &mut self,
+        group: Group,
+        send: OwnedBuf,
+        recv: OwnedBuf,
+    ) -> Result<PendingOp> {
+        self.timed(|c| c.start_reduce_scatter(group, ReduceOp::Sum, send, recv))
+    }
+
+    /// Starts an in-place all-reduce of `buf` with `op` over `group`.
+    pub fn start_all_reduce(
+        &mut self,
+        group: Group,
+        op: ReduceOp,
+        buf: OwnedBuf,
+    ) -> Result<PendingOp> {
+        self.timed(|c| c.start_all_reduce(group, op, buf))
+    }
+
+    /// Waits for a started collective; the blocked time is exposed communication time (not
+    /// counted as another call).
+    pub fn wait(&mut self, op: PendingOp) -> Result<Completed> {
+        let t = Instant::now();
+        let r = op.wait_all();
+        self.spent += t.elapsed();
         r.map_err(|e| EngineError::Comm {
             rank: self.comm.rank(),
             message: e.to_string(),

@@ -26,9 +26,9 @@ use crate::memory::{MemoryLedger, PhasePeak, LEDGER_CATEGORIES};
 use crate::optim::Optimizer;
 use crate::runtime::collectives::{f64_chunks_to_u64, u64_to_f64_chunks, Collectives};
 use crate::runtime::staged::{MicroBatch, StagedModel};
-use crate::runtime::unit::{with_f32, FsdpUnit};
+use crate::runtime::unit::{owned_bytes, with_f32, FsdpUnit};
 use candle_core::{Tensor, Var};
-use fsdp_comm::{Buf, BufMut, Communicator, Group, ReduceOp};
+use fsdp_comm::{Buf, BufMut, Communicator, Group, OwnedBuf, PendingOp, ReduceOp};
 use fsdp_planner::{GradSync, Phase, ShardPlan};
 use fsdp_types::DType;
 use serde::{Deserialize, Serialize};
@@ -88,6 +88,81 @@ pub struct Accumulated {
     pub tokens: u64,
     /// This rank's loss sum (before the world sum).
     pub local_loss_sum: f64,
+    /// f16 dynamic loss scaling found a non-finite gradient on some rank: the gradient shards
+    /// were zeroed and the optimizer step must be skipped (identical on every rank).
+    pub overflow: bool,
+}
+
+/// Dynamic loss scaling for f16 parameters (Micikevicius et al. 2018, "Mixed Precision
+/// Training", sec. 3.2; PyTorch `GradScaler`'s defaults): the loss is multiplied by `scale`
+/// before backward so small f16 gradients do not flush to zero; gradients are divided by it
+/// again (folded into the one division by the token count). A non-finite gradient on any rank
+/// skips the step and halves the scale; `GROWTH_INTERVAL` clean steps in a row double it.
+///
+/// The engine back-propagates the SUM of the micro-batch's token losses (it divides by the
+/// global token count once, after the reduction), so its gradients are up to `tokens per
+/// micro-batch` times those of PyTorch's mean loss: the initial scale is
+/// [`LossScaler::INIT`] divided by that count rounded up to a power of two (at least 1), the
+/// same headroom GradScaler's 2^16 gives a mean loss.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LossScaler {
+    /// Current scale (a power of two).
+    pub scale: f64,
+    /// Clean steps since the last overflow or growth.
+    pub clean_steps: u64,
+}
+
+impl LossScaler {
+    /// Initial scale for a loss averaged over its tokens, 2^16 (see [`LossScaler::initial`]).
+    pub const INIT: f64 = 65536.0;
+
+    /// The initial scaler for micro-batches of `tokens` tokens (summed loss):
+    /// `INIT / 2^ceil(log2(tokens))`, at least 1.
+    pub fn initial(tokens: u64) -> LossScaler {
+        let p = tokens.max(1).next_power_of_two() as f64;
+        LossScaler {
+            scale: (Self::INIT / p).max(1.0),
+            clean_steps: 0,
+        }
+    }
+    /// Clean steps before the scale doubles.
+    pub const GROWTH_INTERVAL: u64 = 2000;
+
+    fn update(&mut self, overflow: bool) {
+        if overflow {
+            self.scale = (self.scale * 0.5).max(1.0);
+            self.clean_steps = 0;
+        } else {
+            self.clean_steps += 1;
+            if self.clean_steps >= Self::GROWTH_INTERVAL {
+                self.scale = (self.scale * 2.0).min(2f64.powi(24));
+                self.clean_steps = 0;
+            }
+        }
+    }
+}
+
+/// One trainable flat parameter's reduction in flight.
+struct FlatReduce {
+    /// Index among the unit's trainable flat parameters.
+    t: usize,
+    work: ReduceWork,
+    /// The send buffer is the unit's persistent f32 accumulation buffer: give it back.
+    keep: bool,
+}
+
+enum ReduceWork {
+    /// A started reduce-scatter or all-reduce.
+    Started(PendingOp),
+    /// World size 1: nothing to communicate, the buffer is the result.
+    Local(OwnedBuf),
+}
+
+/// A unit's gradient reduction, started after its last backward use and finished (waited,
+/// added into the fp32 gradient shards) after the next backward step gathered its gradients.
+struct PendingReduce {
+    unit: usize,
+    flats: Vec<FlatReduce>,
 }
 
 /// Timing and measurements of one training step on one rank.
@@ -105,10 +180,17 @@ pub struct StepStats {
     pub lr: f64,
     /// Wall time of the step (seconds).
     pub step_seconds: f64,
-    /// Wall time inside collectives (seconds).
-    pub comm_seconds: f64,
+    /// Exposed communication time (seconds): wall time this rank's compute thread was blocked
+    /// in collectives (synchronous calls and waits for started ones); collectives that ran
+    /// on the progress thread while the rank computed are not counted.
+    pub comm_exposed_seconds: f64,
     /// Number of collective calls.
     pub comm_calls: u64,
+    /// f16 loss scaling: the scale used in this step's backward (`None` unless param_dtype is
+    /// f16).
+    pub loss_scale: Option<f64>,
+    /// The step found a non-finite gradient (f16 loss scaling): no optimizer update was made.
+    pub skipped: bool,
     /// Ledger peaks per phase: forward, backward, optimizer step.
     pub ledger: [PhasePeak; 3],
 }
@@ -142,8 +224,15 @@ pub struct RankState {
     pub shard_index: usize,
     /// The plan fingerprint the state belongs to.
     pub plan_fingerprint: String,
-    /// Optimizer steps taken (the next step is `optimizer_step + 1`).
+    /// Training steps taken (the next step is `optimizer_step + 1`), skipped ones included.
     pub optimizer_step: u64,
+    /// Steps skipped by f16 loss scaling (AdamW's bias-correction step is
+    /// `optimizer_step - skipped_steps`); 0 in states written before loss scaling existed.
+    #[serde(default)]
+    pub skipped_steps: u64,
+    /// The f16 loss scaler's state (`None` unless param_dtype is f16).
+    #[serde(default)]
+    pub loss_scaler: Option<LossScaler>,
     /// Every flat parameter of every unit, in unit order.
     pub flats: Vec<FlatShardState>,
 }
@@ -160,8 +249,15 @@ pub struct RankEngine<'a, M: StagedModel + ?Sized> {
     needs_backward: Vec<bool>,
     ledger: MemoryLedger,
     step: u64,
+    /// Steps skipped by f16 loss scaling (not counted as AdamW updates).
+    skipped: u64,
     rank: usize,
     shard_index: usize,
+    /// Reductions are started and finished one backward step later (the plan's
+    /// [`ShardPlan::overlaps_reductions`]).
+    overlap: bool,
+    /// f16 dynamic loss scaling.
+    scaler: Option<LossScaler>,
 }
 
 impl<M: StagedModel + ?Sized> std::fmt::Debug for RankEngine<'_, M> {
@@ -229,11 +325,15 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                 topo.shard_size
             )));
         }
-        if plan.config.param_dtype != DType::F32 || plan.config.reduce_dtype != DType::F32 {
-            return Err(EngineError::Config(format!(
-                "param_dtype {} / reduce_dtype {}: this engine computes and reduces in f32 only",
-                plan.config.param_dtype, plan.config.reduce_dtype
-            )));
+        for (what, d) in [
+            ("param_dtype", plan.config.param_dtype),
+            ("reduce_dtype", plan.config.reduce_dtype),
+        ] {
+            if !matches!(d, DType::F32 | DType::BF16 | DType::F16) {
+                return Err(EngineError::Config(format!(
+                    "{what} {d}: the engine computes and reduces in f32, bf16 or f16"
+                )));
+            }
         }
         let planned_state = plan.config.optimizer.state_bytes_per_element();
         if planned_state != 4 * cfg.optimizer.state_buffers() as u64 {
@@ -356,6 +456,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                 &full[u],
                 shard_index as u64,
                 cfg.optimizer.state_buffers(),
+                plan.config.param_dtype,
                 &mut ledger,
             )?);
         }
@@ -381,9 +482,18 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             needs_backward,
             ledger,
             step: 0,
+            skipped: 0,
             rank,
             shard_index,
+            overlap: plan.overlaps_reductions(),
+            scaler: (plan.config.param_dtype == DType::F16)
+                .then(|| LossScaler::initial(plan.config.micro_batch * plan.config.seq_len)),
         })
+    }
+
+    /// The f16 dynamic loss scaler's state (`None` unless param_dtype is f16).
+    pub fn loss_scaler(&self) -> Option<LossScaler> {
+        self.scaler
     }
 
     /// This rank.
@@ -425,20 +535,39 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         check_counts(&all, "number of batches", "batches")
     }
 
-    /// Makes exactly the units in `alive` unsharded: reshards the others first (so live bytes
-    /// never exceed either position), then unshards `first` and the rest in order.
-    fn transition_to(&mut self, alive: &[usize], first: Option<usize>) -> Result<()> {
+    /// Makes exactly the units in `alive` unsharded (or unsharding): reshards the others first
+    /// (so live bytes never exceed either position), makes `first` unsharded — waiting for its
+    /// prefetched all-gather, or gathering it now — then starts the all-gathers of the other
+    /// alive units, `prefetch` (the schedule's issue order) first; they run on the
+    /// communicator's progress thread while `first` computes.
+    fn transition_to(
+        &mut self,
+        alive: &[usize],
+        first: Option<usize>,
+        prefetch: &[usize],
+    ) -> Result<()> {
         for u in 0..self.units.len() {
-            if self.units[u].is_unsharded() && !alive.contains(&u) {
-                self.units[u].reshard(&mut self.ledger);
+            if !alive.contains(&u) {
+                self.units[u].reshard(&mut self.comm, &mut self.ledger)?;
             }
         }
-        let order = first
-            .into_iter()
-            .chain(alive.iter().copied().filter(|&u| Some(u) != first));
+        if let Some(f) = first {
+            let unit = &mut self.units[f];
+            if unit.is_unsharding() {
+                unit.finish_unshard(&mut self.comm, &mut self.ledger)?;
+            } else if !unit.is_unsharded() {
+                unit.unshard(&mut self.comm, &mut self.ledger)?;
+            }
+        }
+        let order = prefetch
+            .iter()
+            .chain(alive.iter())
+            .copied()
+            .filter(|&u| Some(u) != first);
         for u in order {
-            if !self.units[u].is_unsharded() {
-                self.units[u].unshard(&mut self.comm, &mut self.ledger)?;
+            let unit = &mut self.units[u];
+            if !unit.is_unsharded() && !unit.is_unsharding() {
+                unit.start_unshard(&mut self.comm, &mut self.ledger)?;
             }
         }
         Ok(())
@@ -477,7 +606,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         if sync_last {
             for u in 0..self.units.len() {
                 if self.units[u].trainable() {
-                    self.units[u].alloc_flat_grads(&mut self.ledger);
+                    self.units[u].alloc_flat_grads(DType::F32, &mut self.ledger);
                 }
             }
         }
@@ -487,19 +616,42 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             local_loss += self.micro_batch(mb, sync_last, !sync_last || last)?;
         }
         // End of the backward phase: everything unsharded goes.
-        self.transition_to(&[], None)?;
+        self.transition_to(&[], None, &[])?;
         for u in self.units.iter_mut() {
             u.free_flat_grads(&mut self.ledger);
         }
+        // f16 loss scaling: any non-finite gradient element on any rank skips the step.
+        let mut local_overflow = false;
+        if self.scaler.is_some() {
+            for f in self
+                .units
+                .iter()
+                .flat_map(|u| &u.flats)
+                .filter(|f| f.layout.trainable)
+            {
+                if !fsdp_kernels::max_abs(&f.grad, &f.spans)?.is_finite() {
+                    local_overflow = true;
+                }
+            }
+        }
+        let divisor = tokens as f64 * self.scaler.map_or(1.0, |s| s.scale);
         for u in self.units.iter_mut() {
             for f in u.flats.iter_mut().filter(|f| f.layout.trainable) {
-                fsdp_kernels::div_scalar(&mut f.grad, tokens as f32);
+                fsdp_kernels::div_scalar(&mut f.grad, divisor as f32);
             }
         }
         let violation = self.memory_violation();
-        let mut buf = [local_loss, violation.is_some() as u64 as f64];
+        let mut buf = [
+            local_loss,
+            violation.is_some() as u64 as f64,
+            local_overflow as u64 as f64,
+        ];
         self.comm
             .all_reduce(Group::World, ReduceOp::Sum, BufMut::F64(&mut buf))?;
+        let overflow = buf[2] > 0.0;
+        if overflow {
+            self.zero_grad();
+        }
         if let Some(e) = violation {
             return Err(e);
         }
@@ -524,6 +676,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             loss,
             tokens,
             local_loss_sum: local_loss,
+            overflow,
         })
     }
 
@@ -564,7 +717,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         let mut loss_value = 0f64;
         for s in 0..m {
             let u = self.stage_units[s];
-            self.transition_to(&sched.forward[s].alive, Some(u))?;
+            self.transition_to(&sched.forward[s].alive, Some(u), &sched.forward[s].prefetch)?;
             let unit = &self.units[u];
             if s + 1 == m {
                 // The loss stage keeps its graph into backward (its unit stays unsharded across
@@ -602,14 +755,28 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         self.ledger.enter(Phase::Backward);
         let mut g_out: Option<Tensor> = None;
         let mut touched = vec![false; self.units.len()];
+        let grad_dtype = if sync_last {
+            DType::F32
+        } else {
+            plan.config.reduce_dtype
+        };
+        let mut pending: Option<PendingReduce> = None;
         for kb in 0..m {
             let s = m - 1 - kb;
             let u = self.stage_units[s];
-            self.transition_to(&sched.backward[kb].alive, Some(u))?;
+            self.transition_to(
+                &sched.backward[kb].alive,
+                Some(u),
+                &sched.backward[kb].prefetch,
+            )?;
             if self.needs_backward[s] {
                 let x_in = inputs[s].take().expect("stage input kept");
                 let root = if s + 1 == m {
-                    outputs[s].take().expect("loss kept")
+                    let loss = outputs[s].take().expect("loss kept");
+                    match self.scaler {
+                        Some(sc) => loss.affine(sc.scale, 0.0)?,
+                        None => loss,
+                    }
                 } else {
                     let g = g_out.take().expect("upstream gradient");
                     let y = match outputs[s].take() {
@@ -646,56 +813,131 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                     let mut params: Vec<Option<Tensor>> =
                         self.units[u].vars.iter().map(|v| grads.remove(v)).collect();
                     drop(grads);
-                    self.units[u].alloc_flat_grads(&mut self.ledger);
+                    self.units[u].alloc_flat_grads(grad_dtype, &mut self.ledger);
                     let add = sync_last || touched[u];
                     self.units[u].gather_grads(&mut params, add)?;
                     touched[u] = true;
                 }
             }
+            // The previous unit's reduction ran while this step computed.
+            if let Some(p) = pending.take() {
+                self.finish_reduce(p)?;
+            }
             if sched.backward[kb].reduce_scatter && reduce {
-                self.reduce_unit(u)?;
-                if !sync_last {
-                    self.units[u].free_flat_grads(&mut self.ledger);
+                let p = self.start_reduce(u, sync_last)?;
+                if self.overlap {
+                    pending = Some(p);
+                } else {
+                    self.finish_reduce(p)?;
                 }
             }
+        }
+        if let Some(p) = pending.take() {
+            self.finish_reduce(p)?;
         }
         Ok(loss_value)
     }
 
-    /// Reduces unit `u`'s unsharded flat gradients into its fp32 gradient shards:
-    /// reduce-scatter (sum) over the shard group into a staging buffer, all-reduce (sum) over
-    /// the replicate group, add into the shard. With a shard group of one the replicate
-    /// all-reduce runs in place on the flat gradient.
-    fn reduce_unit(&mut self, u: usize) -> Result<()> {
+    /// Starts the reduction of unit `u`'s unsharded flat gradients (reduce_dtype; under
+    /// sync-last the persistent f32 buffer, cast to reduce_dtype first if that differs): a
+    /// sum-reduce-scatter over the shard group into a staging buffer of `s_f` elements, or with
+    /// a shard group of one an in-place sum-all-reduce over the replicate group. 16-bit
+    /// reductions accumulate in f32 inside the collective (real-world case BC-05).
+    fn start_reduce(&mut self, u: usize, sync_last: bool) -> Result<PendingReduce> {
         let s = self.comm.group_size(Group::Shard);
+        let r = self.comm.group_size(Group::Replicate);
+        let rd = self.plan.config.reduce_dtype;
         let unit = &mut self.units[u];
-        let mut t = 0;
-        for fs in unit.flats.iter_mut() {
-            if !fs.layout.trainable {
-                continue;
-            }
-            let flat_grad = &mut unit.flat_grads[t];
-            t += 1;
-            if s > 1 {
+        let mut flats = Vec::new();
+        for (t, fs) in unit.flats.iter().filter(|f| f.layout.trainable).enumerate() {
+            let (send, keep) = if sync_last && rd != DType::F32 {
+                let OwnedBuf::F32(acc) = &unit.flat_grads[t] else {
+                    return Err(EngineError::Config(
+                        "persistent gradient buffer is not f32".into(),
+                    ));
+                };
+                let mut c = OwnedBuf::zeros(rd, acc.len());
+                match &mut c {
+                    OwnedBuf::BF16(v) => fsdp_kernels::cast::cast_f32_to_bf16(acc, v)?,
+                    OwnedBuf::F16(v) => fsdp_kernels::cast::cast_f32_to_f16(acc, v)?,
+                    _ => unreachable!("reduce_dtype checked at construction"),
+                }
+                self.ledger
+                    .alloc(fsdp_planner::Category::UnshardedGrads, owned_bytes(&c));
+                (c, false)
+            } else {
+                let b = std::mem::replace(&mut unit.flat_grads[t], OwnedBuf::F32(Vec::new()));
+                (b, sync_last)
+            };
+            let work = if s > 1 {
                 let n = fs.shard_numel();
                 self.ledger
-                    .alloc(fsdp_planner::Category::Staging, 4 * n as u64);
-                let mut staging = vec![0f32; n];
-                self.comm.reduce_scatter_sum(
+                    .alloc(fsdp_planner::Category::Staging, rd.size_bytes() * n as u64);
+                ReduceWork::Started(self.comm.start_reduce_scatter_sum(
                     Group::Shard,
-                    Buf::F32(flat_grad),
-                    BufMut::F32(&mut staging),
-                )?;
-                self.comm
-                    .all_reduce(Group::Replicate, ReduceOp::Sum, BufMut::F32(&mut staging))?;
-                fsdp_kernels::accumulate(&mut fs.grad, &staging)?;
-                drop(staging);
-                self.ledger
-                    .free(fsdp_planner::Category::Staging, 4 * n as u64);
+                    send,
+                    OwnedBuf::zeros(rd, n),
+                )?)
+            } else if r > 1 {
+                ReduceWork::Started(self.comm.start_all_reduce(
+                    Group::Replicate,
+                    ReduceOp::Sum,
+                    send,
+                )?)
             } else {
+                ReduceWork::Local(send)
+            };
+            flats.push(FlatReduce { t, work, keep });
+        }
+        if !sync_last {
+            // Moved into the reductions; the ledger frees them when they finish.
+            unit.flat_grads.clear();
+        }
+        Ok(PendingReduce { unit: u, flats })
+    }
+
+    /// Finishes a reduction started by [`RankEngine::start_reduce`]: waits for it (exposed
+    /// time), all-reduces the staging shard over the replicate group (hybrid sharding), adds
+    /// it into the fp32 gradient shard (widening 16-bit values exactly) and frees the staging
+    /// and send buffers (a persistent f32 buffer goes back to the unit).
+    fn finish_reduce(&mut self, p: PendingReduce) -> Result<()> {
+        let s = self.comm.group_size(Group::Shard);
+        let r = self.comm.group_size(Group::Replicate);
+        for fr in p.flats {
+            let (mut reduced, send) = match fr.work {
+                ReduceWork::Local(b) => (b, None),
+                ReduceWork::Started(op) => {
+                    let c = self.comm.wait(op)?;
+                    (c.buf, c.send)
+                }
+            };
+            if s > 1 && r > 1 {
                 self.comm
-                    .all_reduce(Group::Replicate, ReduceOp::Sum, BufMut::F32(flat_grad))?;
-                fsdp_kernels::accumulate(&mut fs.grad, flat_grad)?;
+                    .all_reduce(Group::Replicate, ReduceOp::Sum, reduced.as_buf_mut())?;
+            }
+            let unit = &mut self.units[p.unit];
+            let fs = unit
+                .flats
+                .iter_mut()
+                .filter(|f| f.layout.trainable)
+                .nth(fr.t)
+                .expect("trainable flat index");
+            accumulate_widen(&mut fs.grad, &reduced)?;
+            let send = if s > 1 {
+                self.ledger
+                    .free(fsdp_planner::Category::Staging, owned_bytes(&reduced));
+                drop(reduced);
+                send.ok_or_else(|| {
+                    EngineError::Config("reduce-scatter returned no send buffer".into())
+                })?
+            } else {
+                reduced
+            };
+            if fr.keep {
+                unit.flat_grads[fr.t] = send;
+            } else {
+                self.ledger
+                    .free(fsdp_planner::Category::UnshardedGrads, owned_bytes(&send));
             }
         }
         Ok(())
@@ -761,9 +1003,11 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         self.ledger.enter(Phase::OptimizerStep);
         let opt = self.cfg.optimizer.with_lr(lr);
         let step = self.step + 1;
+        // AdamW's step counts updates made: steps skipped by loss scaling are not updates.
+        let update = step - self.skipped;
         for f in self.units.iter_mut().flat_map(|u| u.flats.iter_mut()) {
             if f.layout.trainable {
-                f.step(&opt, step)?;
+                f.step(&opt, update)?;
             }
         }
         self.step = step;
@@ -783,12 +1027,26 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
     pub fn train_step(&mut self, mbs: &[MicroBatch], lr: f64) -> Result<StepStats> {
         let t0 = Instant::now();
         self.comm.take_time();
+        let loss_scale = self.scaler.map(|s| s.scale);
         let acc = self.accumulate(mbs)?;
-        let grad_norm = match self.cfg.clip {
-            Some(c) => Some(self.clip_grad_norm(c)?),
-            None => None,
+        if let Some(sc) = self.scaler.as_mut() {
+            sc.update(acc.overflow);
+        }
+        let grad_norm = if acc.overflow {
+            // Skipped: gradients were zeroed, no update; the step still counts for the data
+            // position and checkpoint numbering, not for AdamW's bias correction.
+            self.ledger.enter(Phase::OptimizerStep);
+            self.step += 1;
+            self.skipped += 1;
+            None
+        } else {
+            let g = match self.cfg.clip {
+                Some(c) => Some(self.clip_grad_norm(c)?),
+                None => None,
+            };
+            self.optimizer_step(lr)?;
+            g
         };
-        self.optimizer_step(lr)?;
         let (comm, calls) = self.comm.take_time();
         Ok(StepStats {
             step: self.step,
@@ -797,8 +1055,10 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             grad_norm,
             lr,
             step_seconds: t0.elapsed().as_secs_f64(),
-            comm_seconds: comm.as_secs_f64(),
+            comm_exposed_seconds: comm.as_secs_f64(),
             comm_calls: calls,
+            loss_scale,
+            skipped: acc.overflow,
             ledger: [
                 self.ledger.peak(Phase::Forward),
                 self.ledger.peak(Phase::Backward),
@@ -819,7 +1079,8 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             let mut x = mb.input.clone();
             for s in 0..m {
                 let u = self.stage_units[s];
-                self.transition_to(&self.plan.schedule.forward[s].alive, Some(u))?;
+                let st = &self.plan.schedule.forward[s];
+                self.transition_to(&st.alive, Some(u), &st.prefetch)?;
                 let params = &self.units[u].plain;
                 if s + 1 == m {
                     let l = self.model.loss(params, &x, mb)?;
@@ -830,7 +1091,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             }
             count += mb.count;
         }
-        self.transition_to(&[], None)?;
+        self.transition_to(&[], None, &[])?;
         let mut buf = [sum, count as f64];
         self.comm
             .all_reduce(Group::World, ReduceOp::Sum, BufMut::F64(&mut buf))?;
@@ -922,6 +1183,8 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             shard_index: self.shard_index,
             plan_fingerprint: self.plan.fingerprint().to_string(),
             optimizer_step: self.step,
+            skipped_steps: self.skipped,
+            loss_scaler: self.scaler,
             flats,
         })
     }
@@ -974,6 +1237,12 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             }
         }
         self.step = st.optimizer_step;
+        self.skipped = st.skipped_steps.min(st.optimizer_step);
+        if self.scaler.is_some() {
+            if let Some(sc) = st.loss_scaler {
+                self.scaler = Some(sc);
+            }
+        }
         Ok(())
     }
 }
@@ -1007,6 +1276,25 @@ fn check_counts(all: &[Vec<f64>], what: &'static str, unit: &str) -> Result<()> 
         what,
         detail: format!("{}, others: {common}", odd.join(", ")),
     })
+}
+
+/// Adds a reduced gradient shard (`grad.len()` elements of any dtype) into the fp32 gradient
+/// shard; 16-bit values widen exactly.
+fn accumulate_widen(grad: &mut [f32], src: &OwnedBuf) -> Result<()> {
+    if grad.len() != src.len() {
+        return Err(EngineError::Config(format!(
+            "reduced gradient of {} elements for a shard of {}",
+            src.len(),
+            grad.len()
+        )));
+    }
+    match src {
+        OwnedBuf::F32(v) => fsdp_kernels::accumulate(grad, v)?,
+        OwnedBuf::BF16(v) => grad.iter_mut().zip(v).for_each(|(g, x)| *g += x.to_f32()),
+        OwnedBuf::F16(v) => grad.iter_mut().zip(v).for_each(|(g, x)| *g += x.to_f32()),
+        OwnedBuf::F64(v) => grad.iter_mut().zip(v).for_each(|(g, x)| *g += *x as f32),
+    }
+    Ok(())
 }
 
 /// Reads a 0-dim or 1-element f32 tensor (helper for tests and drivers).

@@ -18,10 +18,12 @@ use crate::error::{EngineError, Result};
 use crate::memory::{Category, MemoryLedger};
 use crate::optim::Optimizer;
 use crate::runtime::collectives::Collectives;
-use candle_core::{CpuStorage, Device, InplaceOp1, Layout, Storage, Tensor, Var};
-use fsdp_comm::{Buf, BufMut, Group};
+use candle_core::{CpuStorage, Device, InplaceOp1, Layout, Storage, Tensor, Var, WithDType};
+use fsdp_comm::{Group, OwnedBuf, PendingOp};
 use fsdp_kernels::Span;
 use fsdp_planner::{FlatParamLayout, UnitLayout, UnitSpec};
+use fsdp_types::DType;
+use half::{bf16, f16};
 use std::cell::RefCell;
 
 /// Where an FSDP unit is in its life cycle within a step.
@@ -240,17 +242,23 @@ pub struct FsdpUnit {
     pub(crate) vars: Vec<Tensor>,
     /// The same parameters detached (no graph is recorded through them).
     pub(crate) plain: Vec<Tensor>,
-    /// Unsharded flat gradients, per trainable flat parameter (while backpropagated, or
-    /// accumulated across micro-batches without sync).
-    pub(crate) flat_grads: Vec<Vec<f32>>,
-    /// Whether unsharding copies (shard group > 1).
-    copies: bool,
+    /// Unsharded flat gradients, per trainable flat parameter (`P_f` elements of
+    /// reduce_dtype while backpropagated; f32 when accumulated across micro-batches without
+    /// sync). Empty while a reduction owns them.
+    pub(crate) flat_grads: Vec<OwnedBuf>,
+    /// dtype of the unsharded parameters (the plan's param_dtype).
+    param_dtype: DType,
+    /// In-flight all-gathers (state `Unsharding`), one per flat parameter, in order.
+    gathers: Vec<PendingOp>,
+    /// Ledger bytes of `unsharded_params` this unit holds while unsharding/unsharded.
+    unsharded_bytes: u64,
 }
 
 impl FsdpUnit {
     /// Builds the unit's shards from the full initial values `full_flat[f]` (padded flat
     /// parameter `f`, `P_f` elements), keeping this rank's shard `shard_index`, and records
     /// param/grad/optimizer shard bytes in the ledger.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         index: usize,
         spec: &UnitSpec,
@@ -258,8 +266,14 @@ impl FsdpUnit {
         full_flat: &[Vec<f32>],
         shard_index: u64,
         state_buffers: usize,
+        param_dtype: DType,
         ledger: &mut MemoryLedger,
     ) -> Result<Self> {
+        if !matches!(param_dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(EngineError::Config(format!(
+                "param_dtype {param_dtype}: the engine computes in f32, bf16 or f16"
+            )));
+        }
         let mut flats = Vec::with_capacity(layout.flat_params.len());
         let copies = layout.flat_params.first().is_some_and(|f| f.shard_size > 1);
         for (f, fl) in layout.flat_params.iter().enumerate() {
@@ -352,7 +366,9 @@ impl FsdpUnit {
             vars: Vec::new(),
             plain: Vec::new(),
             flat_grads: Vec::new(),
-            copies,
+            param_dtype,
+            gathers: Vec::new(),
+            unsharded_bytes: 0,
         })
     }
 
@@ -371,12 +387,35 @@ impl FsdpUnit {
         self.state == UnitState::Unsharded
     }
 
-    /// Transition sharded/resharded -> unsharding -> unsharded: all-gathers every flat
-    /// parameter over the shard group into a `P_f`-element buffer and cuts it into parameter
-    /// tensors (shard group of one: the master tensors themselves).
+    /// Whether the unit's all-gather is in flight.
+    pub fn is_unsharding(&self) -> bool {
+        self.state == UnitState::Unsharding
+    }
+
+    /// Transition sharded/resharded -> unsharded: [`FsdpUnit::start_unshard`] then
+    /// [`FsdpUnit::finish_unshard`].
     ///
-    /// Errors: a collective failure; a unit already unsharded (engine bug).
+    /// Errors: as those two.
     pub(crate) fn unshard(
+        &mut self,
+        comm: &mut Collectives<'_>,
+        ledger: &mut MemoryLedger,
+    ) -> Result<()> {
+        self.start_unshard(comm, ledger)?;
+        self.finish_unshard(comm, ledger)
+    }
+
+    /// Transition sharded/resharded -> unsharding: for each flat parameter allocates the
+    /// `P_f`-element param_dtype buffer (counted in `unsharded_params`), casts the fp32 master
+    /// shard into this rank's block `[i s_f, (i+1) s_f)` (round to nearest even for 16-bit)
+    /// and starts an in-place all-gather over the shard group, which runs on the
+    /// communicator's progress thread while the caller computes (Zhao et al. 2023, "PyTorch
+    /// FSDP", sec. 3.3.1 prefetching). With a shard group of one nothing is gathered: f32
+    /// units use the master tensors themselves, 16-bit units get cast copies in
+    /// [`FsdpUnit::finish_unshard`].
+    ///
+    /// Errors: a collective failure; a unit already unsharding or unsharded (engine bug).
+    pub(crate) fn start_unshard(
         &mut self,
         comm: &mut Collectives<'_>,
         ledger: &mut MemoryLedger,
@@ -388,35 +427,90 @@ impl FsdpUnit {
             )));
         }
         self.state = UnitState::Unsharding;
-        // Per flat parameter, per segment: the parameter tensor.
+        let pd = self.param_dtype;
+        for fs in &self.flats {
+            let p = fs.padded_numel();
+            match &fs.master {
+                Master::Parts(_) => {
+                    if pd != DType::F32 {
+                        let b = pd.size_bytes() * p as u64;
+                        ledger.alloc(Category::UnshardedParams, b);
+                        self.unsharded_bytes += b;
+                    }
+                }
+                Master::Flat(shard) => {
+                    let b = pd.size_bytes() * p as u64;
+                    ledger.alloc(Category::UnshardedParams, b);
+                    self.unsharded_bytes += b;
+                    let mut buf = OwnedBuf::zeros(pd, p);
+                    let n = shard.len();
+                    let at = fs.shard_index as usize * n;
+                    match &mut buf {
+                        OwnedBuf::F32(v) => v[at..at + n].copy_from_slice(shard),
+                        OwnedBuf::BF16(v) => {
+                            fsdp_kernels::cast::cast_f32_to_bf16(shard, &mut v[at..at + n])?
+                        }
+                        OwnedBuf::F16(v) => {
+                            fsdp_kernels::cast::cast_f32_to_f16(shard, &mut v[at..at + n])?
+                        }
+                        OwnedBuf::F64(_) => unreachable!("param_dtype checked at construction"),
+                    }
+                    self.gathers
+                        .push(comm.start_all_gather_in_place(Group::Shard, buf)?);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Transition unsharding -> unsharded: waits for the unit's all-gathers (the wait is
+    /// exposed communication time) and cuts each gathered flat buffer into parameter tensors
+    /// of param_dtype, from the last parameter back, shrinking the buffer as they leave it
+    /// (at most one parameter is held twice).
+    ///
+    /// Errors: the collective's failure; a unit not unsharding (engine bug).
+    pub(crate) fn finish_unshard(
+        &mut self,
+        comm: &mut Collectives<'_>,
+        _ledger: &mut MemoryLedger,
+    ) -> Result<()> {
+        if self.state != UnitState::Unsharding {
+            return Err(EngineError::Config(format!(
+                "unit {}: finish_unshard in state {:?}",
+                self.name, self.state
+            )));
+        }
+        let pd = self.param_dtype;
+        let mut gathers = std::mem::take(&mut self.gathers).into_iter();
         let mut per_flat: Vec<Vec<Tensor>> = Vec::with_capacity(self.flats.len());
         for fs in &self.flats {
             match &fs.master {
-                Master::Parts(parts) => per_flat.push(parts.clone()),
-                Master::Flat(shard) => {
-                    let p = fs.padded_numel();
-                    ledger.alloc(Category::UnshardedParams, 4 * p as u64);
-                    let mut full = vec![0f32; p];
-                    comm.all_gather(Group::Shard, Buf::F32(shard), BufMut::F32(&mut full))?;
-                    // Cut the parameters out from the last one back, shrinking the gathered
-                    // buffer as they leave it: at most one parameter is held twice.
-                    let mut ts = Vec::with_capacity(fs.layout.segments.len());
-                    for (k, seg) in fs.layout.segments.iter().enumerate().rev() {
-                        let shape: Vec<usize> = seg.shape.iter().map(|&d| d as usize).collect();
-                        let data = fs.layout.view(&full, k);
+                Master::Parts(parts) if pd == DType::F32 => per_flat.push(parts.clone()),
+                Master::Parts(parts) => {
+                    let dt = candle_dtype(pd);
+                    let mut ts = Vec::with_capacity(parts.len());
+                    for t in parts {
+                        let c = t.to_dtype(dt)?;
                         ts.push(if fs.layout.trainable {
-                            Var::from_slice(data, shape.as_slice(), &Device::Cpu)?
-                                .as_tensor()
-                                .clone()
+                            Var::from_tensor(&c)?.as_tensor().clone()
                         } else {
-                            Tensor::from_slice(data, shape.as_slice(), &Device::Cpu)?
+                            c
                         });
-                        full.truncate(seg.offset.0 as usize);
-                        full.shrink_to_fit();
                     }
-                    drop(full);
-                    ts.reverse();
                     per_flat.push(ts);
+                }
+                Master::Flat(_) => {
+                    let op = gathers.next().ok_or_else(|| {
+                        EngineError::Config(format!("unit {}: missing all-gather", self.name))
+                    })?;
+                    let full = comm.wait(op)?.buf;
+                    let trainable = fs.layout.trainable;
+                    per_flat.push(match full {
+                        OwnedBuf::F32(v) => cut(v, &fs.layout, trainable)?,
+                        OwnedBuf::BF16(v) => cut(v, &fs.layout, trainable)?,
+                        OwnedBuf::F16(v) => cut(v, &fs.layout, trainable)?,
+                        OwnedBuf::F64(v) => cut(v, &fs.layout, trainable)?,
+                    });
                 }
             }
         }
@@ -435,35 +529,48 @@ impl FsdpUnit {
         Ok(())
     }
 
-    /// Transition unsharded -> resharded: frees the unsharded parameters.
-    pub(crate) fn reshard(&mut self, ledger: &mut MemoryLedger) {
-        if self.state != UnitState::Unsharded {
-            return;
+    /// Transition unsharding/unsharded -> resharded: waits for an in-flight all-gather, then
+    /// frees the unsharded parameters.
+    ///
+    /// Errors: the failure of an in-flight all-gather.
+    pub(crate) fn reshard(
+        &mut self,
+        comm: &mut Collectives<'_>,
+        ledger: &mut MemoryLedger,
+    ) -> Result<()> {
+        let mut first_err = None;
+        for op in self.gathers.drain(..) {
+            if let Err(e) = comm.wait(op) {
+                first_err.get_or_insert(e);
+            }
         }
-        if self.copies {
-            ledger.free(Category::UnshardedParams, 4 * self.padded_numel());
+        if matches!(self.state, UnitState::Unsharded | UnitState::Unsharding) {
+            ledger.free(Category::UnshardedParams, self.unsharded_bytes);
+            self.unsharded_bytes = 0;
+            self.vars.clear();
+            self.plain.clear();
+            self.state = UnitState::Resharded;
         }
-        self.vars.clear();
-        self.plain.clear();
-        self.state = UnitState::Resharded;
+        first_err.map_or(Ok(()), Err)
     }
 
-    /// Allocates zeroed unsharded f32 gradient buffers for the trainable flat parameters
-    /// (no-op if they exist).
-    pub(crate) fn alloc_flat_grads(&mut self, ledger: &mut MemoryLedger) {
+    /// Allocates zeroed unsharded gradient buffers of `dtype` (`P_f` elements per trainable
+    /// flat parameter, counted in `unsharded_grads`); a no-op if they exist.
+    pub(crate) fn alloc_flat_grads(&mut self, dtype: DType, ledger: &mut MemoryLedger) {
         if !self.flat_grads.is_empty() {
             return;
         }
         for fs in self.flats.iter().filter(|f| f.layout.trainable) {
-            ledger.alloc(Category::UnshardedGrads, 4 * fs.padded_numel() as u64);
-            self.flat_grads.push(vec![0.0; fs.padded_numel()]);
+            let p = fs.padded_numel();
+            ledger.alloc(Category::UnshardedGrads, dtype.size_bytes() * p as u64);
+            self.flat_grads.push(OwnedBuf::zeros(dtype, p));
         }
     }
 
     /// Frees the unsharded gradient buffers.
     pub(crate) fn free_flat_grads(&mut self, ledger: &mut MemoryLedger) {
         for g in self.flat_grads.drain(..) {
-            ledger.free(Category::UnshardedGrads, 4 * g.len() as u64);
+            ledger.free(Category::UnshardedGrads, owned_bytes(&g));
         }
     }
 
@@ -482,18 +589,81 @@ impl FsdpUnit {
                 let Some(g) = grads[seg.param_index].take() else {
                     continue;
                 };
-                let dst = &mut buf[seg_range(seg)];
-                with_f32(&g, |src| {
-                    if add {
-                        for (d, s) in dst.iter_mut().zip(src) {
-                            *d += *s;
+                let r = seg_range(seg);
+                let g = if g.dtype() == candle_core::DType::F32 {
+                    g
+                } else {
+                    g.to_dtype(candle_core::DType::F32)?
+                };
+                with_f32(&g, |src| match buf {
+                    OwnedBuf::F32(b) => {
+                        let dst = &mut b[r];
+                        if add {
+                            for (d, s) in dst.iter_mut().zip(src) {
+                                *d += *s;
+                            }
+                        } else {
+                            dst.copy_from_slice(src);
                         }
-                    } else {
-                        dst.copy_from_slice(src);
+                    }
+                    OwnedBuf::BF16(b) => {
+                        for (d, s) in b[r].iter_mut().zip(src) {
+                            *d = bf16::from_f32(if add { d.to_f32() + *s } else { *s });
+                        }
+                    }
+                    OwnedBuf::F16(b) => {
+                        for (d, s) in b[r].iter_mut().zip(src) {
+                            *d = f16::from_f32(if add { d.to_f32() + *s } else { *s });
+                        }
+                    }
+                    OwnedBuf::F64(b) => {
+                        for (d, s) in b[r].iter_mut().zip(src) {
+                            *d = if add { *d + *s as f64 } else { *s as f64 };
+                        }
                     }
                 })?;
             }
         }
         Ok(())
     }
+}
+
+/// Bytes of an owned buffer (elements x element size).
+pub(crate) fn owned_bytes(b: &OwnedBuf) -> u64 {
+    b.dtype().size_bytes() * b.len() as u64
+}
+
+/// The candle dtype of a planner dtype.
+pub fn candle_dtype(d: DType) -> candle_core::DType {
+    match d {
+        DType::F32 => candle_core::DType::F32,
+        DType::BF16 => candle_core::DType::BF16,
+        DType::F16 => candle_core::DType::F16,
+        DType::F64 => candle_core::DType::F64,
+    }
+}
+
+/// Cuts a gathered flat buffer (`P_f` elements) into the layout's parameter tensors (variables
+/// when `trainable`), from the last parameter back, truncating the buffer as each leaves it.
+fn cut<T: WithDType>(
+    mut full: Vec<T>,
+    layout: &FlatParamLayout,
+    trainable: bool,
+) -> Result<Vec<Tensor>> {
+    let mut ts = Vec::with_capacity(layout.segments.len());
+    for seg in layout.segments.iter().rev() {
+        let shape: Vec<usize> = seg.shape.iter().map(|&d| d as usize).collect();
+        let data = &full[seg_range(seg)];
+        ts.push(if trainable {
+            Var::from_slice(data, shape.as_slice(), &Device::Cpu)?
+                .as_tensor()
+                .clone()
+        } else {
+            Tensor::from_slice(data, shape.as_slice(), &Device::Cpu)?
+        });
+        full.truncate(seg.offset.0 as usize);
+        full.shrink_to_fit();
+    }
+    ts.reverse();
+    Ok(ts)
 }
