@@ -547,3 +547,154 @@ fn fused_matches_reference_path_16bit() {
         }
     }
 }
+
+/// Per-unit recompute backward in bf16/f16 (what the engine does when it reshards after
+/// forward: recompute each stage from its saved input, seed with `ops::backward_seed`, carry
+/// the input gradient to the previous stage) gives BITWISE the gradients of one autograd graph
+/// over the whole model in the same dtype, tied head or not.
+#[test]
+fn unit_recompute_backward_is_bitwise_full_graph_16bit() {
+    for tied in [false, true] {
+        let g = Gpt::new("t", cfg(32, 2, 2, 256, true, tied)).unwrap();
+        let (ids, tg) = text_batch(2, 12, 300);
+        let values = g.init_params(9);
+        for dt in HALF {
+            let base = rounded_params(&g, &values, dt);
+            let (loss_full, full) = loss_and_grads(&g, &base, dt, &ids, &tg);
+            let stages = g.stages();
+            // Forward without graph, keeping each stage's input.
+            let mut inputs = Vec::new();
+            let mut x = ids.clone();
+            for &(stage, unit) in &stages {
+                inputs.push(x.clone());
+                if stage != Stage::Head {
+                    x = g.forward_stage(stage, &base[unit], &x).unwrap().detach();
+                }
+            }
+            // Backward in reverse, one unit at a time.
+            let mut acc: Vec<Vec<Option<Tensor>>> = g
+                .spec
+                .units
+                .iter()
+                .map(|u| vec![None; u.params.len()])
+                .collect();
+            let mut g_y: Option<Tensor> = None;
+            let mut loss_stage = 0.0;
+            for (k, &(stage, unit)) in stages.iter().enumerate().rev() {
+                let vars = to_vars(&base[unit..unit + 1], dt).remove(0);
+                let ps: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+                let xin = (stage != Stage::Embed).then(|| Var::from_tensor(&inputs[k]).unwrap());
+                let xt = xin
+                    .as_ref()
+                    .map(|v| v.as_tensor().clone())
+                    .unwrap_or(ids.clone());
+                let grads = if stage == Stage::Head {
+                    let l = g.head_loss(&ps, &xt, &tg).unwrap();
+                    loss_stage = f64s(&l)[0];
+                    l.backward().unwrap()
+                } else {
+                    let y = g.forward_stage(stage, &ps, &xt).unwrap();
+                    ops::backward_seed(&y, g_y.as_ref().unwrap())
+                        .unwrap()
+                        .backward()
+                        .unwrap()
+                };
+                if let Some(xv) = &xin {
+                    let gx = grads.get(xv).unwrap().clone();
+                    assert_eq!(gx.dtype(), dt);
+                    g_y = Some(gx);
+                }
+                for (i, v) in vars.iter().enumerate() {
+                    let seen = vars[..i]
+                        .iter()
+                        .any(|u| u.as_tensor().id() == v.as_tensor().id());
+                    if let (false, Some(gr)) = (seen, grads.get(v)) {
+                        let slot = &mut acc[unit][i];
+                        *slot = Some(match slot.take() {
+                            None => gr.clone(),
+                            Some(prev) => (prev + gr).unwrap(),
+                        });
+                    }
+                }
+            }
+            assert_eq!(loss_stage.to_bits(), loss_full.to_bits(), "{dt:?} loss");
+            let mut k = 0;
+            for (u, unit) in g.spec.units.iter().enumerate() {
+                for (i, p) in unit.params.iter().enumerate() {
+                    if p.tied_to.is_some() {
+                        continue;
+                    }
+                    let st = acc[u][i]
+                        .as_ref()
+                        .unwrap_or_else(|| panic!("no stage gradient for {}", p.name));
+                    assert_eq!(full[k].0, p.name);
+                    let st = f64s(st);
+                    assert!(
+                        st.iter()
+                            .zip(&full[k].1)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{dt:?} tied {tied}: {} differs",
+                        p.name
+                    );
+                    k += 1;
+                }
+            }
+        }
+    }
+}
+
+/// Forward + backward time of one whole-model graph (no FSDP, no optimizer) in f32, bf16 and
+/// f16 for the `tiny` and `mini` presets, B 8 x T 128 tokens. Prints a table and JSON lines;
+/// asserts nothing about speed. Run on an idle machine, one thread, optimised:
+/// `RAYON_NUM_THREADS=1 cargo test --release -p fsdp --test model_half -- --ignored --nocapture`
+#[test]
+#[ignore = "timing: run with --release --ignored --nocapture"]
+fn bench_16bit_forward_backward() {
+    let (b, t, iters) = (8, 128, 5);
+    let (ids, tg) = text_batch(b, t, 0);
+    let threads = candle_core::utils::get_num_threads();
+    for preset in ["tiny", "mini"] {
+        let g = Gpt::from_preset(preset).unwrap();
+        let values = g.init_params(0);
+        let mut f32_ms = 0.0;
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            let p = rounded_params(&g, &values, dt);
+            let vars = to_vars(&p, dt);
+            let ts = tensors(&vars);
+            let step = || {
+                let t0 = std::time::Instant::now();
+                let loss = g.forward_loss(&ts, &ids, &tg).unwrap();
+                let l = f64s(&loss)[0];
+                let t1 = std::time::Instant::now();
+                let grads = loss.backward().unwrap();
+                std::hint::black_box(&grads);
+                let t2 = std::time::Instant::now();
+                (l, (t1 - t0).as_secs_f64(), (t2 - t1).as_secs_f64())
+            };
+            step();
+            let (mut fwd, mut bwd, mut loss) = (0.0, 0.0, 0.0);
+            for _ in 0..iters {
+                let (l, f, bw) = step();
+                fwd += f;
+                bwd += bw;
+                loss = l / (b * t) as f64;
+            }
+            let (fwd, bwd) = (1e3 * fwd / iters as f64, 1e3 * bwd / iters as f64);
+            if dt == DType::F32 {
+                f32_ms = fwd + bwd;
+            }
+            println!(
+                "{preset} {dt:?}: B {b} T {t}, {threads} thread(s): forward {fwd:.1} ms, backward \
+                 {bwd:.1} ms, total {:.1} ms = {:.2}x f32 (loss {loss:.4})",
+                fwd + bwd,
+                (fwd + bwd) / f32_ms
+            );
+            println!(
+                "{{\"bench\":\"model_half\",\"preset\":\"{preset}\",\"dtype\":\"{dt:?}\",\
+                 \"batch\":{b},\"seq_len\":{t},\"threads\":{threads},\"forward_ms\":{fwd:.3},\
+                 \"backward_ms\":{bwd:.3},\"vs_f32\":{:.3}}}",
+                (fwd + bwd) / f32_ms
+            );
+        }
+    }
+}
