@@ -628,6 +628,8 @@ impl CheckpointHooks {
             ("grad_accum", o.grad_accum.to_string()),
             ("seq_len", o.seq_len.to_string()),
             ("strategy", plan.strategy.cli_name().to_string()),
+            ("param_dtype", o.param_dtype.to_string()),
+            ("reduce_dtype", o.reduce_dtype.to_string()),
             (
                 "data",
                 o.data
@@ -688,10 +690,28 @@ impl crate::train::TrainHooks for CheckpointHooks {
             .load_rank(&self.layout, rank as u64)
             .map_err(|e| crate::error::EngineError::State(e.to_string()))?;
         let t = &ck.manifest().train;
-        Ok(Some((
-            ckpt_to_engine(&self.layout, rank as u64, st, t.optimizer.step),
-            t.step,
-        )))
+        let mut state = ckpt_to_engine(&self.layout, rank as u64, st, t.step);
+        // Steps skipped by f16 loss scaling made no AdamW update: the manifest's optimizer
+        // step counts updates, `step` counts training steps.
+        state.skipped_steps = t.step.saturating_sub(t.optimizer.step);
+        state.loss_scaler = match (
+            t.extra.get("loss_scale").map(|v| v.parse::<f64>()),
+            t.extra
+                .get("loss_scale_clean_steps")
+                .map(|v| v.parse::<u64>()),
+        ) {
+            (Some(Ok(scale)), Some(Ok(clean_steps))) if scale.is_finite() && scale >= 1.0 => {
+                Some(crate::runtime::LossScaler { scale, clean_steps })
+            }
+            (None, None) => None,
+            _ => {
+                return Err(crate::error::EngineError::State(format!(
+                    "checkpoint {}: unreadable loss_scale / loss_scale_clean_steps in the manifest",
+                    ck.dir().display()
+                )))
+            }
+        };
+        Ok(Some((state, t.step)))
     }
 
     fn after_step(
@@ -756,7 +776,12 @@ impl crate::train::TrainHooks for CheckpointHooks {
             let mut t = self.train.clone();
             t.step = step;
             t.data_position = step;
-            t.optimizer.step = engine.steps_taken();
+            t.optimizer.step = engine.steps_taken() - engine.skipped_steps();
+            if let Some(sc) = engine.loss_scaler() {
+                t.extra.insert("loss_scale".into(), sc.scale.to_string());
+                t.extra
+                    .insert("loss_scale_clean_steps".into(), sc.clean_steps.to_string());
+            }
             local_err = p.commit(&t, self.keep_last).err().map(|e| e.to_string());
         }
         let ok = engine.barrier_with_status(local_err.is_none() as u8 as f64)?;

@@ -491,6 +491,11 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         })
     }
 
+    /// Steps skipped by f16 loss scaling so far (no optimizer update was made in them).
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped
+    }
+
     /// The f16 dynamic loss scaler's state (`None` unless param_dtype is f16).
     pub fn loss_scaler(&self) -> Option<LossScaler> {
         self.scaler
