@@ -24,6 +24,9 @@ mod error;
 /// The MPI backend (feature `mpi`): [`mpi::MpiComm`] over Open MPI through rsmpi.
 #[cfg(feature = "mpi")]
 pub mod mpi;
+/// The NCCL backend (feature `cuda`): [`nccl::NcclComm`] over CUDA device memory.
+#[cfg(feature = "cuda")]
+pub mod nccl;
 mod progress;
 mod reduce;
 pub mod rendezvous;
