@@ -7,7 +7,8 @@
 //! after 3 warm-ups, algorithm bandwidth (full bytes / time) and bus bandwidth (NCCL's
 //! convention, `algbw x (W-1)/W` for all-gather and reduce-scatter, `x 2(W-1)/W` for
 //! all-reduce; at W = 1 the bus moves nothing and the figure is the device copy rate).
-//! Without a device it prints why and exits 0.
+//! `FSDP_BENCH_MAX_MB` caps the buffer size (default 1024). Without a device it prints why and
+//! exits 0.
 
 #[cfg(feature = "cuda")]
 fn main() {
@@ -75,7 +76,13 @@ fn main() {
         t.sort_by(f64::total_cmp);
         t[5]
     };
-    for mb in [1usize, 16, 256, 1024] {
+    // FSDP_BENCH_MAX_MB caps the buffer size (2 processes on one GPU talk over loopback
+    // sockets at ~2 GB/s: gpu/check.sh caps them at 16 MiB).
+    let max_mb: usize = std::env::var("FSDP_BENCH_MAX_MB")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1024);
+    for mb in [1usize, 16, 256, 1024].into_iter().filter(|&m| m <= max_mb) {
         let bytes = mb << 20;
         for (dtype, es) in [("f32", 4usize), ("bf16", 2)] {
             let n = bytes / es / w * w; // divisible by W

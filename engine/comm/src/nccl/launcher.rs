@@ -98,6 +98,9 @@ impl NcclLauncher {
         }
     }
 
+    /// Builds this rank's communicator and runs `body` on it; returns the result and the
+    /// communicator, which the caller drops only after every rank finished (a rank that tore
+    /// its communicator down early could cut a peer's last transfer short).
     fn run_rank(
         &self,
         rank: usize,
@@ -105,7 +108,21 @@ impl NcclLauncher {
         id: &NcclId,
         timeout: Duration,
         body: RankBody<'_>,
-    ) -> RankResult {
+    ) -> (RankResult, Option<NcclComm>) {
+        match self.try_run_rank(rank, topology, id, timeout, body) {
+            Ok((r, c)) => (r, Some(c)),
+            Err(e) => (Err(e), None),
+        }
+    }
+
+    fn try_run_rank(
+        &self,
+        rank: usize,
+        topology: Topology,
+        id: &NcclId,
+        timeout: Duration,
+        body: RankBody<'_>,
+    ) -> Result<(RankResult, NcclComm), CommError> {
         let ctx = CudaContext::new(self.device).map_err(|e| {
             super::raw::cuda_error(
                 rank,
@@ -121,13 +138,14 @@ impl NcclLauncher {
         };
         let mut comm = NcclComm::new(ctx, rank, topology, id, opts)?;
         comm.set_timeout(timeout);
-        match catch_unwind(AssertUnwindSafe(|| body(&comm))) {
+        let r = match catch_unwind(AssertUnwindSafe(|| body(&comm))) {
             Ok(r) => r,
             Err(p) => Err(CommError::RankPanicked {
                 rank,
                 message: crate::thread::panic_message(&*p),
             }),
-        }
+        };
+        Ok((r, comm))
     }
 }
 
@@ -155,7 +173,7 @@ impl Launcher for NcclLauncher {
                     return (0..w.max(1)).map(|_| Err(e.clone())).collect();
                 }
                 let r =
-                    NcclId::new(0).and_then(|id| self.run_rank(0, topology, &id, timeout, body));
+                    NcclId::new(0).and_then(|id| self.run_rank(0, topology, &id, timeout, body).0);
                 vec![r]
             }
             Mode::Processes { rank, procs, rv } => {
@@ -168,23 +186,46 @@ impl Launcher for NcclLauncher {
                     });
                 }
                 // Rank 0 names the new world; every process learns the id (or rank 0's error).
+                // An empty message tells the others that rank 0 could not create the id.
+                let mut id_err = None;
                 let id_bytes = if *rank == 0 {
                     let mine = match NcclId::new(0) {
                         Ok(id) => id.0.to_vec(),
-                        Err(_) => Vec::new(),
+                        Err(e) => {
+                            id_err = Some(e);
+                            Vec::new()
+                        }
                     };
                     rv.broadcast_bytes(Some(&mine))
                 } else {
                     rv.broadcast_bytes(None)
                 };
-                let id = match id_bytes.and_then(|b| NcclId::from_bytes(&b)) {
+                if let Some(e) = id_err {
+                    return fail_all(e);
+                }
+                let id = match id_bytes.and_then(|b| {
+                    if b.is_empty() {
+                        Err(CommError::PeerFailed {
+                            peer: 0,
+                            reason: "rank 0 could not create the NCCL unique id".into(),
+                        })
+                    } else {
+                        NcclId::from_bytes(&b)
+                    }
+                }) {
                     Ok(id) => id,
                     Err(e) => return fail_all(e),
                 };
-                let mine: Option<RankResult> =
-                    (*rank < w).then(|| self.run_rank(*rank, topology, &id, timeout, body));
+                let (mine, comm) = if *rank < w {
+                    let (r, c) = self.run_rank(*rank, topology, &id, timeout, body);
+                    (Some(r), c)
+                } else {
+                    (None, None)
+                };
                 let bytes = mine.as_ref().map(encode_result).unwrap_or_default();
-                match rv.all_gather_bytes(&bytes) {
+                let all = rv.all_gather_bytes(&bytes);
+                drop(comm); // every rank is done with this world
+                match all {
                     Ok(all) => (0..w)
                         .map(|r| {
                             if r == *rank {
