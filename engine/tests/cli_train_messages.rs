@@ -88,7 +88,9 @@ fn piped_run_prints_one_line_per_evaluation() {
     };
     for l in &lines {
         assert!(
-            l.contains(" | val loss ") && l.ends_with(" tokens/s"),
+            l.contains(" | val loss ")
+                && l.contains(" tokens/s | comm exposed ")
+                && l.ends_with(" ms"),
             "{l}"
         );
         let (t, v) = (loss(l, "train loss "), loss(l, "val loss "));

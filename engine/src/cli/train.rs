@@ -369,9 +369,14 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
                 )
             })
             .unwrap_or_default();
-        if let (true, Some(v)) = (plain, r.val_loss) {
+        // Plain output: evaluated steps, and every step skipped by f16 loss scaling.
+        if plain && (r.val_loss.is_some() || r.skipped) {
+            let val = r
+                .val_loss
+                .map(|v| format!(" | val loss {v:.4}"))
+                .unwrap_or_default();
             println!(
-                "step {}/{total_steps} | train loss {:.4} | val loss {v:.4} | {:.0} tokens/s | comm exposed {:.1} ms of {:.1} ms{scale}",
+                "step {}/{total_steps} | train loss {:.4}{val} | {:.0} tokens/s | comm exposed {:.1} ms of {:.1} ms{scale}",
                 r.step,
                 r.loss,
                 r.tokens_per_s,
