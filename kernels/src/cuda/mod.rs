@@ -1,7 +1,7 @@
 //! CUDA versions of the flat-buffer kernels (issue 7), and the host-side work they need.
 //!
 //! The kernels ([`SOURCE`], `kernels.cu` beside this file) are compiled by NVRTC the first time
-//! a [`CudaKernels`] (feature `cuda`) is used on a device, with `--fmad=false --prec-div=true
+//! a `CudaKernels` (feature `cuda`) is used on a device, with `--fmad=false --prec-div=true
 //! --prec-sqrt=true --ftz=false`, and run on a stream the caller gives. They mirror the CPU
 //! reference of this crate and are tested against it on random inputs (`tests/cuda_kernels.rs`):
 //!
@@ -45,7 +45,7 @@ pub const TILE: usize = 4096;
 /// Most blocks launched for one kernel (blocks loop over the work beyond it).
 pub const MAX_BLOCKS: u32 = 1 << 20;
 
-/// Kernel names in [`SOURCE`], in the order [`CudaKernels`] loads them.
+/// Kernel names in [`SOURCE`], in the order `CudaKernels` loads them.
 pub const KERNEL_NAMES: [&str; 9] = [
     "fsdp_adamw_tiles",
     "fsdp_sumsq_tiles",
