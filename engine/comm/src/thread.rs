@@ -29,13 +29,15 @@ use crate::buf::OwnedBuf;
 use crate::comm::{check_call, check_in_place_call, Communicator, Completed, PendingOp};
 use crate::error::{CallDesc, CommError, OpKind, RankCalls};
 use crate::progress::{Job, ProgressQueue};
-use crate::reduce::reduce_dyn;
+use crate::reduce::{reduce_dyn, reduce_dyn_streaming};
 use crate::topology::{Group, ReduceOp, Topology};
 use crate::{Buf, BufMut};
 use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+pub(crate) mod stream;
 
 /// How long a rank waits for its peers to join a collective before [`CommError::Timeout`]: 60 s.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -80,6 +82,9 @@ struct State {
 struct World {
     topology: Topology,
     timeout: Duration,
+    /// A rank whose collective writes at least this many bytes copies with non-temporal stores
+    /// ([`stream::non_temporal_threshold`]).
+    stream_from: usize,
     state: Mutex<State>,
     cv: Condvar,
 }
@@ -97,7 +102,7 @@ impl Drop for AbortOnUnwind {
 }
 
 impl World {
-    fn new(topology: Topology, timeout: Duration) -> Result<World, CommError> {
+    fn new(topology: Topology, timeout: Duration, stream_from: usize) -> Result<World, CommError> {
         topology.validate()?;
         let w = topology.world_size;
         let mut rendezvous: Vec<Option<Rendezvous>> =
@@ -120,6 +125,7 @@ impl World {
         Ok(World {
             topology,
             timeout,
+            stream_from,
             state: Mutex::new(State {
                 rendezvous: rendezvous.into_iter().flatten().collect(),
                 status: vec![Status::Running; w],
@@ -378,8 +384,11 @@ fn execute(
         OpKind::Barrier => {}
         OpKind::AllGather => {
             let bytes = call.send_numel * esize;
-            for k in 0..g {
-                let j = (grank + k) % g;
+            let stream = call.recv_numel * esize >= world.stream_from;
+            // Every member copies the blocks in the same order (0, 1, ...), so members running
+            // at the same time read the same send buffer at about the same time and the shared
+            // last-level cache serves all but the first read of a line.
+            for j in 0..g {
                 let dst = recv + j * bytes;
                 if snap[j].send == dst {
                     // In-place all-gather: our own shard already sits in its block (and peers
@@ -391,8 +400,11 @@ fn execute(
                 // disjoint from it (a peer's send buffer never lies in our receive buffer, and
                 // our own send block was skipped above when it does).
                 unsafe {
-                    std::ptr::copy_nonoverlapping(snap[j].send as *const u8, dst as *mut u8, bytes)
+                    stream::copy_unfenced(snap[j].send as *const u8, dst as *mut u8, bytes, stream)
                 };
+            }
+            if stream {
+                stream::fence();
             }
         }
         OpKind::ReduceScatter => {
@@ -401,14 +413,18 @@ fn execute(
                 .iter()
                 .map(|s| (s.send + grank * n * esize) as *const u8)
                 .collect();
+            // Stream the output when the bytes this rank moves (g x n read, n written) are at
+            // least those of a copy that memcpy would stream (2 x its threshold).
+            let stream = (g + 1) * n * esize >= world.stream_from.saturating_mul(2);
             // SAFETY: chunk `grank` of every send buffer is only read; our recv is ours alone.
             unsafe {
-                reduce_dyn(
+                reduce_dyn_streaming(
                     dtype,
                     &inputs,
                     recv as *mut u8,
                     n,
                     call.reduce.unwrap_or(ReduceOp::Sum),
+                    stream,
                 )
             };
         }
@@ -433,17 +449,22 @@ fn execute(
             };
             if g > 1 {
                 world.rendezvous(rank, inst, grank, slot, false)?;
+                let stream = (n - (hi - lo)) * esize >= world.stream_from;
                 for j in (0..g).filter(|&j| j != grank) {
                     let (l, h) = (chunk_start(n, g, j), chunk_start(n, g, j + 1));
                     // SAFETY: chunk j of peer j's buffer is final and only read now; chunk j of
                     // ours is written by us only.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(
+                        stream::copy_unfenced(
                             (snap[j].recv + l * esize) as *const u8,
                             (recv + l * esize) as *mut u8,
                             (h - l) * esize,
+                            stream,
                         )
                     };
+                }
+                if stream {
+                    stream::fence();
                 }
             }
         }
@@ -499,7 +520,17 @@ pub fn thread_communicators(
     topology: Topology,
     timeout: Duration,
 ) -> Result<Vec<ThreadComm>, CommError> {
-    let world = Arc::new(World::new(topology, timeout)?);
+    communicators_streaming_from(topology, timeout, stream::non_temporal_threshold())
+}
+
+/// [`thread_communicators`] with the non-temporal copy threshold given (bytes a rank writes in
+/// one collective from which it streams).
+fn communicators_streaming_from(
+    topology: Topology,
+    timeout: Duration,
+    stream_from: usize,
+) -> Result<Vec<ThreadComm>, CommError> {
+    let world = Arc::new(World::new(topology, timeout, stream_from)?);
     Ok((0..topology.world_size)
         .map(|rank| ThreadComm {
             world: world.clone(),
@@ -869,5 +900,61 @@ impl Communicator for ThreadComm {
                 Ok(Completed { send: None, buf })
             }),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The streaming paths (all-gather blocks, the reduce-scatter output, the all-reduce
+    /// gather phase) give the same bytes as ordinary stores: a world that streams from 0 bytes against the reference
+    /// values, with odd block lengths so blocks start at every alignment.
+    #[test]
+    fn streaming_all_gather_and_all_reduce_are_exact() {
+        let topo = Topology::fully_sharded(3).unwrap();
+        let comms = communicators_streaming_from(topo, DEFAULT_TIMEOUT, 0).unwrap();
+        let v = |r: usize, i: usize| (r * 100_003 + i * 7) as f32;
+        std::thread::scope(|s| {
+            for c in comms {
+                s.spawn(move || {
+                    for n in [0usize, 1, 13, 1001, 70_001] {
+                        let mine: Vec<f32> = (0..n).map(|i| v(c.rank(), i)).collect();
+                        let mut all = vec![0.0f32; 3 * n];
+                        c.all_gather(Group::World, (&mine).into(), (&mut all).into())
+                            .unwrap();
+                        for r in 0..3 {
+                            for i in 0..n {
+                                assert_eq!(all[r * n + i], v(r, i), "n={n} block {r} elem {i}");
+                            }
+                        }
+                        let mut inplace = vec![-1.0f32; 3 * n];
+                        inplace[c.rank() * n..(c.rank() + 1) * n].copy_from_slice(&mine);
+                        c.all_gather_in_place(Group::World, (&mut inplace).into())
+                            .unwrap();
+                        assert_eq!(inplace, all);
+                        let send: Vec<f32> = (0..3 * n).map(|i| v(c.rank(), i)).collect();
+                        let mut shard = vec![0.0f32; n];
+                        c.reduce_scatter(
+                            Group::World,
+                            ReduceOp::Sum,
+                            (&send).into(),
+                            (&mut shard).into(),
+                        )
+                        .unwrap();
+                        for (i, &s) in shard.iter().enumerate() {
+                            let e = c.rank() * n + i;
+                            assert_eq!(s, (v(0, e) + v(1, e)) + v(2, e), "n={n} elem {i}");
+                        }
+                        let mut x: Vec<f32> = (0..3 * n).map(|i| v(c.rank(), i)).collect();
+                        c.all_reduce(Group::World, ReduceOp::Sum, (&mut x).into())
+                            .unwrap();
+                        for (i, &xi) in x.iter().enumerate() {
+                            assert_eq!(xi, (v(0, i) + v(1, i)) + v(2, i), "n={n} elem {i}");
+                        }
+                    }
+                });
+            }
+        });
     }
 }
