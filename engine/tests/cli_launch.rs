@@ -191,6 +191,21 @@ fn cli_launch_bad_input_exits_2() {
     assert!(text(&o.stderr).contains("--nproc must be at least 1"));
     let (o, _) = launch(&["--nproc", "2"]);
     assert_eq!(o.status.code(), Some(2), "no command after --");
+    assert!(
+        text(&o.stderr).contains("no command for the ranks"),
+        "{}",
+        text(&o.stderr)
+    );
+    // A --program may run without arguments.
+    let (o, _) = launch(&[
+        "--nproc",
+        "2",
+        "--master-port",
+        "29616",
+        "--program",
+        "true",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
     let (o, _) = launch(&[
         "--nproc",
         "2",

@@ -16,7 +16,8 @@
 //! rank runs in its own process group (so it and its children can be signalled together) and,
 //! on Linux, dies with the launcher (`PR_SET_PDEATHSIG`). All ranks exiting 0 exits 0.
 //!
-//! Bad input (N = 0, no command after `--`, a program that cannot be started) exits 2.
+//! Bad input (N = 0, no command after `--` without `--program`, a program that cannot be
+//! started) exits 2.
 
 use super::CliError;
 use clap::Args;
@@ -47,8 +48,9 @@ pub struct LaunchArgs {
     /// Seconds ranks get to exit after a forwarded Ctrl-C / SIGTERM before they are killed.
     #[arg(long, default_value_t = 10.0)]
     pub grace: f64,
-    /// The command line every rank runs (after `--`), e.g. `train --device cuda --model tiny`.
-    #[arg(required = true, allow_hyphen_values = true, num_args = 1..)]
+    /// The command line every rank runs (after `--`), e.g. `train --model tiny`: arguments of
+    /// this `fsdp` executable, or of `--program` (which may take none).
+    #[arg(allow_hyphen_values = true, num_args = 0..)]
     pub command: Vec<String>,
 }
 
@@ -149,6 +151,13 @@ pub fn run(args: LaunchArgs) -> Result<u8, CliError> {
             "--grace must be a non-negative number of seconds, got {}",
             args.grace
         )));
+    }
+    if args.program.is_none() && args.command.is_empty() {
+        return Err(CliError::Usage(
+            "no command for the ranks: give an fsdp subcommand after `--`, e.g. \
+             `fsdp launch --nproc 2 -- train --model tiny`"
+                .into(),
+        ));
     }
     let program = match &args.program {
         Some(p) => p.clone(),
