@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Builds everything gpu/check.sh runs, on a machine WITHOUT a GPU, and puts it in target-gpu/
+# (git-ignored) for the GPU machine, which has no Rust toolchain:
+# (each executable stripped and gzipped: target-gpu/NAME.gz)
+#   target-gpu/fsdp              the CLI (--features cuda; `fsdp launch` starts the ranks)
+#   target-gpu/cuda_kernels      kernels/tests/cuda_kernels.rs (CUDA kernels vs the CPU)
+#   target-gpu/kernels_unit      fsdp-kernels' unit tests (span tiles, grids, device probe)
+#   target-gpu/nccl_conformance  engine/comm/tests/nccl_conformance.rs
+#   target-gpu/comm_unit         fsdp-comm's unit tests (NVRTC reduction source, codecs)
+#   target-gpu/nccl_bandwidth    engine/comm/benches/nccl_bandwidth.rs
+#   target-gpu/device-env.sh     library paths of the GPU machine (from ../shared/gpu)
+#   target-gpu/BUILD             commit, date, rustc of this build
+# Usage (repo root): gpu/build.sh        (~25 min the first time on 2 cores: candle-kernels)
+# Builds go to target-cuda/ under `nice -n 19` (the team's rule for --features cuda builds).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+eval "$(../shared/gpu/cuda-toolkit.sh)"
+export CARGO_TARGET_DIR=$PWD/target-cuda
+nice -n 19 cargo build --release --features cuda -p fsdp
+# Test and bench executables (release profile: strip = true), found through cargo's JSON.
+# (`cargo test --release --workspace --features fsdp/cuda,fsdp-kernels/cuda,fsdp-comm/cuda
+# --no-run` builds every test of the workspace with the feature; only these two crates' tests
+# run on the GPU today.)
+json=$(nice -n 19 cargo test --release -p fsdp-kernels -p fsdp-comm --features fsdp-kernels/cuda,fsdp-comm/cuda --no-run --message-format=json)
+bench=$(nice -n 19 cargo bench -p fsdp-comm --features cuda --bench nccl_bandwidth --no-run --message-format=json)
+exe() { # exe TARGET_NAME KIND -> path of the executable
+  printf '%s\n%s\n' "$json" "$bench" | python3 -c '
+import json, sys
+name, kind = sys.argv[1], sys.argv[2]
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except ValueError: continue
+    t = m.get("target") or {}
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and t.get("name") == name and kind in t.get("kind", []):
+        print(m["executable"])
+' "$1" "$2" | tail -n 1
+}
+rm -rf target-gpu && mkdir -p target-gpu
+cp "$CARGO_TARGET_DIR/release/fsdp" target-gpu/fsdp
+cp "$(exe cuda_kernels test)" target-gpu/cuda_kernels
+cp "$(exe fsdp_kernels lib)" target-gpu/kernels_unit
+cp "$(exe nccl_conformance test)" target-gpu/nccl_conformance
+cp "$(exe fsdp_comm lib)" target-gpu/comm_unit
+cp "$(exe nccl_bandwidth bench)" target-gpu/nccl_bandwidth
+cp ../shared/gpu/device-env.sh target-gpu/
+BINS="fsdp cuda_kernels kernels_unit nccl_conformance comm_unit nccl_bandwidth"
+# Stripped and gzipped: the device tool carries at most 64 MiB (the CUDA CLI alone is ~53 MB);
+# gpu/check.sh unpacks them.
+for b in $BINS; do strip "target-gpu/$b" 2>/dev/null || true; gzip -9 "target-gpu/$b"; done
+{ echo "commit $(git rev-parse HEAD)$(git diff --quiet || echo ' (with uncommitted changes)')";
+  echo "built $(date -u +%FT%TZ) on $(hostname)"; rustc --version; } > target-gpu/BUILD
+ls -la target-gpu
+du -sh target-gpu
