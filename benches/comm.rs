@@ -12,7 +12,8 @@
 //! * `memcpy1`: one thread copying S bytes; `memcpyW`: the W rank threads each copying S bytes
 //!   at once (per-thread rate, until the last one finishes). Both are measured inside the same
 //!   rank threads, from a shared S-byte source into the rank's own S-byte collective buffer,
-//!   interleaved round by round with the collective, best of the same rounds. Peak memory:
+//!   interleaved round by round with the collective (the two W-thread measurements take turns
+//!   going first, each between barriers), best of the same rounds (at least 10). Peak memory:
 //!   W x (S + S/W) + S (6 GiB at W=4, S=1 GiB). In this backend every rank must stream S bytes (an
 //!   all-gather writes its whole S-byte receive buffer from the W send buffers; a reduce-scatter
 //!   reads all S bytes of the W send chunks it reduces), so `ratio = algbw / memcpyW` is the
@@ -41,13 +42,16 @@ impl Op {
     }
 }
 
+/// Rounds per size: 2 GiB worth, at least 10 (the best of 10 on a machine shared with other
+/// builds), at most 50.
 fn iters_for(bytes: usize) -> usize {
-    (2048 * MIB / bytes).clamp(5, 50)
+    (2048 * MIB / bytes).clamp(10, 50)
 }
 
 /// Best-of-`rounds` seconds of (one collective, one memcpy of S bytes on each of the W rank
 /// threads at once, one memcpy of S bytes on rank 0 alone), each timed on rank 0 between
-/// barriers and interleaved round by round so that all three see the same machine load.
+/// barriers and interleaved round by round so that all three see the same machine load; the
+/// collective and the W-thread memcpy take turns going first.
 ///
 /// The memcpys copy a shared S-byte source into the rank's own S-byte collective buffer (the
 /// all-gather's receive buffer, the reduce-scatter's send buffer), so they stream as many bytes,
@@ -89,16 +93,28 @@ fn measure(op: Op, w: usize, bytes: usize, rounds: usize) -> (f64, f64, f64) {
         run(&send, &mut recv)?; // warm-up: faults the pages in
         copy(&mut send, &mut recv);
         let (mut tc, mut tw, mut t1) = (f64::MAX, f64::MAX, f64::MAX);
-        for _ in 0..rounds {
+        for round in 0..rounds {
+            // The collective and the W-thread memcpy alternate going first, so neither always
+            // finds the caches as the other left them (which decides sizes that fit the
+            // last-level cache).
+            for step in 0..2 {
+                let collective = (round + step) % 2 == 0;
+                c.barrier(Group::World)?;
+                let t0 = Instant::now();
+                if collective {
+                    run(&send, &mut recv)?;
+                } else {
+                    copy(&mut send, &mut recv);
+                }
+                c.barrier(Group::World)?;
+                let t = t0.elapsed().as_secs_f64();
+                if collective {
+                    tc = tc.min(t);
+                } else {
+                    tw = tw.min(t);
+                }
+            }
             c.barrier(Group::World)?;
-            let t0 = Instant::now();
-            run(&send, &mut recv)?;
-            c.barrier(Group::World)?;
-            tc = tc.min(t0.elapsed().as_secs_f64());
-            let t0 = Instant::now();
-            copy(&mut send, &mut recv);
-            c.barrier(Group::World)?;
-            tw = tw.min(t0.elapsed().as_secs_f64());
             let t0 = Instant::now();
             if c.rank() == 0 {
                 copy(&mut send, &mut recv);

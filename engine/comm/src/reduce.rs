@@ -2,8 +2,10 @@
 //!
 //! `out[i] = ((x_0[i] + x_1[i]) + x_2[i]) + ...` in the accumulation dtype (f32 for f32, bf16 and
 //! f16; f64 for f64), then for `Avg` one division by the number of contributions, then one
-//! rounding to the element dtype. Work is done in blocks of [`BLOCK`] elements held in a stack
-//! accumulator so every input is streamed once and the inner loops vectorise.
+//! rounding to the element dtype. Every input is streamed once and the output written once:
+//! two inputs fold straight into the output; more fold two at a time into a stack accumulator
+//! of [`BLOCK`] elements (in L1) and the last one folds in as the block is written; the inner
+//! loops are monomorphised per dtype and operation so they vectorise.
 
 use crate::buf::{Buf, BufMut, Element};
 use crate::error::{CommError, OpKind};

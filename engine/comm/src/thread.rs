@@ -10,15 +10,19 @@
 //! 2. **Compare**: every rank checks that all posted calls are equal (collective, group,
 //!    reduction, dtype, element counts, call number); otherwise all return
 //!    [`CommError::MismatchedCalls`] naming every rank's call, before any byte is touched.
-//! 3. **Move**: each rank reads its peers' buffers directly. All-gather: copy every peer's shard
-//!    into the own receive buffer (in place, `MPI_IN_PLACE`-style: the send buffer a rank posts
-//!    is its own block of its receive buffer, which peers read while it writes the other
-//!    blocks, and which it does not copy onto itself). Reduce-scatter: group rank `i` reduces chunk `i` of all send
-//!    buffers, in rank order, into its receive buffer, so the `g` ranks split the arithmetic.
-//!    All-reduce: the same reduction of chunk `i` in place, a rendezvous, then each rank copies
-//!    the other reduced chunks (reduce-scatter + all-gather, Rabenseifner's algorithm as in
-//!    Thakur, Rabenseifner and Gropp, IJHPCA 2005, section 4.4, with shared memory instead of
-//!    messages).
+//! 3. **Move**: each rank reads its peers' buffers directly. All-gather: copy every member's
+//!    shard into the own receive buffer, every rank in the same block order so ranks running
+//!    at once read the same lines and the shared last-level cache serves the repeats (in place,
+//!    `MPI_IN_PLACE`-style: the send buffer a rank posts is its own block of its receive
+//!    buffer, which peers read while it writes the other blocks, and which it does not copy
+//!    onto itself). Reduce-scatter: group rank `i` reduces chunk `i` of all send buffers, in
+//!    rank order, into its receive buffer, so the `g` ranks split the arithmetic. All-reduce:
+//!    the same reduction of chunk `i` in place, a rendezvous, then each rank copies the other
+//!    reduced chunks (reduce-scatter + all-gather, Rabenseifner's algorithm as in Thakur,
+//!    Rabenseifner and Gropp, IJHPCA 2005, section 4.4, with shared memory instead of
+//!    messages). A rank whose collective moves at least what `memcpy` would stream (its
+//!    non-temporal threshold, 3/4 of the per-core share of the last-level cache, see
+//!    `stream.rs`) writes with non-temporal stores and one `sfence` before the release.
 //! 4. **Release** (unchecked rendezvous): nobody returns, and so frees its buffers, before every
 //!    peer has finished reading them. Phases 3 and 4 cannot block indefinitely: every rank past
 //!    phase 2 runs them without waiting on anything else.
@@ -384,6 +388,9 @@ fn execute(
         OpKind::Barrier => {}
         OpKind::AllGather => {
             let bytes = call.send_numel * esize;
+            // Streaming when the whole receive buffer reaches memcpy's threshold; a block that
+            // reaches it alone goes to memcpy, which then streams by itself (glibc's large
+            // copy, interleaving pages, is the faster of the two there).
             let stream = call.recv_numel * esize >= world.stream_from;
             // Every member copies the blocks in the same order (0, 1, ...), so members running
             // at the same time read the same send buffer at about the same time and the shared
@@ -400,7 +407,12 @@ fn execute(
                 // disjoint from it (a peer's send buffer never lies in our receive buffer, and
                 // our own send block was skipped above when it does).
                 unsafe {
-                    stream::copy_unfenced(snap[j].send as *const u8, dst as *mut u8, bytes, stream)
+                    stream::copy_unfenced(
+                        snap[j].send as *const u8,
+                        dst as *mut u8,
+                        bytes,
+                        stream && bytes < world.stream_from,
+                    )
                 };
             }
             if stream {
@@ -459,7 +471,7 @@ fn execute(
                             (snap[j].recv + l * esize) as *const u8,
                             (recv + l * esize) as *mut u8,
                             (h - l) * esize,
-                            stream,
+                            stream && (h - l) * esize < world.stream_from,
                         )
                     };
                 }
@@ -908,17 +920,20 @@ mod tests {
     use super::*;
 
     /// The streaming paths (all-gather blocks, the reduce-scatter output, the all-reduce
-    /// gather phase) give the same bytes as ordinary stores: a world that streams from 0 bytes against the reference
-    /// values, with odd block lengths so blocks start at every alignment.
+    /// gather phase) give the same bytes as ordinary stores: per shard length `n` (odd, so
+    /// blocks start at every alignment) a world of 3 ranks streaming from `8n` bytes, so every
+    /// collective streams and every block (4n bytes) takes the own non-temporal copy rather
+    /// than `memcpy`, against the reference values.
     #[test]
     fn streaming_all_gather_and_all_reduce_are_exact() {
         let topo = Topology::fully_sharded(3).unwrap();
-        let comms = communicators_streaming_from(topo, DEFAULT_TIMEOUT, 0).unwrap();
         let v = |r: usize, i: usize| (r * 100_003 + i * 7) as f32;
-        std::thread::scope(|s| {
-            for c in comms {
-                s.spawn(move || {
-                    for n in [0usize, 1, 13, 1001, 70_001] {
+        for n in [0usize, 1, 13, 1001, 70_001] {
+            let comms =
+                communicators_streaming_from(topo, DEFAULT_TIMEOUT, (8 * n).max(1)).unwrap();
+            std::thread::scope(|s| {
+                for c in comms {
+                    s.spawn(move || {
                         let mine: Vec<f32> = (0..n).map(|i| v(c.rank(), i)).collect();
                         let mut all = vec![0.0f32; 3 * n];
                         c.all_gather(Group::World, (&mine).into(), (&mut all).into())
@@ -952,9 +967,9 @@ mod tests {
                         for (i, &xi) in x.iter().enumerate() {
                             assert_eq!(xi, (v(0, i) + v(1, i)) + v(2, i), "n={n} elem {i}");
                         }
-                    }
-                });
-            }
-        });
+                    });
+                }
+            });
+        }
     }
 }
