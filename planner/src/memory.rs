@@ -302,23 +302,25 @@ impl MemoryPlan {
 ///
 /// **GPT-2 backward, on top of the kept graph** (the graph stays alive until `backward`
 /// returns; candle's gradient store holds the gradients of the nodes whose consumers are done
-/// and that are not processed yet, each accumulated through a zero tensor plus a sum, plus
-/// every parameter gradient until the engine copies it into the flat gradient):
-/// - Embedding: `3h*N + 3P`; Block: `11h*N + 6a*s*N + 3P`; Head: `3h*N + 5V*N + 3P`.
+/// and that are not processed yet — the first gradient of a node is stored as is, later ones
+/// summed into it (the vendored candle-core, `vendor/README.md`) — plus every parameter
+/// gradient until the engine copies it into the flat gradient):
+/// - Embedding: `h*N + P`; Block: `18h*N + a*s*N + P`; Head: `2h*N + V*N + 2P`.
 ///   The per-token terms are the gradient frontier at its widest (the MLP's `4h` gradients
-///   with their accumulators; the `a*s` attention-probability gradients with theirs); the
-///   `3P` are the parameter gradients plus the matmul weight-gradient transients. These
+///   and the residual stream's; the `a*s` attention-probability gradient); `P` the parameter
+///   gradients (the head's weight-gradient matmul transient doubles its `P`). These
 ///   coefficients are the least-squares fit, rounded up, of the peaks measured on the CPU
 ///   with the counting allocator by `cargo run -p fsdp --example activation_bytes` over
-///   `tiny`/`mini`/`small` and (b, s) in {(2, 64), (8, 128), (4, 256)} (fit 10.4, 5.8, 2.9
-///   for the block, 2.1 and 2.7 for the embedding), with the backward seeded by
+///   `tiny`/`mini`/`small` and (b, s) in {(2, 64), (8, 128), (4, 256)} (fit 17.4, 1.1, 0.8
+///   for the block, estimate / measured 0.98-1.16; 1.9, 1.0, 1.6 for the head; 1.0 and
+///   0.96 P for the embedding), with the backward seeded by
 ///   `fsdp::model::ops::backward_seed` as the engine does; the forward counts above match
 ///   those measurements to 0.2%.
 ///
 /// **Llama** (not run by this engine; same method, unmeasured): block forward
 /// `N*((6 + 2*kv/a)*h + 4f + a*s)` (norm outs, Q, K and V at `kv/a` of `h`, softmax,
 /// attention out, residual, gate, up, SiLU, product, output), backward
-/// `11h*N + 6a*s*N + 3P` by analogy; embedding `h*N` / `3h*N + 3P`; head as GPT-2.
+/// `18h*N + a*s*N + P` by analogy; embedding `h*N` / `h*N + P`; head as GPT-2.
 ///
 /// `Generic` architectures have no estimate (0).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -376,19 +378,19 @@ pub fn use_activations(arch: &Architecture, role: UseRole, cfg: &PlanConfig) -> 
             input: Bytes(4 * n),
             live: hidden,
             output: hidden,
-            backward: Bytes(e * (3 * n * h + 3 * embed_p)),
+            backward: Bytes(e * (n * h + embed_p)),
         },
         UseRole::Block => UseActivations {
             input: hidden,
             live: Bytes(e * block_elems),
             output: hidden,
-            backward: Bytes(e * (11 * n * h + 6 * heads * s * n + 3 * block_p)),
+            backward: Bytes(e * (18 * n * h + heads * s * n + block_p)),
         },
         UseRole::Head => UseActivations {
             input: hidden,
             live: Bytes(e * n * (h + vocab)),
             output: Bytes(4),
-            backward: Bytes(e * (3 * n * h + 5 * vocab * n + 3 * head_p)),
+            backward: Bytes(e * (2 * n * h + vocab * n + 2 * head_p)),
         },
     }
 }

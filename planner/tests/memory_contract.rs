@@ -224,8 +224,8 @@ fn activations_follow_the_documented_formulas() {
     let hidden = e * n * h;
     // Block forward kept by the graph: N*(27h + 2a*s) elements.
     let block = e * n * (27 * h + 2 * a * s);
-    // Block backward on top: 11hN + 6a*s*N + 3P, P = 12h^2 + 13h (with biases).
-    let block_bwd = e * (11 * n * h + 6 * a * s * n + 3 * (12 * h * h + 13 * h));
+    // Block backward on top: 18hN + a*s*N + P, P = 12h^2 + 13h (with biases).
+    let block_bwd = e * (18 * n * h + a * s * n + (12 * h * h + 13 * h));
     let head_live = e * n * (h + v);
     let t = &p.memory.timeline;
     // Forward step 1 (h.0) under recompute: inputs of embed (ids) and h.0 kept + h.0 live.
