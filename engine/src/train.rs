@@ -62,8 +62,8 @@ pub struct TrainOptions {
     /// dtype the units compute in and the all-gather moves (f32, bf16, f16); master weights,
     /// gradient shards and optimizer state stay f32. f16 turns on dynamic loss scaling.
     pub param_dtype: fsdp_types::DType,
-    /// dtype of gradients in the reduce-scatter / all-reduce (f32, bf16, f16); 16-bit
-    /// reductions accumulate in f32 (real-world case BC-05).
+    /// dtype of gradients in the reduce-scatter / all-reduce (f32 or bf16; the engine refuses
+    /// f16); bf16 reductions accumulate in f32 (real-world case BC-05).
     pub reduce_dtype: fsdp_types::DType,
     /// Compute threads per rank (`None`: cores / world size, at least 1).
     pub threads_per_rank: Option<usize>,

@@ -479,11 +479,12 @@ pub struct TrainCkptArgs {
     /// Checkpoint root: sharded checkpoints `step-N/` and the `latest` pointer go here.
     #[arg(long)]
     pub ckpt_dir: Option<PathBuf>,
-    /// Save a checkpoint every N optimizer steps (0: only after the last step).
-    #[arg(long, default_value_t = 0)]
+    /// Save a checkpoint every N optimizer steps (0: only after the last step). Needs
+    /// --ckpt-dir.
+    #[arg(long, default_value_t = 0, requires = "ckpt_dir")]
     pub ckpt_every: u64,
-    /// Keep the newest K checkpoints (0: keep all).
-    #[arg(long, default_value_t = 3)]
+    /// Keep the newest K checkpoints (0: keep all). Needs --ckpt-dir.
+    #[arg(long, default_value_t = 3, requires = "ckpt_dir")]
     pub keep_last: usize,
     /// Resume from the newest complete checkpoint in --ckpt-dir (start fresh if there is none).
     /// The run continues exactly: same losses and parameters as an uninterrupted run with the

@@ -139,8 +139,8 @@ pub struct TrainArgs {
     /// scaling).
     #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
     pub param_dtype: DTypeArg,
-    /// dtype of gradients on the wire (reduce-scatter / all-reduce): f32, bf16 or f16;
-    /// 16-bit reductions accumulate in f32.
+    /// dtype of gradients on the wire (reduce-scatter / all-reduce): f32 or bf16 (bf16
+    /// reductions accumulate in f32); f16 is refused (its sum over ranks overflows).
     #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
     pub reduce_dtype: DTypeArg,
     /// Compute threads per rank (default: cores / world size, at least 1).
@@ -301,6 +301,20 @@ fn mib(b: u64) -> String {
 /// Runs `fsdp train`; `alloc` is the binary's counting allocator (process peak), if any.
 pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result<(), CliError> {
     let mut opts = args.options()?;
+    // Under `fsdp launch` (torchrun's environment) every process would otherwise train its
+    // own copy of the model as a world of --world-size threads: refuse instead.
+    if args.backend == BackendArg::Threads {
+        if let Some(w) = std::env::var("WORLD_SIZE")
+            .ok()
+            .filter(|_| std::env::var_os("RANK").is_some())
+            .and_then(|v| v.parse::<u64>().ok())
+            .filter(|&w| w > 1)
+        {
+            return Err(CliError::Usage(format!(
+                "this process is one of {w} ranks started by a launcher (RANK / WORLD_SIZE are set), but --backend threads runs all ranks as threads of one process: run `fsdp train --world-size {w}` without a launcher, or `mpirun -n {w} fsdp train --backend mpi` (a multi-process GPU backend for `fsdp launch` is not built yet)"
+            )));
+        }
+    }
     let mpi = match args.backend {
         BackendArg::Threads => None,
         BackendArg::Mpi => Some(mpi_backend::MpiProcess::init(

@@ -325,15 +325,23 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                 topo.shard_size
             )));
         }
-        for (what, d) in [
-            ("param_dtype", plan.config.param_dtype),
-            ("reduce_dtype", plan.config.reduce_dtype),
-        ] {
-            if !matches!(d, DType::F32 | DType::BF16 | DType::F16) {
-                return Err(EngineError::Config(format!(
-                    "{what} {d}: the engine computes and reduces in f32, bf16 or f16"
-                )));
-            }
+        if !matches!(
+            plan.config.param_dtype,
+            DType::F32 | DType::BF16 | DType::F16
+        ) {
+            return Err(EngineError::Config(format!(
+                "param_dtype {}: the engine computes in f32, bf16 or f16",
+                plan.config.param_dtype
+            )));
+        }
+        // f16 on the wire: the sum over ranks (the engine divides by the token count once,
+        // after the reduction) overflows f16's 65504 where every rank's gradient fits, and
+        // the loss scale would fall by a factor W; bf16 has f32's range.
+        if !matches!(plan.config.reduce_dtype, DType::F32 | DType::BF16) {
+            return Err(EngineError::Config(format!(
+                "reduce_dtype {}: gradients are reduced in f32 or bf16 (an f16 sum over ranks overflows before the division by the token count); use --reduce-dtype f32 or bf16",
+                plan.config.reduce_dtype
+            )));
         }
         let planned_state = plan.config.optimizer.state_bytes_per_element();
         if planned_state != 4 * cfg.optimizer.state_buffers() as u64 {

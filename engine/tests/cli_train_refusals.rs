@@ -1,0 +1,87 @@
+//! `fsdp train` refuses, with exit code 2 and a message naming the problem, what it cannot run
+//! correctly: gradients reduced in f16 (the sum over ranks overflows before the division by the
+//! token count), a process started by a launcher with the in-process thread backend (it would
+//! train its own copy of the model), checkpoint flags without a checkpoint directory.
+
+use std::process::Command;
+
+fn fsdp(args: &[&str], env: &[(&str, &str)]) -> (i32, String) {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_fsdp"));
+    c.args(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let o = c.output().unwrap();
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+const SMALL: [&str; 10] = [
+    "train",
+    "--model",
+    "tiny",
+    "--steps",
+    "1",
+    "--micro-batch",
+    "1",
+    "--seq-len",
+    "16",
+    "--json",
+];
+
+#[test]
+fn f16_gradient_reduction_is_refused() {
+    let mut a = SMALL.to_vec();
+    a.extend([
+        "--world-size",
+        "2",
+        "--param-dtype",
+        "f16",
+        "--reduce-dtype",
+        "f16",
+    ]);
+    let (code, err) = fsdp(&a, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("reduce_dtype f16") && err.contains("bf16"),
+        "{err}"
+    );
+    // f16 compute with bf16 or f32 on the wire runs.
+    let mut ok = SMALL.to_vec();
+    ok.extend([
+        "--world-size",
+        "2",
+        "--param-dtype",
+        "f16",
+        "--reduce-dtype",
+        "bf16",
+    ]);
+    let (code, err) = fsdp(&ok, &[]);
+    assert_eq!(code, 0, "{err}");
+}
+
+#[test]
+fn thread_backend_under_a_launcher_is_refused() {
+    let (code, err) = fsdp(&SMALL, &[("RANK", "1"), ("WORLD_SIZE", "2")]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("launcher") && err.contains("--world-size 2"),
+        "{err}"
+    );
+    // A world of one under a launcher is a plain single-process run.
+    let (code, err) = fsdp(&SMALL, &[("RANK", "0"), ("WORLD_SIZE", "1")]);
+    assert_eq!(code, 0, "{err}");
+}
+
+#[test]
+fn checkpoint_flags_need_a_checkpoint_directory() {
+    for flag in ["--ckpt-every", "--keep-last"] {
+        let mut a = SMALL.to_vec();
+        a.extend([flag, "1"]);
+        let (code, err) = fsdp(&a, &[]);
+        assert_eq!(code, 2, "{flag}: {err}");
+        assert!(err.contains("--ckpt-dir"), "{flag}: {err}");
+    }
+}
