@@ -192,6 +192,8 @@ pub struct TrainReport {
     pub precision: String,
     /// Rank 0's exposed communication time over all steps (seconds).
     pub comm_exposed_seconds: f64,
+    /// Steps skipped by f16 loss scaling in this run (non-finite gradients, no update).
+    pub skipped_steps: u64,
     /// Every step's report (rank 0).
     pub steps: Vec<StepReport>,
     /// Mean training loss of the last min(10, steps) steps.
@@ -478,6 +480,7 @@ pub fn train_with(
             .iter()
             .map(|s| s.comm_exposed_seconds)
             .sum(),
+        skipped_steps: outcomes[0].steps.iter().filter(|s| s.skipped).count() as u64,
         final_train_loss,
         final_val_loss: r0.val_loss,
         tokens_per_s: tokens as f64 / loop_seconds.max(1e-9),

@@ -610,6 +610,16 @@ impl CheckpointHooks {
                     ck.manifest().shard_size,
                     ck.manifest().replicate_size
                 );
+                for (key, now) in [
+                    ("param_dtype", o.param_dtype.to_string()),
+                    ("reduce_dtype", o.reduce_dtype.to_string()),
+                ] {
+                    if let Some(was) = ck.manifest().train.extra.get(key).filter(|w| **w != now) {
+                        eprintln!(
+                            "note: the checkpoint was trained with {key} {was}, this run uses {now} (master weights and optimizer state are f32 either way)"
+                        );
+                    }
+                }
                 resume_from = Some(ck);
             } else {
                 eprintln!(

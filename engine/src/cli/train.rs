@@ -449,6 +449,7 @@ fn summary_json(r: &TrainReport) -> serde_json::Value {
         "strategy": r.strategy,
         "precision": r.precision,
         "comm_exposed_seconds": r.comm_exposed_seconds,
+        "skipped_steps": r.skipped_steps,
         "final_train_loss": r.final_train_loss,
         "final_val_loss": r.final_val_loss,
         "tokens_per_s": r.tokens_per_s,
@@ -470,8 +471,15 @@ fn print_summary(r: &TrainReport) {
         r.final_train_loss, r.final_val_loss, r.tokens_per_s, r.seconds
     );
     println!(
-        "precision: {} | communication exposed (rank 0): {:.2} s of {:.1} s",
-        r.precision, r.comm_exposed_seconds, r.seconds
+        "precision: {}{} | communication exposed (rank 0): {:.2} s of {:.1} s",
+        r.precision,
+        if r.skipped_steps > 0 {
+            format!(" ({} steps skipped on overflow)", r.skipped_steps)
+        } else {
+            String::new()
+        },
+        r.comm_exposed_seconds,
+        r.seconds
     );
     println!("memory per rank, engine-owned bytes: measured (ledger peak) / plan, per phase");
     println!(
