@@ -38,6 +38,28 @@ struct Cfg {
     dtypes: (DType, DType),
 }
 
+/// The `tiny` preset with one micro-batch of 1 x 16 tokens per rank.
+fn tiny(
+    w: usize,
+    strategy: Strategy,
+    k: usize,
+    sync: GradSync,
+    prefetch: u64,
+    dtypes: (DType, DType),
+) -> Cfg {
+    Cfg {
+        preset: "tiny",
+        w,
+        strategy,
+        k,
+        sync,
+        prefetch,
+        b: 1,
+        t: 16,
+        dtypes,
+    }
+}
+
 fn make(c: &Cfg) -> (Gpt, ShardPlan) {
     let model = Gpt::from_preset(c.preset).unwrap();
     let mut pc = PlanConfig::new(c.w as u64);
@@ -121,92 +143,71 @@ fn ledger_matches_plan(c: Cfg) {
 #[test]
 fn memory_ledger_equals_plan_full_shard_prefetch_1_and_2() {
     for prefetch in [1, 2] {
-        ledger_matches_plan(Cfg {
-            preset: "tiny",
-            w: 2,
-            strategy: Strategy::FullShard,
-            k: 1,
-            sync: GradSync::EveryMicroBatch,
+        ledger_matches_plan(tiny(
+            2,
+            Strategy::FullShard,
+            1,
+            GradSync::EveryMicroBatch,
             prefetch,
-            b: 1,
-            t: 16,
-            dtypes: (DType::F32, DType::F32),
-        });
+            (DType::F32, DType::F32),
+        ));
     }
 }
 
 #[test]
 fn memory_ledger_equals_plan_shard_grad_op_ddp_hybrid() {
-    ledger_matches_plan(Cfg {
-        preset: "tiny",
-        w: 3,
-        strategy: Strategy::ShardGradOp,
-        k: 1,
-        sync: GradSync::EveryMicroBatch,
-        prefetch: 1,
-        b: 1,
-        t: 16,
-        dtypes: (DType::F32, DType::F32),
-    });
-    ledger_matches_plan(Cfg {
-        preset: "tiny",
-        w: 2,
-        strategy: Strategy::NoShard,
-        k: 1,
-        sync: GradSync::EveryMicroBatch,
-        prefetch: 1,
-        b: 1,
-        t: 16,
-        dtypes: (DType::F32, DType::F32),
-    });
-    ledger_matches_plan(Cfg {
-        preset: "tiny",
-        w: 4,
-        strategy: Strategy::Hybrid { shard_size: 2 },
-        k: 1,
-        sync: GradSync::EveryMicroBatch,
-        prefetch: 1,
-        b: 1,
-        t: 16,
-        dtypes: (DType::F32, DType::F32),
-    });
+    ledger_matches_plan(tiny(
+        3,
+        Strategy::ShardGradOp,
+        1,
+        GradSync::EveryMicroBatch,
+        1,
+        (DType::F32, DType::F32),
+    ));
+    ledger_matches_plan(tiny(
+        2,
+        Strategy::NoShard,
+        1,
+        GradSync::EveryMicroBatch,
+        1,
+        (DType::F32, DType::F32),
+    ));
+    ledger_matches_plan(tiny(
+        4,
+        Strategy::Hybrid { shard_size: 2 },
+        1,
+        GradSync::EveryMicroBatch,
+        1,
+        (DType::F32, DType::F32),
+    ));
 }
 
 #[test]
 fn memory_ledger_equals_plan_with_accumulation_sync_every_and_last() {
-    ledger_matches_plan(Cfg {
-        preset: "tiny",
-        w: 2,
-        strategy: Strategy::FullShard,
-        k: 3,
-        sync: GradSync::EveryMicroBatch,
-        prefetch: 1,
-        b: 1,
-        t: 16,
-        dtypes: (DType::F32, DType::F32),
-    });
-    ledger_matches_plan(Cfg {
-        preset: "tiny",
-        w: 2,
-        strategy: Strategy::FullShard,
-        k: 3,
-        sync: GradSync::LastMicroBatch,
-        prefetch: 1,
-        b: 1,
-        t: 16,
-        dtypes: (DType::F32, DType::F32),
-    });
-    ledger_matches_plan(Cfg {
-        preset: "tiny",
-        w: 2,
-        strategy: Strategy::ShardGradOp,
-        k: 2,
-        sync: GradSync::LastMicroBatch,
-        prefetch: 1,
-        b: 1,
-        t: 16,
-        dtypes: (DType::F32, DType::F32),
-    });
+    ledger_matches_plan(tiny(
+        2,
+        Strategy::FullShard,
+        3,
+        GradSync::EveryMicroBatch,
+        1,
+        (DType::F32, DType::F32),
+    ));
+    ledger_matches_plan(tiny(
+        2,
+        Strategy::FullShard,
+        3,
+        GradSync::LastMicroBatch,
+        1,
+        (DType::F32, DType::F32),
+    ));
+    ledger_matches_plan(tiny(
+        2,
+        Strategy::ShardGradOp,
+        2,
+        GradSync::LastMicroBatch,
+        1,
+        (DType::F32, DType::F32),
+    ));
 }
 
 /// Mixed precision (issue 8): bf16 parameters with f32 master weights, bf16 or f32 on the wire,
@@ -216,39 +217,30 @@ fn memory_ledger_equals_plan_with_accumulation_sync_every_and_last() {
 fn memory_ledger_equals_plan_mixed_precision_prefetch_0_1_2() {
     for prefetch in [0, 1, 2] {
         for reduce in [DType::F32, DType::BF16] {
-            ledger_matches_plan(Cfg {
-                preset: "tiny",
-                w: 2,
-                strategy: Strategy::FullShard,
-                k: 1,
-                sync: GradSync::EveryMicroBatch,
+            ledger_matches_plan(tiny(
+                2,
+                Strategy::FullShard,
+                1,
+                GradSync::EveryMicroBatch,
                 prefetch,
-                b: 1,
-                t: 16,
-                dtypes: (DType::BF16, reduce),
-            });
+                (DType::BF16, reduce),
+            ));
         }
     }
-    ledger_matches_plan(Cfg {
-        preset: "tiny",
-        w: 2,
-        strategy: Strategy::NoShard,
-        k: 1,
-        sync: GradSync::EveryMicroBatch,
-        prefetch: 1,
-        b: 1,
-        t: 16,
-        dtypes: (DType::BF16, DType::BF16),
-    });
-    ledger_matches_plan(Cfg {
-        preset: "tiny",
-        w: 2,
-        strategy: Strategy::FullShard,
-        k: 2,
-        sync: GradSync::LastMicroBatch,
-        prefetch: 1,
-        b: 1,
-        t: 16,
-        dtypes: (DType::F16, DType::BF16),
-    });
+    ledger_matches_plan(tiny(
+        2,
+        Strategy::NoShard,
+        1,
+        GradSync::EveryMicroBatch,
+        1,
+        (DType::BF16, DType::BF16),
+    ));
+    ledger_matches_plan(tiny(
+        2,
+        Strategy::FullShard,
+        2,
+        GradSync::LastMicroBatch,
+        1,
+        (DType::F16, DType::BF16),
+    ));
 }

@@ -567,7 +567,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         if let Some(f) = first {
             let unit = &mut self.units[f];
             if unit.is_unsharding() {
-                unit.finish_unshard(&mut self.comm, &mut self.ledger)?;
+                unit.finish_unshard(&mut self.comm)?;
             } else if !unit.is_unsharded() {
                 unit.unshard(&mut self.comm, &mut self.ledger)?;
             }

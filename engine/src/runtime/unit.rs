@@ -402,7 +402,7 @@ impl FsdpUnit {
         ledger: &mut MemoryLedger,
     ) -> Result<()> {
         self.start_unshard(comm, ledger)?;
-        self.finish_unshard(comm, ledger)
+        self.finish_unshard(comm)
     }
 
     /// Transition sharded/resharded -> unsharding: for each flat parameter allocates the
@@ -469,11 +469,7 @@ impl FsdpUnit {
     /// (at most one parameter is held twice).
     ///
     /// Errors: the collective's failure; a unit not unsharding (engine bug).
-    pub(crate) fn finish_unshard(
-        &mut self,
-        comm: &mut Collectives<'_>,
-        _ledger: &mut MemoryLedger,
-    ) -> Result<()> {
+    pub(crate) fn finish_unshard(&mut self, comm: &mut Collectives<'_>) -> Result<()> {
         if self.state != UnitState::Unsharding {
             return Err(EngineError::Config(format!(
                 "unit {}: finish_unshard in state {:?}",
