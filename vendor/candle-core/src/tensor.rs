@@ -2770,7 +2770,12 @@ impl Tensor {
 
     // If we extend the visibility of this function to be usable outside of this crate, we should
     // make it unsafe.
-    pub(crate) fn storage_mut_and_layout(&self) -> (StorageMutRef<'_>, &Layout) {
+    // PATCH(fsdp-rs): public, like `inplace_op1`, which already hands out the same write access:
+    // the engine's flat-buffer kernels (optimizer steps, casts, collectives) update several
+    // buffers in place at once (AdamW: param, exp_avg, exp_avg_sq). Writing through it changes
+    // every tensor sharing the storage; callers only use it on buffers no autograd graph holds.
+    /// Acquires the write lock on the storage and returns it with the layout (in-place kernels).
+    pub fn storage_mut_and_layout(&self) -> (StorageMutRef<'_>, &Layout) {
         let storage = self.storage.write();
         (storage, &self.layout)
     }
