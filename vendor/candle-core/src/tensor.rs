@@ -2392,6 +2392,24 @@ impl Tensor {
         }
     }
 
+    // PATCH(fsdp-rs): a variable that shares this tensor's storage (no copy), for the engine's
+    // unsharded parameters on a compute device: each parameter is a view of the all-gathered
+    // flat buffer, so the buffer is freed when the last parameter view is dropped.
+    /// Returns a new variable (a leaf that autograd returns a gradient for) viewing the same
+    /// storage and layout as `self`, without copying; `Var::from_tensor` copies instead.
+    pub fn variable_view(&self) -> Tensor {
+        let tensor_ = Tensor_ {
+            id: TensorId::new(),
+            storage: self.storage.clone(),
+            layout: self.layout.clone(),
+            op: BackpropOp::none(),
+            is_variable: true,
+            dtype: self.dtype,
+            device: self.device.clone(),
+        };
+        Tensor(Arc::new(tensor_))
+    }
+
     /// If the target device is the same as the tensor device, only a shallow copy is performed.
     pub fn to_device(&self, device: &Device) -> Result<Tensor> {
         if self.device().same_device(device) {
