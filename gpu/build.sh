@@ -9,11 +9,24 @@
 #   target-gpu/comm_unit         fsdp-comm's unit tests (NVRTC reduction source, codecs)
 #   target-gpu/nccl_bandwidth    engine/comm/benches/nccl_bandwidth.rs
 #   target-gpu/device-env.sh     library paths of the GPU machine (from ../shared/gpu)
-#   target-gpu/BUILD             commit, date, rustc of this build
+#   target-gpu/BUILD             commit, date, rustc of this build, whether `fsdp train` has
+#                                the engine's CUDA path (`--device`)
+# The engine rows of gpu/check.sh run target-gpu/fsdp itself (train --device cuda, launch
+# --backend nccl) and the Python files beside this script (gpu/rows.py, gpu/gpt_metrics.py,
+# gpu/pytorch_gpt2_eager.py: tracked files, they travel with the work tree); this script
+# compiles those and runs their unit tests (gpu/test_gpu_tools.py), so a broken one is found
+# here, not on the GPU machine.
 # Usage (repo root): gpu/build.sh        (~25 min the first time on 2 cores: candle-kernels)
 # Builds go to target-cuda/ under `nice -n 19` (the team's rule for --features cuda builds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The check's Python: syntax (torch is not needed to compile the PyTorch baseline) and tests.
+PYTHONDONTWRITEBYTECODE=1 python3 - <<'PY'
+import pathlib
+for f in sorted(pathlib.Path("gpu").glob("*.py")):
+    compile(f.read_text(), str(f), "exec")
+PY
+PYTHONDONTWRITEBYTECODE=1 python3 -m unittest discover -s gpu -p 'test_*.py'
 eval "$(../shared/gpu/cuda-toolkit.sh)"
 export CARGO_TARGET_DIR=$PWD/target-cuda
 nice -n 19 cargo build --release --features cuda -p fsdp
@@ -43,11 +56,23 @@ cp "$(exe nccl_conformance test)" target-gpu/nccl_conformance
 cp "$(exe fsdp_comm lib)" target-gpu/comm_unit
 cp "$(exe nccl_bandwidth bench)" target-gpu/nccl_bandwidth
 cp ../shared/gpu/device-env.sh target-gpu/
+# Does this fsdp have the engine's CUDA path? (Run here against the toolkit's libcuda stub: no
+# device is touched by --help.) Without it check.sh marks the engine rows NOT RUN.
+stub=$(mktemp -d)
+ln -s "$CUDA_HOME/lib/stubs/libcuda.so" "$stub/libcuda.so.1"
+if LD_LIBRARY_PATH="$stub:$LIBRARY_PATH" target-gpu/fsdp train --help 2>/dev/null | grep -q -- '--device'; then
+  engine_cuda="yes (fsdp train --device)"
+else
+  engine_cuda="NO: fsdp train has no --device; gpu/check.sh's engine rows will be NOT RUN"
+  echo "gpu/build.sh: WARNING: $engine_cuda" >&2
+fi
+rm -rf "$stub"
 BINS="fsdp cuda_kernels kernels_unit nccl_conformance comm_unit nccl_bandwidth"
 # Stripped and gzipped: the device tool carries at most 64 MiB (the CUDA CLI alone is ~53 MB);
 # gpu/check.sh unpacks them.
 for b in $BINS; do strip "target-gpu/$b" 2>/dev/null || true; gzip -9 "target-gpu/$b"; done
 { echo "commit $(git rev-parse HEAD)$(git diff --quiet || echo ' (with uncommitted changes)')";
-  echo "built $(date -u +%FT%TZ) on $(hostname)"; rustc --version; } > target-gpu/BUILD
+  echo "built $(date -u +%FT%TZ) on $(hostname)"; rustc --version
+  echo "engine CUDA path: $engine_cuda"; } > target-gpu/BUILD
 ls -la target-gpu
 du -sh target-gpu
