@@ -7,9 +7,9 @@
 #
 #   . target-gpu/device-env.sh && gpu/check.sh
 #
-# Exit 0 only when every row passed. On a machine without a GPU (nvidia-smi lists none) every
-# device row is SKIPPED and the script exits 1; rows the CPU can run (kernel unit tests, the
-# CPU references of the tiny-GPT comparison) still run.
+# Exit 0 only when every row passed. On a machine without a GPU (neither nvidia-smi nor torch
+# sees one) every device row is SKIPPED and the script exits 1; rows the CPU can run (kernel
+# unit tests, the CPU references of the tiny-GPT comparison) still run.
 #
 # Environment: OUT (log folder), BUDGET_S, FSDP_GPU_DIR (default target-gpu), TORCH_PYTHON
 # (default /opt/torch/.venv/bin/python, else python3), FSDP_PEAK_TFLOPS_FP32 / _BF16 (MFU
@@ -59,7 +59,8 @@ run() {
   [ "$limit" -gt "$left" ] && limit=$left
   # Exact (shell-quoted) command, with the unpacked binaries and this run's log folder named
   # as in the README: target-gpu/NAME (gunzipped) and $OUT.
-  { printf '%q ' "$@"; echo; } | sed -e "s#$T/#target-gpu/#g" -e "s#$OUT/#\$OUT/#g" >> "$OUT/commands.txt"
+  { printf '%q ' "$@"; echo; } | sed -e "s#$T/#target-gpu/#g" -e "s#$OUT/#\$OUT/#g" \
+    -e "s#$PWD/gpu/#gpu/#g" >> "$OUT/commands.txt"
   local t0
   t0=$(date +%s.%N)
   timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -84,15 +85,27 @@ started() { case ${STATUS[$1]-none} in PASS|FAIL*|TIMEOUT) return 0 ;; *) return
 # needs NAME REASON...: records NAME as not run because of its inputs.
 needs() { local name=$1; shift; row "$name" "NOT RUN" "-" "$*"; echo "== $name: NOT RUN ($*)"; }
 
-GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+# The GPU: nvidia-smi (on PATH or where the NVIDIA container runtime puts it), else torch.
+SMI=
+for s in nvidia-smi /usr/local/nvidia/bin/nvidia-smi /usr/bin/nvidia-smi; do
+  command -v "$s" > /dev/null 2>&1 && { SMI=$s; break; }
+done
+if [ -n "$SMI" ]; then
+  GPU_NAME=$("$SMI" --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+else
+  GPU_NAME=$(env LD_LIBRARY_PATH="$ORIG_LD_LIBRARY_PATH" timeout 120 "$TORCH_PY" -c \
+    'import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' \
+    2>/dev/null | tail -n 1)
+fi
 { date -u +%FT%TZ; hostname; cat "$T/BUILD"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
+  if [ -n "$SMI" ]; then "$SMI" --query-gpu=name,driver_version,memory.total --format=csv
+  else echo "no nvidia-smi; GPU by torch: ${GPU_NAME:-none}"; fi
   echo "torch python: $TORCH_PY"; } > "$OUT/machine.log" 2>&1
 cat "$OUT/machine.log"
 # The engine rows need a GPU and an fsdp binary with the engine's CUDA path (`train --device`).
 ENGINE_GATE=
 if [ -z "$GPU_NAME" ]; then
-  ENGINE_GATE="SKIPPED|no CUDA device (nvidia-smi lists none)"
+  ENGINE_GATE="SKIPPED|no CUDA device (neither nvidia-smi nor torch sees one)"
 elif ! "$T/fsdp" train --help 2>/dev/null | grep -q -- '--device'; then
   ENGINE_GATE="NOT RUN|target-gpu/fsdp has no 'train --device': rebuild with gpu/build.sh"
 fi
@@ -151,10 +164,12 @@ for dt in f32 bf16; do
   fi
 done
 
-# 6. Two processes on the one GPU with the NCCL backend (as row 3): the same tiny run as
-#    tiny_cuda_f32 split over 2 ranks (micro-batch 4 per rank: the sampler gives them exactly
-#    the 8 windows of the world-size-1 step); losses within 1e-3 nats of tiny_cuda_f32.
-engine tiny_nccl_2proc_f32 180 "${NCCL2[@]}" "$T/fsdp" launch --nproc 2 --master-port 29533 -- \
+# 6. Two processes on the one GPU with the NCCL backend (as row 3; gpu/one_gpu_rank.sh puts
+#    every rank on device 0 with its own NCCL_HOSTID): the same tiny run as tiny_cuda_f32 split
+#    over 2 ranks (micro-batch 4 per rank: the sampler gives them exactly the 8 windows of the
+#    world-size-1 step); losses within 1e-3 nats of tiny_cuda_f32.
+engine tiny_nccl_2proc_f32 180 "${NCCL2[@]}" FSDP_BIN="$T/fsdp" "$T/fsdp" launch --nproc 2 \
+  --master-port 29533 --program "$PWD/gpu/one_gpu_rank.sh" -- \
   train --model tiny --steps 10 --micro-batch 4 --seq-len 128 --seed 1337 --eval-batches 1 --json \
   --device cuda --backend nccl
 if ran tiny_nccl_2proc_f32 tiny_cuda_f32; then
@@ -173,7 +188,7 @@ if [ -n "$GPU_NAME" ]; then
     --micro-batch 16 --seq-len 1024 --warmup-steps 3 --steps 10
   grep -h '"bench": "pytorch_eager_gpt2"' "$OUT/pytorch_eager_gpt2.log" > "$OUT/pytorch_gpt2.jsonl" 2>/dev/null
 else
-  row pytorch_eager_gpt2 SKIPPED "-" "no CUDA device (nvidia-smi lists none)"
+  row pytorch_eager_gpt2 SKIPPED "-" "no CUDA device (neither nvidia-smi nor torch sees one)"
 fi
 
 # 8. GPT-2 124M training throughput, fsdp-rs: full shard, world size 1, micro-batch 16 x 1024
