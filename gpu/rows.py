@@ -416,7 +416,8 @@ def cmd_report(a):
                         r["ratio"], ("ok" if r["within"] else "OUT") if r["judged"] else "info"))
     if commands:
         md.append("")
-        md.append("## Commands (from the repo root, after `. target-gpu/device-env.sh`)")
+        md.append("## Commands (repo root, after `. target-gpu/device-env.sh`; `target-gpu/NAME` "
+                  "is the executable check.sh unpacks from `target-gpu/NAME.gz`)")
         md.append("")
         md.append("```")
         md.extend(commands)
