@@ -76,6 +76,86 @@ pub enum KernelError {
         /// The rejected step number.
         step: u64,
     },
+    /// A tensor kernel (module `tensor`) got a tensor whose elements are not contiguous in
+    /// row-major order (a transposed or strided view). Shape and stride are in elements.
+    #[error("`{what}` is not contiguous: shape {shape:?}, stride {stride:?} (elements); call `.contiguous()` first")]
+    NotContiguous {
+        /// Which argument (e.g. `"grad"`).
+        what: &'static str,
+        /// The tensor's shape.
+        shape: Vec<usize>,
+        /// The tensor's strides (elements).
+        stride: Vec<usize>,
+    },
+    /// A tensor kernel got a tensor whose dtype it does not support for that argument (e.g. an
+    /// integer tensor, or an f64 destination of a cast).
+    #[error("`{what}` has dtype {dtype}; supported: {supported}")]
+    UnsupportedDType {
+        /// Which argument.
+        what: &'static str,
+        /// The tensor's dtype, as candle names it (`u8`, `f64`, ...).
+        dtype: String,
+        /// The dtypes this argument accepts, in words.
+        supported: &'static str,
+    },
+    /// A tensor lives on another device than the one the `TensorKernels` was made for (candle
+    /// CUDA devices are distinct per `Device::new_cuda*` call: each has its own stream).
+    #[error("`{what}` is on {actual}, the kernels are for {expected}")]
+    DeviceMismatch {
+        /// Which argument.
+        what: &'static str,
+        /// The kernels' device (candle's `Debug` text of the device).
+        expected: String,
+        /// The tensor's device.
+        actual: String,
+    },
+    /// A device that has no tensor kernels in this build (a Metal device, or a CUDA device in a
+    /// build without the `cuda` feature).
+    #[error("no tensor kernels for device {device}: {reason}")]
+    UnsupportedDevice {
+        /// candle's `Debug` text of the device.
+        device: String,
+        /// Why, in words.
+        reason: &'static str,
+    },
+    /// A destination window `[offset, offset + len)` reaches past the end of the destination.
+    #[error("`{what}`: elements [{offset}, {offset}+{len}) are out of range for a buffer of {buffer_len} elements")]
+    OffsetOutOfRange {
+        /// Which argument (the destination).
+        what: &'static str,
+        /// First element written (elements).
+        offset: usize,
+        /// Number of elements written.
+        len: usize,
+        /// Number of elements of the destination.
+        buffer_len: usize,
+    },
+    /// Two tensors written by one kernel call share overlapping elements of one storage (e.g.
+    /// the same tensor passed as `param` and `exp_avg`). Ranges are elements of the storage.
+    #[error("`{first}` (storage elements [{first_start}, {first_end})) and `{second}` ([{second_start}, {second_end})) overlap in one storage and are both written")]
+    AliasedBuffers {
+        /// The first written argument.
+        first: &'static str,
+        /// Its first storage element.
+        first_start: usize,
+        /// One past its last storage element.
+        first_end: usize,
+        /// The second written argument.
+        second: &'static str,
+        /// Its first storage element.
+        second_start: usize,
+        /// One past its last storage element.
+        second_end: usize,
+    },
+    /// A candle call of the tensor kernels (creating a tensor) failed; `message` is candle's
+    /// own text.
+    #[error("candle {call} failed: {message}")]
+    Candle {
+        /// The call, with its sizes (e.g. `Tensor::zeros(4096, bf16)`).
+        call: String,
+        /// candle's error text.
+        message: String,
+    },
 }
 
 /// Returns [`KernelError::LengthMismatch`] unless `actual == expected`.

@@ -11,6 +11,9 @@
 //! - Element-wise: [`scale`], [`div_scalar`], [`accumulate`], [`axpy`], [`zero`], [`copy`].
 //! - Casts f32/bf16/f16/f64, round to nearest even: module [`cast`].
 //! - [`FlatBuffer`]: an owned dtype-tagged buffer with `zeros`, `cast`, byte views.
+//! - Module [`tensor`]: [`tensor::TensorKernels`], the same kernels on flat buffers held as
+//!   candle tensors (CPU: these slice kernels on the locked storage, bitwise; CUDA: the NVRTC
+//!   kernels of [`cuda`] on candle's stream).
 //!
 //! Every kernel is single-threaded and has a fixed operation order, so a result depends only on
 //! its inputs: what lets a sharded run equal a single-process run bit for bit.
@@ -29,6 +32,7 @@ pub mod error;
 pub mod optim;
 pub mod reduce;
 pub mod span;
+pub mod tensor;
 
 pub use buffer::FlatBuffer;
 pub use elementwise::{accumulate, axpy, copy, div_scalar, scale, zero};

@@ -6,7 +6,7 @@ use super::{
     SOURCE,
 };
 use crate::error::{check_len, KernelError};
-use crate::optim::AdamWConfig;
+use crate::optim::{AdamWConfig, SgdConfig};
 use crate::span::Span;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DriverError,
@@ -439,6 +439,211 @@ impl CudaKernels {
         dst: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), KernelError> {
         self.cast("fsdp_f16_to_f32", stream, src, dst)
+    }
+
+    /// One SGD step on the device, the CUDA twin of [`crate::sgd_step`] (PyTorch SGD, dampening
+    /// 0, no Nesterov): same f32 scalars (`lr`, `weight_decay`, `momentum` rounded once from
+    /// f64), same per-element operations, padding neither read nor written.
+    ///
+    /// Shapes: `param`, `grad`: N = `spans.buffer_len()` f32 elements; `momentum_buf`: N
+    /// elements, or `None` when `cfg.momentum == 0` (a given buffer is then not touched). `step`
+    /// is 1-based. Enqueued on `stream`. Bound vs the CPU: bitwise equal.
+    ///
+    /// Errors (nothing enqueued): [`KernelError::LengthMismatch`] (also a missing momentum buffer
+    /// with `cfg.momentum > 0`), [`KernelError::InvalidHyperparameter`],
+    /// [`KernelError::ZeroStep`]; [`KernelError::Device`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn sgd_step(
+        &self,
+        stream: &Arc<CudaStream>,
+        param: &mut CudaViewMut<'_, f32>,
+        grad: &CudaView<'_, f32>,
+        momentum_buf: Option<&mut CudaViewMut<'_, f32>>,
+        spans: &DeviceSpans,
+        cfg_: &SgdConfig,
+        step: u64,
+    ) -> Result<(), KernelError> {
+        let n = spans.buffer_len;
+        check_len("param", n, param.len())?;
+        check_len("grad", n, grad.len())?;
+        cfg_.validate()?;
+        let use_momentum = cfg_.momentum > 0.0;
+        if use_momentum {
+            check_len(
+                "momentum_buf",
+                n,
+                momentum_buf.as_ref().map_or(0, |b| b.len()),
+            )?;
+        }
+        if step == 0 {
+            return Err(KernelError::ZeroStep { step });
+        }
+        if spans.n_tiles == 0 {
+            return Ok(());
+        }
+        let flags: u32 = u32::from(use_momentum)
+            | (u32::from(step == 1) << 1)
+            | (u32::from(cfg_.weight_decay != 0.0) << 2);
+        let (lr, wd, mu) = (
+            cfg_.lr as f32,
+            cfg_.weight_decay as f32,
+            cfg_.momentum as f32,
+        );
+        let l = self.loaded()?;
+        let mut b = stream.launch_builder(l.get("fsdp_sgd_tiles"));
+        b.arg(param).arg(grad);
+        match momentum_buf {
+            Some(buf) if use_momentum => {
+                b.arg(buf);
+            }
+            // Never read or written without momentum: any valid pointer (the gradient's).
+            _ => {
+                b.arg(grad);
+            }
+        }
+        b.arg(&spans.tiles)
+            .arg(&spans.n_tiles)
+            .arg(&lr)
+            .arg(&wd)
+            .arg(&mu)
+            .arg(&flags);
+        // SAFETY: argument list matches fsdp_sgd_tiles; every tile lies inside the buffers
+        // (validated against buffer_len, which param, grad and a used momentum buffer equal).
+        unsafe { b.launch(cfg(tile_grid(spans.n_tiles as usize))) }
+            .map_err(|e| driver_error("cuLaunchKernel(fsdp_sgd_tiles)", e))?;
+        Ok(())
+    }
+
+    /// Largest absolute value of the elements of `x` inside `spans`, the CUDA twin of
+    /// [`crate::max_abs`]: per tile a strided per-thread maximum and a fixed tree, then the tile
+    /// maxima in one block; NaN-propagating (a NaN result is returned as `f32::NAN`, as the
+    /// CPU's). Bound vs the CPU: bitwise equal (the maximum does not depend on order). 0.0 for
+    /// empty spans. Enqueued on `stream`, which is then synchronized to read the value back.
+    ///
+    /// Errors: [`KernelError::LengthMismatch`]; [`KernelError::Device`].
+    pub fn max_abs(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: &CudaView<'_, f32>,
+        spans: &DeviceSpans,
+    ) -> Result<f32, KernelError> {
+        check_len("x", spans.buffer_len, x.len())?;
+        if spans.n_tiles == 0 {
+            return Ok(0.0);
+        }
+        let l = self.loaded()?;
+        let tiles = spans.n_tiles as usize;
+        let mut partials = stream
+            .alloc_zeros::<f32>(tiles)
+            .map_err(|e| driver_error(&format!("cuMemAllocAsync({tiles} x f32)"), e))?;
+        let mut out = stream
+            .alloc_zeros::<f32>(1)
+            .map_err(|e| driver_error("cuMemAllocAsync(1 x f32)", e))?;
+        let mut b = stream.launch_builder(l.get("fsdp_maxabs_tiles"));
+        b.arg(x)
+            .arg(&spans.tiles)
+            .arg(&spans.n_tiles)
+            .arg(&mut partials);
+        // SAFETY: argument list matches fsdp_maxabs_tiles; partials has n_tiles elements.
+        unsafe { b.launch(cfg(tile_grid(tiles))) }
+            .map_err(|e| driver_error("cuLaunchKernel(fsdp_maxabs_tiles)", e))?;
+        let n = spans.n_tiles;
+        let mut b = stream.launch_builder(l.get("fsdp_max_f32"));
+        b.arg(&partials).arg(&n).arg(&mut out);
+        // SAFETY: one block reduces n partials into out[0].
+        unsafe { b.launch(cfg(1)) }.map_err(|e| driver_error("cuLaunchKernel(fsdp_max_f32)", e))?;
+        let v = stream
+            .clone_dtoh(&out)
+            .map_err(|e| driver_error("cuMemcpyDtoHAsync(1 x f32)", e))?;
+        stream
+            .synchronize()
+            .map_err(|e| driver_error("cuStreamSynchronize", e))?;
+        Ok(if v[0].is_nan() { f32::NAN } else { v[0] })
+    }
+
+    /// `x[i] /= d` for every element (one correctly rounded division, as
+    /// [`crate::div_scalar`]); bitwise equal to the CPU. Enqueued on `stream`.
+    ///
+    /// Errors: [`KernelError::Device`].
+    pub fn div_scalar(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: &mut CudaViewMut<'_, f32>,
+        d: f32,
+    ) -> Result<(), KernelError> {
+        let n = x.len() as u64;
+        if n == 0 {
+            return Ok(());
+        }
+        let l = self.loaded()?;
+        let mut b = stream.launch_builder(l.get("fsdp_div_scalar"));
+        b.arg(x).arg(&d).arg(&n);
+        // SAFETY: argument list matches fsdp_div_scalar; n is the view's length.
+        unsafe { b.launch(cfg(grid_1d(n as usize))) }
+            .map_err(|e| driver_error("cuLaunchKernel(fsdp_div_scalar)", e))?;
+        Ok(())
+    }
+
+    fn accumulate_widened<S>(
+        &self,
+        name: &str,
+        stream: &Arc<CudaStream>,
+        dst: &mut CudaViewMut<'_, f32>,
+        src: &CudaView<'_, S>,
+    ) -> Result<(), KernelError> {
+        check_len("src", dst.len(), src.len())?;
+        let n = dst.len() as u64;
+        if n == 0 {
+            return Ok(());
+        }
+        let l = self.loaded()?;
+        let mut b = stream.launch_builder(l.get(name));
+        b.arg(dst).arg(src).arg(&n);
+        // SAFETY: every fsdp_accumulate_* kernel takes (dst, src, n), n elements in both views.
+        unsafe { b.launch(cfg(grid_1d(n as usize))) }
+            .map_err(|e| driver_error(&format!("cuLaunchKernel({name})"), e))?;
+        Ok(())
+    }
+
+    /// `dst[i] += (f32)src[i]` for a bf16 source (exact widening, one f32 addition): bitwise
+    /// equal to [`crate::cast::cast_bf16_to_f32`] then [`crate::accumulate`]. Enqueued on
+    /// `stream`.
+    ///
+    /// Errors: [`KernelError::LengthMismatch`]; [`KernelError::Device`].
+    pub fn accumulate_bf16(
+        &self,
+        stream: &Arc<CudaStream>,
+        dst: &mut CudaViewMut<'_, f32>,
+        src: &CudaView<'_, bf16>,
+    ) -> Result<(), KernelError> {
+        self.accumulate_widened("fsdp_accumulate_bf16", stream, dst, src)
+    }
+
+    /// `dst[i] += (f32)src[i]` for an f16 source (exact widening): bitwise equal to
+    /// [`crate::cast::cast_f16_to_f32`] then [`crate::accumulate`]. Enqueued on `stream`.
+    ///
+    /// Errors: [`KernelError::LengthMismatch`]; [`KernelError::Device`].
+    pub fn accumulate_f16(
+        &self,
+        stream: &Arc<CudaStream>,
+        dst: &mut CudaViewMut<'_, f32>,
+        src: &CudaView<'_, f16>,
+    ) -> Result<(), KernelError> {
+        self.accumulate_widened("fsdp_accumulate_f16", stream, dst, src)
+    }
+
+    /// `dst[i] += (f32)src[i]` for an f64 source, rounded to nearest even first (`as f32`):
+    /// bitwise equal to [`crate::cast::cast_f64_to_f32`] then [`crate::accumulate`]. Enqueued on
+    /// `stream`.
+    ///
+    /// Errors: [`KernelError::LengthMismatch`]; [`KernelError::Device`].
+    pub fn accumulate_f64(
+        &self,
+        stream: &Arc<CudaStream>,
+        dst: &mut CudaViewMut<'_, f32>,
+        src: &CudaView<'_, f64>,
+    ) -> Result<(), KernelError> {
+        self.accumulate_widened("fsdp_accumulate_f64", stream, dst, src)
     }
 
     /// Compiles the kernels now (they are compiled at first use otherwise), e.g. to time the

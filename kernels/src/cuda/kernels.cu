@@ -165,3 +165,126 @@ extern "C" __global__ void fsdp_f16_to_f32(const u16* __restrict__ src, float* _
         dst[i] = f;
     }
 }
+
+// One SGD step (PyTorch torch.optim.SGD, dampening 0, no Nesterov) as fsdp_kernels::sgd_step:
+// d = g + wd * p (decayed spans, when flags bit 2 is set), buf = d on the first step (flags bit
+// 1) else buf * mu + d, then p = p - lr * buf; without momentum (flags bit 0 clear) p = p - lr
+// * d and buf is never read or written.
+extern "C" __global__ void fsdp_sgd_tiles(
+    float* __restrict__ p, const float* __restrict__ g, float* __restrict__ buf,
+    const u64* __restrict__ tiles, u32 n_tiles, float lr, float wd, float mu, u32 flags)
+{
+    const bool use_momentum = (flags & 1u) != 0;
+    const bool first_step = (flags & 2u) != 0;
+    const bool wd_enabled = (flags & 4u) != 0;
+    for (u32 t = blockIdx.x; t < n_tiles; t += gridDim.x) {
+        const u64 start = tiles[2 * (u64)t];
+        const u64 meta = tiles[2 * (u64)t + 1];
+        const u32 len = (u32)(meta & 0xffffffffull);
+        const bool decay = wd_enabled && (meta >> 32) != 0;
+        for (u32 j = threadIdx.x; j < len; j += blockDim.x) {
+            const u64 i = start + j;
+            const float pi = p[i];
+            float d = g[i];
+            if (decay) {
+                d = __fadd_rn(d, __fmul_rn(wd, pi));
+            }
+            if (use_momentum) {
+                const float bi = first_step ? d : __fadd_rn(__fmul_rn(buf[i], mu), d);
+                buf[i] = bi;
+                d = bi;
+            }
+            p[i] = __fsub_rn(pi, __fmul_rn(lr, d));
+        }
+    }
+}
+
+// The NaN-propagating maximum of fsdp_kernels::max_abs: y replaces x when it is larger or NaN,
+// and a NaN x is never replaced by a number (comparisons with NaN are false).
+__device__ __forceinline__ float fsdp_max_nan(float x, float y)
+{
+    return (y > x || y != y) ? y : x;
+}
+
+// Per-tile maxima of |x| (NaN if any element is NaN): thread j takes elements j, j +
+// FSDP_BLOCK, ... of the tile, then a fixed binary tree; partials[t] = tile t's maximum.
+extern "C" __global__ void fsdp_maxabs_tiles(
+    const float* __restrict__ x, const u64* __restrict__ tiles, u32 n_tiles,
+    float* __restrict__ partials)
+{
+    __shared__ float sh[FSDP_BLOCK];
+    for (u32 t = blockIdx.x; t < n_tiles; t += gridDim.x) {
+        const u64 start = tiles[2 * (u64)t];
+        const u32 len = (u32)(tiles[2 * (u64)t + 1] & 0xffffffffull);
+        float best = 0.0f;
+        for (u32 j = threadIdx.x; j < len; j += blockDim.x) {
+            best = fsdp_max_nan(best, fabsf(x[start + j]));
+        }
+        sh[threadIdx.x] = best;
+        __syncthreads();
+        for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+            if (threadIdx.x < s) {
+                sh[threadIdx.x] = fsdp_max_nan(sh[threadIdx.x], sh[threadIdx.x + s]);
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) {
+            partials[t] = sh[0];
+        }
+        __syncthreads();
+    }
+}
+
+// Maximum of n non-negative (or NaN) f32 values in one block, NaN-propagating; out[0] = 0 for
+// n = 0. Launched with exactly one block.
+extern "C" __global__ void fsdp_max_f32(const float* __restrict__ values, u32 n,
+                                        float* __restrict__ out)
+{
+    __shared__ float sh[FSDP_BLOCK];
+    float best = 0.0f;
+    for (u32 j = threadIdx.x; j < n; j += blockDim.x) {
+        best = fsdp_max_nan(best, values[j]);
+    }
+    sh[threadIdx.x] = best;
+    __syncthreads();
+    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            sh[threadIdx.x] = fsdp_max_nan(sh[threadIdx.x], sh[threadIdx.x + s]);
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        out[0] = sh[0];
+    }
+}
+
+// x[i] /= d (one correctly rounded division, as fsdp_kernels::div_scalar).
+extern "C" __global__ void fsdp_div_scalar(float* __restrict__ x, float d, u64 n)
+{
+    GRID_STRIDE(i, n) { x[i] = __fdiv_rn(x[i], d); }
+}
+
+// dst[i] += (float)src[i] for a bf16 source (widening is exact).
+extern "C" __global__ void fsdp_accumulate_bf16(float* __restrict__ dst,
+                                                const u16* __restrict__ src, u64 n)
+{
+    GRID_STRIDE(i, n) { dst[i] = __fadd_rn(dst[i], __uint_as_float(((u32)src[i]) << 16)); }
+}
+
+// dst[i] += (float)src[i] for an f16 source (widening is exact).
+extern "C" __global__ void fsdp_accumulate_f16(float* __restrict__ dst,
+                                               const u16* __restrict__ src, u64 n)
+{
+    GRID_STRIDE(i, n) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(src[i]));
+        dst[i] = __fadd_rn(dst[i], f);
+    }
+}
+
+// dst[i] += (float)src[i] for an f64 source: rounded to nearest even first (Rust's `as f32`).
+extern "C" __global__ void fsdp_accumulate_f64(float* __restrict__ dst,
+                                               const double* __restrict__ src, u64 n)
+{
+    GRID_STRIDE(i, n) { dst[i] = __fadd_rn(dst[i], __double2float_rn(src[i])); }
+}

@@ -8,7 +8,10 @@
 //! | CUDA kernel | CPU reference | bound vs the CPU |
 //! |---|---|---|
 //! | `adamw_step` | [`crate::adamw_step`] | bitwise equal (0 ulp) |
-//! | `scale`, `accumulate` | [`crate::scale`], [`crate::accumulate`] | bitwise equal |
+//! | `sgd_step` | [`crate::sgd_step`] | bitwise equal |
+//! | `scale`, `div_scalar`, `accumulate` | [`crate::scale`], [`crate::div_scalar`], [`crate::accumulate`] | bitwise equal |
+//! | `accumulate_bf16` / `_f16` / `_f64` | widening cast, then [`crate::accumulate`] | bitwise equal |
+//! | `max_abs` | [`crate::max_abs`] | bitwise equal (a NaN result is NaN) |
 //! | casts f32 <-> bf16 / f16 | [`crate::cast`] | bitwise equal; NaN stays NaN (f16: canonical payload) |
 //! | `sum_squares` | [`crate::sum_squares`] | relative error <= gamma(n-1) = (n-1)u / (1-(n-1)u), u = 2^-53 |
 //!
@@ -46,7 +49,7 @@ pub const TILE: usize = 4096;
 pub const MAX_BLOCKS: u32 = 1 << 20;
 
 /// Kernel names in [`SOURCE`], in the order `CudaKernels` loads them.
-pub const KERNEL_NAMES: [&str; 9] = [
+pub const KERNEL_NAMES: [&str; 16] = [
     "fsdp_adamw_tiles",
     "fsdp_sumsq_tiles",
     "fsdp_sum_f64",
@@ -56,6 +59,13 @@ pub const KERNEL_NAMES: [&str; 9] = [
     "fsdp_bf16_to_f32",
     "fsdp_f32_to_f16",
     "fsdp_f16_to_f32",
+    "fsdp_sgd_tiles",
+    "fsdp_maxabs_tiles",
+    "fsdp_max_f32",
+    "fsdp_div_scalar",
+    "fsdp_accumulate_bf16",
+    "fsdp_accumulate_f16",
+    "fsdp_accumulate_f64",
 ];
 
 /// NVRTC options: no fused multiply-add, IEEE division and square root, no flush to zero.
