@@ -191,17 +191,9 @@ pub trait Communicator: Send {
         &self,
         group: Group,
         send: OwnedBuf,
-        mut recv: OwnedBuf,
+        recv: OwnedBuf,
     ) -> Result<PendingOp, CommError> {
-        let call = describe(self, OpKind::AllGather, group, None, &send, &recv, None, 0)?;
-        let r = self.all_gather(group, send.as_buf(), recv.as_buf_mut());
-        Ok(PendingOp::ready(
-            call,
-            r.map(|()| Completed {
-                send: Some(send),
-                buf: recv,
-            }),
-        ))
+        eager_start_all_gather(self, group, send, recv)
     }
 
     /// Starts an in-place all-gather of `buf` (see [`Communicator::all_gather_in_place`]);
@@ -211,15 +203,9 @@ pub trait Communicator: Send {
     fn start_all_gather_in_place(
         &self,
         group: Group,
-        mut buf: OwnedBuf,
+        buf: OwnedBuf,
     ) -> Result<PendingOp, CommError> {
-        let own = own_block(self, group, &buf.as_buf())?;
-        let call = describe(self, OpKind::AllGather, group, None, &own, &buf, None, 0)?;
-        let r = self.all_gather(group, own.as_buf(), buf.as_buf_mut());
-        Ok(PendingOp::ready(
-            call,
-            r.map(|()| Completed { send: None, buf }),
-        ))
+        eager_start_all_gather_in_place(self, group, buf)
     }
 
     /// Starts a reduce-scatter of `send` (`group size x recv.len()` elements) into `recv`;
@@ -231,26 +217,9 @@ pub trait Communicator: Send {
         group: Group,
         op: ReduceOp,
         send: OwnedBuf,
-        mut recv: OwnedBuf,
+        recv: OwnedBuf,
     ) -> Result<PendingOp, CommError> {
-        let call = describe(
-            self,
-            OpKind::ReduceScatter,
-            group,
-            Some(op),
-            &send,
-            &recv,
-            None,
-            0,
-        )?;
-        let r = self.reduce_scatter(group, op, send.as_buf(), recv.as_buf_mut());
-        Ok(PendingOp::ready(
-            call,
-            r.map(|()| Completed {
-                send: Some(send),
-                buf: recv,
-            }),
-        ))
+        eager_start_reduce_scatter(self, group, op, send, recv)
     }
 
     /// Starts an in-place all-reduce of `buf`; [`PendingOp::wait`] returns it reduced. The
@@ -261,23 +230,9 @@ pub trait Communicator: Send {
         &self,
         group: Group,
         op: ReduceOp,
-        mut buf: OwnedBuf,
+        buf: OwnedBuf,
     ) -> Result<PendingOp, CommError> {
-        let call = describe(
-            self,
-            OpKind::AllReduce,
-            group,
-            Some(op),
-            &buf,
-            &buf,
-            None,
-            0,
-        )?;
-        let r = self.all_reduce(group, op, buf.as_buf_mut());
-        Ok(PendingOp::ready(
-            call,
-            r.map(|()| Completed { send: None, buf }),
-        ))
+        eager_start_all_reduce(self, group, op, buf)
     }
 
     /// Starts a broadcast from group rank `root`; [`PendingOp::wait`] returns `buf` holding the
@@ -288,23 +243,230 @@ pub trait Communicator: Send {
         &self,
         group: Group,
         root: usize,
-        mut buf: OwnedBuf,
+        buf: OwnedBuf,
     ) -> Result<PendingOp, CommError> {
-        let call = describe(
-            self,
-            OpKind::Broadcast,
-            group,
-            None,
-            &buf,
-            &buf,
-            Some(root),
-            0,
-        )?;
-        let r = self.broadcast(group, root, buf.as_buf_mut());
-        Ok(PendingOp::ready(
-            call,
-            r.map(|()| Completed { send: None, buf }),
-        ))
+        eager_start_broadcast(self, group, root, buf)
+    }
+}
+
+/// The eager form (runs at once, the handle is ready) of
+/// [`Communicator::start_all_gather`] on host buffers (vectors, CPU tensors in place): the
+/// trait's default, and the host-buffer case of a backend's override.
+///
+/// Errors: as [`Communicator::start_all_gather`].
+pub(crate) fn eager_start_all_gather<C: Communicator + ?Sized>(
+    comm: &C,
+    group: Group,
+    send: OwnedBuf,
+    mut recv: OwnedBuf,
+) -> Result<PendingOp, CommError> {
+    let (rank, backend) = (comm.rank(), comm.backend_name());
+    let (s, r) = host_pair(rank, OpKind::AllGather, backend, &send, &mut recv)?;
+    let call = describe(comm, OpKind::AllGather, group, None, &send, &recv, None, 0)?;
+    // SAFETY: `host_pair` checked both buffers (host memory, disjoint); they live here.
+    let (sv, rv) = unsafe { (host_view(s, &send), host_view_mut(r, &recv)) };
+    let r = comm.all_gather(group, sv, rv);
+    Ok(PendingOp::ready(
+        call,
+        r.map(|()| Completed {
+            send: Some(send),
+            buf: recv,
+        }),
+    ))
+}
+
+/// The eager form (runs at once, the handle is ready) of
+/// [`Communicator::start_all_gather_in_place`] on host buffers (vectors, CPU tensors in place): the
+/// trait's default, and the host-buffer case of a backend's override.
+///
+/// Errors: as [`Communicator::start_all_gather_in_place`].
+pub(crate) fn eager_start_all_gather_in_place<C: Communicator + ?Sized>(
+    comm: &C,
+    group: Group,
+    mut buf: OwnedBuf,
+) -> Result<PendingOp, CommError> {
+    let p = buf.host_addr_mut(comm.rank(), OpKind::AllGather, comm.backend_name())?;
+    // SAFETY: checked host memory of `buf`, which lives here.
+    let own = own_block(comm, group, &unsafe { host_view(p, &buf) })?;
+    let call = describe(comm, OpKind::AllGather, group, None, &own, &buf, None, 0)?;
+    // SAFETY: as above; `own` is a separate copy.
+    let r = comm.all_gather(group, own.as_buf(), unsafe { host_view_mut(p, &buf) });
+    Ok(PendingOp::ready(
+        call,
+        r.map(|()| Completed { send: None, buf }),
+    ))
+}
+
+/// The eager form (runs at once, the handle is ready) of
+/// [`Communicator::start_reduce_scatter`] on host buffers (vectors, CPU tensors in place): the
+/// trait's default, and the host-buffer case of a backend's override.
+///
+/// Errors: as [`Communicator::start_reduce_scatter`].
+pub(crate) fn eager_start_reduce_scatter<C: Communicator + ?Sized>(
+    comm: &C,
+    group: Group,
+    op: ReduceOp,
+    send: OwnedBuf,
+    mut recv: OwnedBuf,
+) -> Result<PendingOp, CommError> {
+    let (rank, backend) = (comm.rank(), comm.backend_name());
+    let (s, r) = host_pair(rank, OpKind::ReduceScatter, backend, &send, &mut recv)?;
+    let call = describe(
+        comm,
+        OpKind::ReduceScatter,
+        group,
+        Some(op),
+        &send,
+        &recv,
+        None,
+        0,
+    )?;
+    // SAFETY: `host_pair` checked both buffers (host memory, disjoint); they live here.
+    let (sv, rv) = unsafe { (host_view(s, &send), host_view_mut(r, &recv)) };
+    let r = comm.reduce_scatter(group, op, sv, rv);
+    Ok(PendingOp::ready(
+        call,
+        r.map(|()| Completed {
+            send: Some(send),
+            buf: recv,
+        }),
+    ))
+}
+
+/// The eager form (runs at once, the handle is ready) of
+/// [`Communicator::start_all_reduce`] on host buffers (vectors, CPU tensors in place): the
+/// trait's default, and the host-buffer case of a backend's override.
+///
+/// Errors: as [`Communicator::start_all_reduce`].
+pub(crate) fn eager_start_all_reduce<C: Communicator + ?Sized>(
+    comm: &C,
+    group: Group,
+    op: ReduceOp,
+    mut buf: OwnedBuf,
+) -> Result<PendingOp, CommError> {
+    let p = buf.host_addr_mut(comm.rank(), OpKind::AllReduce, comm.backend_name())?;
+    let call = describe(
+        comm,
+        OpKind::AllReduce,
+        group,
+        Some(op),
+        &buf,
+        &buf,
+        None,
+        0,
+    )?;
+    // SAFETY: checked host memory of `buf`, which lives here.
+    let r = comm.all_reduce(group, op, unsafe { host_view_mut(p, &buf) });
+    Ok(PendingOp::ready(
+        call,
+        r.map(|()| Completed { send: None, buf }),
+    ))
+}
+
+/// The eager form (runs at once, the handle is ready) of
+/// [`Communicator::start_broadcast`] on host buffers (vectors, CPU tensors in place): the
+/// trait's default, and the host-buffer case of a backend's override.
+///
+/// Errors: as [`Communicator::start_broadcast`].
+pub(crate) fn eager_start_broadcast<C: Communicator + ?Sized>(
+    comm: &C,
+    group: Group,
+    root: usize,
+    mut buf: OwnedBuf,
+) -> Result<PendingOp, CommError> {
+    let p = buf.host_addr_mut(comm.rank(), OpKind::Broadcast, comm.backend_name())?;
+    let call = describe(
+        comm,
+        OpKind::Broadcast,
+        group,
+        None,
+        &buf,
+        &buf,
+        Some(root),
+        0,
+    )?;
+    // SAFETY: checked host memory of `buf`, which lives here.
+    let r = comm.broadcast(group, root, unsafe { host_view_mut(p, &buf) });
+    Ok(PendingOp::ready(
+        call,
+        r.map(|()| Completed { send: None, buf }),
+    ))
+}
+
+/// Host addresses of a call's send and receive buffers (see `OwnedBuf::host_addr`): both must
+/// be host memory, and their elements must not overlap (a plain all-gather or reduce-scatter
+/// reads `send` while peers' data lands in `recv`; an all-gather into a buffer that holds its
+/// own send block is `start_all_gather_in_place`). Vectors never overlap; two tensors can
+/// (narrows of one storage).
+///
+/// Errors: as `OwnedBuf::check_host`; [`CommError::InvalidTensor`] when the buffers overlap.
+pub(crate) fn host_pair(
+    rank: usize,
+    op: OpKind,
+    backend: &'static str,
+    send: &OwnedBuf,
+    recv: &mut OwnedBuf,
+) -> Result<(usize, usize), CommError> {
+    let s = send.host_addr(rank, op, backend)?;
+    let r = recv.host_addr_mut(rank, op, backend)?;
+    let (sb, rb) = (bytes_of(send), bytes_of(recv));
+    if sb > 0 && rb > 0 && s < r + rb && r < s + sb {
+        let t = send
+            .tensor()
+            .or(recv.tensor())
+            .expect("only tensors can overlap");
+        return Err(CommError::InvalidTensor {
+            rank,
+            op,
+            dtype: t.dtype().as_str().to_string(),
+            shape: t.dims().to_vec(),
+            device: crate::buf::device_name(t),
+            reason: format!(
+                "the send buffer (bytes {s:#x}..{:#x}) overlaps the receive buffer (bytes \
+                 {r:#x}..{:#x}); an all-gather into a buffer holding its own block is \
+                 all_gather_in_place",
+                s + sb,
+                r + rb
+            ),
+        });
+    }
+    Ok((s, r))
+}
+
+/// Bytes of a checked buffer.
+fn bytes_of(b: &OwnedBuf) -> usize {
+    b.len() * b.try_dtype().map_or(0, |d| d.size_bytes() as usize)
+}
+
+/// A read-only view of `buf`'s elements at its host address `addr`.
+///
+/// # Safety
+/// `addr` is `buf.host_addr(..)` (or `host_addr_mut`) of this `buf`, the view is used only
+/// while `buf` lives, and nothing writes those elements meanwhile.
+pub(crate) unsafe fn host_view(addr: usize, buf: &OwnedBuf) -> Buf<'_> {
+    let n = buf.len();
+    match buf.dtype() {
+        DType::F32 => Buf::F32(std::slice::from_raw_parts(addr as *const f32, n)),
+        DType::BF16 => Buf::BF16(std::slice::from_raw_parts(addr as *const half::bf16, n)),
+        DType::F16 => Buf::F16(std::slice::from_raw_parts(addr as *const half::f16, n)),
+        DType::F64 => Buf::F64(std::slice::from_raw_parts(addr as *const f64, n)),
+    }
+}
+
+/// A writable view of `buf`'s elements at its host address `addr`.
+///
+/// # Safety
+/// `addr` is `buf.host_addr_mut(..)` of this `buf`, the view is used only while `buf` lives,
+/// and nothing else reads or writes those elements meanwhile (the caller's start-to-wait
+/// contract; a tensor's storage lock is not held).
+#[allow(clippy::mut_from_ref)]
+pub(crate) unsafe fn host_view_mut(addr: usize, buf: &OwnedBuf) -> BufMut<'_> {
+    let n = buf.len();
+    match buf.dtype() {
+        DType::F32 => BufMut::F32(std::slice::from_raw_parts_mut(addr as *mut f32, n)),
+        DType::BF16 => BufMut::BF16(std::slice::from_raw_parts_mut(addr as *mut half::bf16, n)),
+        DType::F16 => BufMut::F16(std::slice::from_raw_parts_mut(addr as *mut half::f16, n)),
+        DType::F64 => BufMut::F64(std::slice::from_raw_parts_mut(addr as *mut f64, n)),
     }
 }
 

@@ -5,8 +5,9 @@
 //! first wrong value or error. The checks cover world sizes 1..8 and hybrid topologies (2x2,
 //! 3x2, 2x3, DDP 1x4), sizes 0, 1, odd, larger than a reduction block, every dtype, every group,
 //! started (asynchronous) calls, in-place all-gather (alone and mixed with plain all-gathers of
-//! the same collective), the error cases, and the real-world cases BC-05, BC-06 and
-//! BC-10 of `shared/cases/real-world-cases.md`. Expected values come from an independent scalar
+//! the same collective), the error cases, the real-world cases BC-05, BC-06 and
+//! BC-10 of `shared/cases/real-world-cases.md`, and the collectives on candle tensor buffers
+//! ([`OwnedBuf::Tensor`] on [`Launcher::tensor_device`], started and in place). Expected values come from an independent scalar
 //! reference (sequential sum in rank order, 16-bit accumulated in f32, one division for `Avg`),
 //! compared bit for bit.
 
@@ -39,6 +40,15 @@ pub trait Launcher: Sync {
     /// skip larger topologies. Default: unbounded (the thread launcher).
     fn max_world_size(&self) -> usize {
         usize::MAX
+    }
+    /// The candle device on which the tensor checks ([`tensor_buffers_match_reference`],
+    /// [`tensor_bad_buffers_are_local_errors`]) place this process's rank buffers
+    /// ([`OwnedBuf::Tensor`]). Default: the CPU (host backends use CPU tensors in place); the
+    /// NCCL launcher answers its CUDA device. Called on the rank's own thread, inside the body.
+    ///
+    /// Errors: why the device cannot be opened (candle's message).
+    fn tensor_device(&self) -> Result<candle_core::Device, String> {
+        Ok(candle_core::Device::Cpu)
     }
 }
 
@@ -136,6 +146,14 @@ pub const CHECKS: &[(&str, Check)] = &[
     (
         "bc_10_rank_with_fewer_batches_does_not_hang",
         bc_10_rank_with_fewer_batches_does_not_hang,
+    ),
+    (
+        "tensor_buffers_match_reference",
+        tensor_buffers_match_reference,
+    ),
+    (
+        "tensor_bad_buffers_are_local_errors",
+        tensor_bad_buffers_are_local_errors,
     ),
 ];
 
@@ -1382,4 +1400,410 @@ mod tests {
         assert_eq!(reference_reduce(DType::F32, ReduceOp::Sum, &c), vec![0.0]);
         assert_eq!(reference_reduce(DType::F64, ReduceOp::Sum, &c), vec![1.0]);
     }
+}
+
+// ---------------------------------------------------------------- tensor buffers
+
+/// Candle's error as a [`CommError`] of the check body.
+fn candle_err(what: &str) -> impl Fn(candle_core::Error) -> CommError + '_ {
+    move |e| CommError::Device {
+        rank: 0,
+        library: "candle",
+        call: what.to_string(),
+        message: e.to_string(),
+    }
+}
+
+/// The elements of a vector buffer as a 1-D tensor on `dev` (exact copy).
+fn tensor_of(b: &OwnedBuf, dev: &candle_core::Device) -> Result<candle_core::Tensor, CommError> {
+    use candle_core::Tensor;
+    let r = match b {
+        OwnedBuf::F32(v) => Tensor::from_slice(v, v.len(), dev),
+        OwnedBuf::BF16(v) => Tensor::from_slice(v, v.len(), dev),
+        OwnedBuf::F16(v) => Tensor::from_slice(v, v.len(), dev),
+        OwnedBuf::F64(v) => Tensor::from_slice(v, v.len(), dev),
+        OwnedBuf::Tensor(t) => Ok(t.clone()),
+    };
+    r.map_err(candle_err("Tensor::from_slice"))
+}
+
+/// The launcher's tensor device, as the body's error when it cannot be opened.
+fn open_tensor_device(l: &dyn Launcher) -> Result<candle_core::Device, CommError> {
+    l.tensor_device().map_err(|why| CommError::Device {
+        rank: 0,
+        library: "candle",
+        call: "open the tensor checks' device".into(),
+        message: why,
+    })
+}
+
+/// Padding (elements) on each side of the in-place all-gather's narrow view.
+const PAD: usize = 3;
+/// The padding's value (exact in every dtype); the collective must leave it alone.
+const PAD_VALUE: f64 = -3.0;
+
+/// Tensor buffers ([`OwnedBuf::Tensor`] on [`Launcher::tensor_device`]: CPU tensors for host
+/// backends, CUDA tensors for NCCL), every topology (W = 1..8, hybrid 2x2, 3x2, 2x3, DDP 1x4),
+/// group, dtype and shard size (0 on the CPU only): per (dtype, size) a started all-gather, a
+/// started reduce-scatter and all-reduce per op (sum, avg, max), a started in-place all-gather
+/// into a `narrow` of a larger 1-D tensor (the view starts 3 elements into its storage, padding
+/// on both sides must stay untouched, stale NaNs in the other blocks must be overwritten) and a
+/// started broadcast from the last group rank, all issued before the first wait (prefetch);
+/// on CPU tensors also a synchronous all-reduce through [`OwnedBuf::with_host_mut`]. Results
+/// are read from the caller's own handles (in place: the tensors the communicator handed back
+/// are the same storage, checked), bit for bit against the scalar reference.
+pub fn tensor_buffers_match_reference(l: &dyn Launcher) -> Result<(), CheckFailure> {
+    const C: &str = "tensor_buffers_match_reference";
+    let ops = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max];
+    let host = match l.tensor_device() {
+        Ok(d) => d.is_cpu(),
+        Err(why) => return Err(fail(C, format!("cannot open the tensor device: {why}"))),
+    };
+    let sizes: Vec<usize> = SIZES.iter().copied().filter(|&n| host || n > 0).collect();
+    for t in topologies() {
+        if !fits(l, t) {
+            continue;
+        }
+        for group in GROUPS {
+            let g = t.group_size(group);
+            let body = |c: &dyn Communicator| -> RankResult {
+                let dev = open_tensor_device(l)?;
+                let gr = c.group_rank(group);
+                let r = c.rank();
+                // (handle the caller keeps, pending op) in issue order.
+                let mut pending = Vec::new();
+                let mut keep = Vec::new();
+                for (di, &d) in DTYPES.iter().enumerate() {
+                    for &n in &sizes {
+                        let salt = 700 + 10 * di as u64;
+                        let send = tensor_of(&values(d, r, n, salt), &dev)?;
+                        let recv = tensor_of(&OwnedBuf::zeros(d, g * n), &dev)?;
+                        keep.push(recv.clone());
+                        pending.push(c.start_all_gather(
+                            group,
+                            OwnedBuf::Tensor(send),
+                            OwnedBuf::Tensor(recv),
+                        )?);
+                        for (oi, &op) in ops.iter().enumerate() {
+                            let send = tensor_of(&values(d, r, g * n, salt + 1 + oi as u64), &dev)?;
+                            let recv = tensor_of(&OwnedBuf::zeros(d, n), &dev)?;
+                            keep.push(recv.clone());
+                            pending.push(c.start_reduce_scatter(
+                                group,
+                                op,
+                                OwnedBuf::Tensor(send),
+                                OwnedBuf::Tensor(recv),
+                            )?);
+                            let x = tensor_of(&values(d, r, n, salt + 4 + oi as u64), &dev)?;
+                            keep.push(x.clone());
+                            pending.push(c.start_all_reduce(group, op, OwnedBuf::Tensor(x))?);
+                        }
+                        let mut v = vec![PAD_VALUE; PAD + g * n + PAD];
+                        v[PAD..PAD + g * n].fill(f64::NAN);
+                        for i in 0..n {
+                            v[PAD + gr * n + i] = value(d, r, i, salt + 7);
+                        }
+                        let whole = tensor_of(&OwnedBuf::from_f64(d, &v), &dev)?;
+                        let view = whole
+                            .narrow(0, PAD, g * n)
+                            .map_err(candle_err("Tensor::narrow"))?;
+                        keep.push(whole);
+                        pending.push(c.start_all_gather_in_place(group, OwnedBuf::Tensor(view))?);
+                        let b = tensor_of(&values(d, r, n, salt + 8), &dev)?;
+                        keep.push(b.clone());
+                        pending.push(c.start_broadcast(group, g - 1, OwnedBuf::Tensor(b))?);
+                    }
+                }
+                for p in pending {
+                    let done = p.wait_all()?;
+                    let handed_back = done.buf.tensor().is_some()
+                        && done.send.as_ref().is_none_or(|s| s.tensor().is_some());
+                    if !handed_back {
+                        // The tensors must come back as tensors.
+                        return Ok(vec![f64::NAN; 1]);
+                    }
+                }
+                let mut out = Vec::new();
+                for k in &keep {
+                    out.extend(OwnedBuf::Tensor(k.clone()).to_f64_vec());
+                }
+                if dev.is_cpu() {
+                    for (di, &d) in DTYPES.iter().enumerate() {
+                        let x = tensor_of(&values(d, r, 7, 790 + di as u64), &dev)?;
+                        let mut b = OwnedBuf::Tensor(x.clone());
+                        b.with_host_mut(|m| c.all_reduce(group, ReduceOp::Sum, m))
+                            .ok_or_else(|| CommError::Unsupported {
+                                backend: "conformance",
+                                what: "a CPU tensor has no host view".into(),
+                            })??;
+                        out.extend(OwnedBuf::Tensor(x).to_f64_vec());
+                    }
+                }
+                Ok(out)
+            };
+            let res = launch_ok(C, l, t, &body)?;
+            let mut memo = Memo::default();
+            for (r, got) in res.iter().enumerate() {
+                let members = t.group_members(group, r);
+                let gr = t.group_rank(group, r);
+                let mut want = Vec::new();
+                for (di, &d) in DTYPES.iter().enumerate() {
+                    for &n in &sizes {
+                        let salt = 700 + 10 * di as u64;
+                        for &m in &members {
+                            want.extend_from_slice(memo.get(d, m, n, salt));
+                        }
+                        for (oi, &op) in ops.iter().enumerate() {
+                            let s = salt + 1 + oi as u64;
+                            let contribs: Vec<Vec<f64>> = members
+                                .iter()
+                                .map(|&m| memo.get(d, m, g * n, s)[gr * n..(gr + 1) * n].to_vec())
+                                .collect();
+                            want.extend(reference_reduce(d, op, &contribs));
+                            let s = salt + 4 + oi as u64;
+                            let contribs: Vec<Vec<f64>> = members
+                                .iter()
+                                .map(|&m| memo.get(d, m, n, s).to_vec())
+                                .collect();
+                            want.extend(reference_reduce(d, op, &contribs));
+                        }
+                        want.extend([PAD_VALUE; PAD]);
+                        for &m in &members {
+                            want.extend_from_slice(memo.get(d, m, n, salt + 7));
+                        }
+                        want.extend([PAD_VALUE; PAD]);
+                        want.extend_from_slice(memo.get(d, members[g - 1], n, salt + 8));
+                    }
+                }
+                if host {
+                    for (di, &d) in DTYPES.iter().enumerate() {
+                        let contribs: Vec<Vec<f64>> = members
+                            .iter()
+                            .map(|&m| memo.get(d, m, 7, 790 + di as u64).to_vec())
+                            .collect();
+                        want.extend(reference_reduce(d, ReduceOp::Sum, &contribs));
+                    }
+                }
+                compare(C, &format!("{t}, {group} group, rank {r}"), got, &want)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Bad tensor buffers are local errors with the numbers, before anything moves: a strided
+/// (transposed 2-D) tensor and a u8 tensor are [`CommError::InvalidTensor`] (rank, op, dtype,
+/// shape, device), a send tensor overlapping its receive tensor (two narrows of one storage)
+/// is [`CommError::InvalidTensor`] too, on the world group of 3 ranks; every rank makes the
+/// same bad calls, so the world stays usable (a started all-reduce of tensors follows).
+pub fn tensor_bad_buffers_are_local_errors(l: &dyn Launcher) -> Result<(), CheckFailure> {
+    const C: &str = "tensor_bad_buffers_are_local_errors";
+    let t = topo(3, 1);
+    if !fits(l, t) {
+        return Ok(());
+    }
+    let body = |c: &dyn Communicator| -> RankResult {
+        use candle_core::Tensor;
+        let dev = open_tensor_device(l)?;
+        let rank = c.rank();
+        let err = candle_err("tensor construction");
+        let mut codes = Vec::new();
+        let strided = Tensor::zeros((3, 2), candle_core::DType::F32, &dev)
+            .and_then(|x| x.t())
+            .map_err(&err)?;
+        codes.push(
+            match c.start_all_reduce(Group::World, ReduceOp::Sum, OwnedBuf::Tensor(strided)) {
+                Err(CommError::InvalidTensor {
+                    rank: r,
+                    op: OpKind::AllReduce,
+                    ref shape,
+                    ..
+                }) if r == rank && shape == &[2, 3] => 1.0,
+                _ => 0.0,
+            },
+        );
+        let bytes = Tensor::zeros(6, candle_core::DType::U8, &dev).map_err(&err)?;
+        codes.push(
+            match c.start_broadcast(Group::World, 0, OwnedBuf::Tensor(bytes)) {
+                Err(CommError::InvalidTensor {
+                    op: OpKind::Broadcast,
+                    ref dtype,
+                    ..
+                }) if dtype == "u8" => 1.0,
+                _ => 0.0,
+            },
+        );
+        let whole = Tensor::zeros(12, candle_core::DType::F32, &dev).map_err(&err)?;
+        let send = whole.narrow(0, 4, 4).map_err(&err)?;
+        let recv = whole.narrow(0, 0, 12).map_err(&err)?;
+        codes.push(
+            match c.start_all_gather(Group::World, OwnedBuf::Tensor(send), OwnedBuf::Tensor(recv)) {
+                Err(CommError::InvalidTensor {
+                    op: OpKind::AllGather,
+                    ref reason,
+                    ..
+                }) if reason.contains("overlaps") => 1.0,
+                _ => 0.0,
+            },
+        );
+        // The world still works after the (identical) bad calls.
+        let x = Tensor::from_slice(&[rank as f32 + 1.0; 5], 5, &dev).map_err(&err)?;
+        let done = c
+            .start_all_reduce(Group::World, ReduceOp::Sum, OwnedBuf::Tensor(x.clone()))?
+            .wait()?;
+        codes.push(if done.tensor().is_some() { 1.0 } else { 0.0 });
+        codes.extend(OwnedBuf::Tensor(x).to_f64_vec());
+        Ok(codes)
+    };
+    let res = launch_ok(C, l, t, &body)?;
+    for (r, got) in res.iter().enumerate() {
+        compare(
+            C,
+            &format!("rank {r} (1 = the expected error)"),
+            got,
+            &[1.0, 1.0, 1.0, 1.0, 6.0, 6.0, 6.0, 6.0, 6.0],
+        )?;
+    }
+    Ok(())
+}
+
+/// How [`device_tensors_are_errors_on_host_backends`] ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceCheck {
+    /// Run with CUDA tensors: every started call answered
+    /// [`CommError::DeviceBufferUnreachable`] with the numbers, and the world stayed usable.
+    Passed,
+    /// No CUDA device to make a CUDA tensor on (why, candle's message); nothing was checked.
+    Skipped(String),
+}
+
+/// For host backends only (threads, MPI; not in [`CHECKS`], NCCL takes CUDA tensors): CUDA
+/// tensors ([`OwnedBuf::Tensor`] on device `cuda:0`) given to every started call (all-gather
+/// with a CUDA receive tensor, in-place all-gather, reduce-scatter with a CUDA send tensor,
+/// all-reduce, broadcast) are [`CommError::DeviceBufferUnreachable`] naming the rank, the
+/// collective, the dtype, the element count, `cuda:0` and the backend, and the message says to
+/// use `--backend nccl`; the world stays usable (a host all-reduce follows), on 2 ranks.
+/// Without a CUDA device (or a build without candle's `cuda` feature) returns
+/// [`DeviceCheck::Skipped`] and prints `SKIPPED (no CUDA device): ...` to stderr.
+pub fn device_tensors_are_errors_on_host_backends(
+    l: &dyn Launcher,
+) -> Result<DeviceCheck, CheckFailure> {
+    const C: &str = "device_tensors_are_errors_on_host_backends";
+    let dev = match candle_core::Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            let why = e.to_string();
+            eprintln!("SKIPPED (no CUDA device): {C} on {} ({why})", l.name());
+            return Ok(DeviceCheck::Skipped(why));
+        }
+    };
+    let t = topo(2, 1);
+    if !fits(l, t) {
+        return Ok(DeviceCheck::Skipped(format!(
+            "{} cannot start 2 ranks",
+            l.name()
+        )));
+    }
+    let backend = l.name().to_string();
+    let body = |c: &dyn Communicator| -> RankResult {
+        use candle_core::Tensor;
+        let err = candle_err("CUDA tensor construction");
+        let rank = c.rank();
+        let cuda = |n: usize, d: candle_core::DType| {
+            Tensor::zeros(n, d, &dev)
+                .map(OwnedBuf::Tensor)
+                .map_err(&err)
+        };
+        let is = |r: Result<crate::PendingOp, CommError>, want_op: OpKind, dt: DType, n: usize| {
+            match r {
+                Err(e @ CommError::DeviceBufferUnreachable { .. }) => {
+                    let CommError::DeviceBufferUnreachable {
+                        rank: r,
+                        op,
+                        dtype,
+                        numel,
+                        ref device,
+                        ..
+                    } = e
+                    else {
+                        unreachable!()
+                    };
+                    let text = e.to_string();
+                    let ok = r == rank
+                        && op == want_op
+                        && dtype == dt
+                        && numel == n
+                        && device == "cuda:0"
+                        && text.contains("--backend nccl")
+                        && text.contains(&backend);
+                    if ok {
+                        1.0
+                    } else {
+                        0.0
+                    }
+                }
+                _ => 0.0,
+            }
+        };
+        let mut codes = vec![0.0; 0];
+        codes.extend([
+            is(
+                c.start_all_gather(
+                    Group::World,
+                    OwnedBuf::zeros(DType::F32, 4),
+                    cuda(8, candle_core::DType::F32)?,
+                ),
+                OpKind::AllGather,
+                DType::F32,
+                8,
+            ),
+            is(
+                c.start_all_gather_in_place(Group::World, cuda(10, candle_core::DType::BF16)?),
+                OpKind::AllGather,
+                DType::BF16,
+                10,
+            ),
+            is(
+                c.start_reduce_scatter(
+                    Group::World,
+                    ReduceOp::Sum,
+                    cuda(6, candle_core::DType::F16)?,
+                    OwnedBuf::zeros(DType::F16, 3),
+                ),
+                OpKind::ReduceScatter,
+                DType::F16,
+                6,
+            ),
+            is(
+                c.start_all_reduce(
+                    Group::World,
+                    ReduceOp::Avg,
+                    cuda(5, candle_core::DType::F64)?,
+                ),
+                OpKind::AllReduce,
+                DType::F64,
+                5,
+            ),
+            is(
+                c.start_broadcast(Group::World, 1, cuda(3, candle_core::DType::F32)?),
+                OpKind::Broadcast,
+                DType::F32,
+                3,
+            ),
+        ]);
+        let mut x = vec![rank as f32 + 1.0; 4];
+        c.all_reduce(Group::World, ReduceOp::Sum, (&mut x).into())?;
+        codes.extend(x.iter().map(|&v| v as f64));
+        Ok(codes)
+    };
+    let res = launch_ok(C, l, t, &body)?;
+    for (r, got) in res.iter().enumerate() {
+        compare(
+            C,
+            &format!("rank {r} (1 = the expected error)"),
+            got,
+            &[1.0, 1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 3.0, 3.0],
+        )?;
+    }
+    Ok(DeviceCheck::Passed)
 }

@@ -234,13 +234,50 @@ pub enum CommError {
         /// What went wrong, with the numbers (ranks, seconds, sizes).
         reason: String,
     },
-    /// A CUDA driver or NCCL call failed; `message` is the library's own text
-    /// (`cuGetErrorString`, `ncclGetErrorString` + `ncclGetLastError`).
+    /// A buffer in device memory (a CUDA tensor, [`crate::OwnedBuf::Tensor`]) was given to a
+    /// backend that moves data through host memory (threads, MPI), which cannot read or write
+    /// it. Nothing moved; peers that made the call with host buffers wait for this rank as for
+    /// any rank that did not make the call.
+    #[error("rank {rank}: {op} got a {dtype} buffer of {numel} elements on {device}, but the {backend} backend cannot reach device memory: use the NCCL backend (`--backend nccl`, a build with the `cuda` feature) for device buffers, or pass host buffers")]
+    DeviceBufferUnreachable {
+        /// Calling rank.
+        rank: usize,
+        /// The collective.
+        op: OpKind,
+        /// The backend's name (`threads`, `mpi`).
+        backend: &'static str,
+        /// The buffer's element dtype.
+        dtype: DType,
+        /// The buffer's element count.
+        numel: usize,
+        /// Where the buffer lives (`cuda:0`).
+        device: String,
+    },
+    /// A tensor buffer ([`crate::OwnedBuf::Tensor`]) that is not a collective buffer: a dtype
+    /// other than f32/bf16/f16/f64, a strided (non-contiguous) layout, or (NCCL) a device
+    /// other than the communicator's.
+    #[error("rank {rank}: {op}: tensor of dtype {dtype}, shape {shape:?} on {device} is not a collective buffer: {reason}")]
+    InvalidTensor {
+        /// Calling rank.
+        rank: usize,
+        /// The collective.
+        op: OpKind,
+        /// The tensor's candle dtype (`u8`, `f32`, ...).
+        dtype: String,
+        /// The tensor's shape (elements per dimension).
+        shape: Vec<usize>,
+        /// Where the tensor lives (`cpu`, `cuda:0`).
+        device: String,
+        /// What is wrong, with the numbers (strides, devices).
+        reason: String,
+    },
+    /// A CUDA driver, NCCL or candle call failed; `message` is the library's own text
+    /// (`cuGetErrorString`, `ncclGetErrorString` + `ncclGetLastError`, candle's error).
     #[error("rank {rank}: {library} {call} failed: {message}")]
     Device {
         /// The rank whose call failed.
         rank: usize,
-        /// `cuda` or `nccl`.
+        /// `cuda`, `nccl` or `candle`.
         library: &'static str,
         /// The call, with its sizes (e.g. `ncclAllGather(1024 x bf16)`).
         call: String,

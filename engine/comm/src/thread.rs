@@ -30,7 +30,9 @@
 //! Any failure aborts the whole world: later calls on every rank return the same error.
 
 use crate::buf::OwnedBuf;
-use crate::comm::{check_call, check_in_place_call, Communicator, Completed, PendingOp};
+use crate::comm::{
+    check_call, check_in_place_call, host_pair, Communicator, Completed, PendingOp,
+};
 use crate::error::{CallDesc, CommError, OpKind, RankCalls};
 use crate::progress::{Job, ProgressQueue};
 use crate::reduce::{reduce_dyn, reduce_dyn_streaming};
@@ -801,6 +803,7 @@ impl Communicator for ThreadComm {
         send: OwnedBuf,
         mut recv: OwnedBuf,
     ) -> Result<PendingOp, CommError> {
+        let (s, r) = host_pair(self.rank, OpKind::AllGather, "threads", &send, &mut recv)?;
         let call = self.describe(
             OpKind::AllGather,
             group,
@@ -814,7 +817,6 @@ impl Communicator for ThreadComm {
         self.submit(
             call,
             Box::new(move || {
-                let (s, r) = addrs(&send.as_buf(), &mut recv.as_buf_mut());
                 execute(&world, rank, call, s, r)?;
                 Ok(Completed {
                     send: Some(send),
@@ -831,13 +833,13 @@ impl Communicator for ThreadComm {
         group: Group,
         mut buf: OwnedBuf,
     ) -> Result<PendingOp, CommError> {
+        let base = buf.host_addr_mut(self.rank, OpKind::AllGather, "threads")?;
         let (call, own) = self.describe_in_place(group, buf.dtype(), buf.len())?;
         let world = self.world.clone();
         let rank = self.rank;
         self.submit(
             call,
             Box::new(move || {
-                let base = buf.as_buf_mut().as_mut_ptr() as usize;
                 execute(&world, rank, call, base + own, base)?;
                 Ok(Completed { send: None, buf })
             }),
@@ -851,6 +853,13 @@ impl Communicator for ThreadComm {
         send: OwnedBuf,
         mut recv: OwnedBuf,
     ) -> Result<PendingOp, CommError> {
+        let (s, r) = host_pair(
+            self.rank,
+            OpKind::ReduceScatter,
+            "threads",
+            &send,
+            &mut recv,
+        )?;
         let call = self.describe(
             OpKind::ReduceScatter,
             group,
@@ -864,7 +873,6 @@ impl Communicator for ThreadComm {
         self.submit(
             call,
             Box::new(move || {
-                let (s, r) = addrs(&send.as_buf(), &mut recv.as_buf_mut());
                 execute(&world, rank, call, s, r)?;
                 Ok(Completed {
                     send: Some(send),
@@ -880,6 +888,7 @@ impl Communicator for ThreadComm {
         op: ReduceOp,
         mut buf: OwnedBuf,
     ) -> Result<PendingOp, CommError> {
+        let p = buf.host_addr_mut(self.rank, OpKind::AllReduce, "threads")?;
         let d = (buf.dtype(), buf.len());
         let call = self.describe(OpKind::AllReduce, group, Some(op), d, d, None)?;
         let world = self.world.clone();
@@ -887,7 +896,6 @@ impl Communicator for ThreadComm {
         self.submit(
             call,
             Box::new(move || {
-                let p = buf.as_buf_mut().as_mut_ptr() as usize;
                 execute(&world, rank, call, p, p)?;
                 Ok(Completed { send: None, buf })
             }),
@@ -900,6 +908,7 @@ impl Communicator for ThreadComm {
         root: usize,
         mut buf: OwnedBuf,
     ) -> Result<PendingOp, CommError> {
+        let p = buf.host_addr_mut(self.rank, OpKind::Broadcast, "threads")?;
         let d = (buf.dtype(), buf.len());
         let call = self.describe(OpKind::Broadcast, group, None, d, d, Some(root))?;
         let world = self.world.clone();
@@ -907,7 +916,6 @@ impl Communicator for ThreadComm {
         self.submit(
             call,
             Box::new(move || {
-                let p = buf.as_buf_mut().as_mut_ptr() as usize;
                 execute(&world, rank, call, p, p)?;
                 Ok(Completed { send: None, buf })
             }),

@@ -33,10 +33,40 @@ checks!(
     bc_05_bf16_wire_fp32_accumulation,
     bc_06_average_by_rank_count,
     bc_10_rank_with_fewer_batches_does_not_hang,
+    tensor_buffers_match_reference,
+    tensor_bad_buffers_are_local_errors,
 );
+
+/// CUDA tensors on the thread backend are `DeviceBufferUnreachable` errors (with a CUDA device);
+/// without one the check prints `SKIPPED (no CUDA device): ...` and the error's text is checked
+/// on a constructed value (the numbers, the backend, `--backend nccl`).
+#[test]
+fn device_tensors_are_errors_on_host_backends() {
+    match conformance::device_tensors_are_errors_on_host_backends(&ThreadLauncher) {
+        Ok(conformance::DeviceCheck::Passed) => {}
+        Ok(conformance::DeviceCheck::Skipped(_)) => {
+            let e = fsdp_comm::CommError::DeviceBufferUnreachable {
+                rank: 1,
+                op: fsdp_comm::OpKind::ReduceScatter,
+                backend: "threads",
+                dtype: fsdp_comm::DType::BF16,
+                numel: 4096,
+                device: "cuda:0".into(),
+            };
+            assert_eq!(
+                e.to_string(),
+                "rank 1: reduce_scatter got a bf16 buffer of 4096 elements on cuda:0, but the \
+                 threads backend cannot reach device memory: use the NCCL backend \
+                 (`--backend nccl`, a build with the `cuda` feature) for device buffers, or \
+                 pass host buffers"
+            );
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
 
 #[test]
 fn every_check_has_a_test() {
     // Keeps this file in step with conformance::CHECKS.
-    assert_eq!(conformance::CHECKS.len(), 18);
+    assert_eq!(conformance::CHECKS.len(), 20);
 }

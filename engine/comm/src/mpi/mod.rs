@@ -71,7 +71,7 @@ mod wire;
 pub use launcher::MpiLauncher;
 
 use crate::buf::{Buf, BufMut, OwnedBuf};
-use crate::comm::{check_call, check_in_place_call, Communicator, Completed, PendingOp};
+use crate::comm::{check_call, check_in_place_call, host_pair, Communicator, Completed, PendingOp};
 use crate::error::{CallDesc, CommError, OpKind, RankCalls};
 use crate::progress::{Job, ProgressQueue};
 use crate::reduce::reduce_dyn;
@@ -1006,23 +1006,38 @@ impl MpiComm {
         self.progress.submit(call, job)
     }
 
+    /// Host addresses of a started call's buffers, checked before the call is described: the
+    /// separate send buffer's (or `None` for an in-place call) and `buf`'s. Vectors and CPU
+    /// tensors are used in place; a CUDA tensor is [`CommError::DeviceBufferUnreachable`].
+    fn host_addrs(
+        &self,
+        op: OpKind,
+        send: Option<&OwnedBuf>,
+        buf: &mut OwnedBuf,
+    ) -> Result<(Option<usize>, usize), CommError> {
+        match send {
+            Some(s) => host_pair(self.rank, op, "mpi", s, buf).map(|(s, r)| (Some(s), r)),
+            None => buf.host_addr_mut(self.rank, op, "mpi").map(|r| (None, r)),
+        }
+    }
+
     /// Queues `call` on the progress thread. `send`: the separate send buffer, or `None` for an
-    /// in-place call, whose send data starts `own` bytes into `buf`.
+    /// in-place call, whose send data starts `own` bytes into `buf`; `addrs`: their host
+    /// addresses from [`MpiComm::host_addrs`].
     fn start_job(
         &self,
         call: CallDesc,
         send: Option<OwnedBuf>,
-        mut buf: OwnedBuf,
+        buf: OwnedBuf,
         own: usize,
+        addrs: (Option<usize>, usize),
     ) -> Result<PendingOp, CommError> {
         let core = self.core.clone();
         self.submit(
             call,
             Box::new(move || {
-                let r = buf.as_buf_mut().as_mut_ptr() as usize;
-                let s = send
-                    .as_ref()
-                    .map_or(r + own, |s| s.as_buf().as_ptr() as usize);
+                let r = addrs.1;
+                let s = addrs.0.unwrap_or(r + own);
                 core.lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .execute(call, s, r)?;
@@ -1161,8 +1176,9 @@ impl Communicator for MpiComm {
         &self,
         group: Group,
         send: OwnedBuf,
-        recv: OwnedBuf,
+        mut recv: OwnedBuf,
     ) -> Result<PendingOp, CommError> {
+        let a = self.host_addrs(OpKind::AllGather, Some(&send), &mut recv)?;
         let call = self.describe(
             OpKind::AllGather,
             group,
@@ -1171,17 +1187,18 @@ impl Communicator for MpiComm {
             (recv.dtype(), recv.len()),
             None,
         )?;
-        self.start_job(call, Some(send), recv, 0)
+        self.start_job(call, Some(send), recv, 0, a)
     }
 
     /// Queued on the progress thread; in place as [`MpiComm::all_gather_in_place`].
     fn start_all_gather_in_place(
         &self,
         group: Group,
-        buf: OwnedBuf,
+        mut buf: OwnedBuf,
     ) -> Result<PendingOp, CommError> {
+        let a = self.host_addrs(OpKind::AllGather, None, &mut buf)?;
         let (call, own) = self.describe_in_place(group, buf.dtype(), buf.len())?;
-        self.start_job(call, None, buf, own)
+        self.start_job(call, None, buf, own, a)
     }
 
     fn start_reduce_scatter(
@@ -1189,8 +1206,9 @@ impl Communicator for MpiComm {
         group: Group,
         op: ReduceOp,
         send: OwnedBuf,
-        recv: OwnedBuf,
+        mut recv: OwnedBuf,
     ) -> Result<PendingOp, CommError> {
+        let a = self.host_addrs(OpKind::ReduceScatter, Some(&send), &mut recv)?;
         let call = self.describe(
             OpKind::ReduceScatter,
             group,
@@ -1199,29 +1217,31 @@ impl Communicator for MpiComm {
             (recv.dtype(), recv.len()),
             None,
         )?;
-        self.start_job(call, Some(send), recv, 0)
+        self.start_job(call, Some(send), recv, 0, a)
     }
 
     fn start_all_reduce(
         &self,
         group: Group,
         op: ReduceOp,
-        buf: OwnedBuf,
+        mut buf: OwnedBuf,
     ) -> Result<PendingOp, CommError> {
+        let a = self.host_addrs(OpKind::AllReduce, None, &mut buf)?;
         let d = (buf.dtype(), buf.len());
         let call = self.describe(OpKind::AllReduce, group, Some(op), d, d, None)?;
-        self.start_job(call, None, buf, 0)
+        self.start_job(call, None, buf, 0, a)
     }
 
     fn start_broadcast(
         &self,
         group: Group,
         root: usize,
-        buf: OwnedBuf,
+        mut buf: OwnedBuf,
     ) -> Result<PendingOp, CommError> {
+        let a = self.host_addrs(OpKind::Broadcast, None, &mut buf)?;
         let d = (buf.dtype(), buf.len());
         let call = self.describe(OpKind::Broadcast, group, None, d, d, Some(root))?;
-        self.start_job(call, None, buf, 0)
+        self.start_job(call, None, buf, 0, a)
     }
 }
 
