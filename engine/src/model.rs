@@ -12,10 +12,14 @@
 //! [`fsdp_planner::presets::gpt2_spec`] (Hugging Face `GPT2LMHeadModel` naming, Conv1D weights
 //! stored `[in, out]` so a linear layer is `y = x @ W + b`).
 //!
-//! On the CPU the hot elementwise parts (LayerNorm, causal softmax, bias + GELU, cross-entropy)
-//! run as fused candle custom ops with hand-written backward passes ([`ops`]); on other devices
-//! the same math is composed from candle's primitive tensor ops. Both paths are tested against
-//! each other.
+//! The hot elementwise parts (token + position embedding, LayerNorm, causal softmax, bias add,
+//! bias + GELU, cross-entropy) have two implementations, chosen by [`OpsPath`]: on the CPU they
+//! run as fused candle custom ops with hand-written backward passes ([`ops`], CPU only); on a
+//! CUDA device the same math is composed from candle primitives that have CUDA kernels and
+//! differentiated by candle autograd ([`composite`]). The default, [`OpsPath::Auto`], picks by
+//! the device of the tensors; [`Gpt::with_ops_path`] forces one path (the composite path runs
+//! on the CPU too, which is how the two are tested against each other,
+//! `engine/tests/model_device.rs`).
 //!
 //! Dtypes: a unit computes in the dtype of its parameters (`param_dtype`): f32, bf16 or f16 in
 //! training, f64 on the CPU for gradient checks. Stage inputs after the embedding and every
@@ -26,9 +30,10 @@
 //! Parameters of one unit in different dtypes, or activations in another dtype than the
 //! parameters, are an error (no silent cast). Mixed precision after Micikevicius et al. 2018.
 
+pub mod composite;
 pub mod ops;
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 use fsdp_planner::presets::{byte_gpt_config, gpt2_spec, openai_gpt2_config};
 use fsdp_planner::{Gpt2Config, ModelSpec};
 use rand_chacha::rand_core::{RngCore, SeedableRng};
@@ -87,6 +92,49 @@ pub enum Stage {
     Head,
 }
 
+/// Which implementation computes the model's embedding, LayerNorm, causal softmax, bias add,
+/// bias + GELU and cross-entropy (matrix products and residual adds are plain candle ops on
+/// both paths).
+///
+/// Both paths have one contract ([`ops`] and [`composite`] module docs): same shapes, errors
+/// and dtypes, and in bf16/f16 the same "widen to f32, compute, round once" semantics. They are
+/// not bitwise equal to each other (f32 rounding; see `engine/tests/model_device.rs` for the
+/// measured differences).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum OpsPath {
+    /// Chosen by the device of the tensors: [`OpsPath::Fused`] on the CPU (bit for bit what the
+    /// model computed before the composite path existed), [`OpsPath::Composite`] on any other
+    /// device (CUDA). The default of [`Gpt::new`] and [`Gpt::from_preset`].
+    #[default]
+    Auto,
+    /// The fused CPU custom ops of [`ops`] (one pass forward, one backward, hand-written
+    /// gradients). CPU only: a stage whose tensors live on another device is an error, never a
+    /// silent fallback.
+    Fused,
+    /// The candle-primitive compositions of [`composite`], differentiated by candle autograd,
+    /// on every device (the CUDA path; on the CPU, slower than the fused ops, used to test the
+    /// CUDA path without a GPU).
+    Composite,
+}
+
+impl OpsPath {
+    /// The concrete path ([`OpsPath::Fused`] or [`OpsPath::Composite`]) that serves tensors on
+    /// `device`: `Auto` resolves to `Fused` on the CPU and `Composite` elsewhere.
+    ///
+    /// Errors: `Fused` with a non-CPU `device` (the fused ops have no GPU kernels).
+    pub fn resolve(self, device: &Device) -> candle_core::Result<OpsPath> {
+        match self {
+            OpsPath::Auto if device.is_cpu() => Ok(OpsPath::Fused),
+            OpsPath::Auto | OpsPath::Composite => Ok(OpsPath::Composite),
+            OpsPath::Fused if device.is_cpu() => Ok(OpsPath::Fused),
+            OpsPath::Fused => candle_core::bail!(
+                "ops path Fused: the fused ops run on the CPU only, but the tensors are on \
+                 {device:?}; use OpsPath::Auto or OpsPath::Composite"
+            ),
+        }
+    }
+}
+
 /// Positions of the parameters of each kind inside their unit's parameter list.
 #[derive(Debug, Clone, Copy)]
 struct LnIdx {
@@ -138,7 +186,7 @@ pub struct Gpt {
     embed: EmbedIdx,
     head: HeadIdx,
     blocks: Vec<BlockIdx>,
-    reference_ops: bool,
+    ops_path: OpsPath,
 }
 
 fn find(spec: &ModelSpec, unit: usize, name: &str) -> Option<usize> {
@@ -225,21 +273,38 @@ impl Gpt {
             embed,
             head,
             blocks,
-            reference_ops: false,
+            ops_path: OpsPath::Auto,
         })
     }
 
-    /// With `true`, compute with the candle-primitive reference compositions even on the CPU
-    /// (the path every non-CPU device takes) instead of the fused CPU ops: slower, same math;
-    /// used to test one against the other.
-    pub fn with_reference_ops(mut self, reference: bool) -> Self {
-        self.reference_ops = reference;
+    /// This model computing with `path` ([`OpsPath`]; [`Gpt::new`] starts with
+    /// [`OpsPath::Auto`]). Only the implementation of the fused-op set changes; parameters,
+    /// spec and stages are the same.
+    pub fn with_ops_path(mut self, path: OpsPath) -> Self {
+        self.ops_path = path;
         self
     }
 
-    /// Whether the fused CPU ops serve tensor `t`.
-    fn fused(&self, t: &Tensor) -> bool {
-        !self.reference_ops && use_fused(t)
+    /// The configured [`OpsPath`] (not resolved against a device; see [`OpsPath::resolve`]).
+    pub fn ops_path(&self) -> OpsPath {
+        self.ops_path
+    }
+
+    /// With `true`, compute with the candle-primitive compositions even on the CPU (the path
+    /// CUDA devices take): the same as `with_ops_path(OpsPath::Composite)`; `false` restores
+    /// [`OpsPath::Auto`]. Kept for existing callers; prefer [`Gpt::with_ops_path`].
+    pub fn with_reference_ops(self, reference: bool) -> Self {
+        self.with_ops_path(if reference {
+            OpsPath::Composite
+        } else {
+            OpsPath::Auto
+        })
+    }
+
+    /// Whether the fused CPU ops serve tensor `t` (else the composite ops do). Errors: the
+    /// `Fused` path with `t` off the CPU.
+    fn fused(&self, t: &Tensor) -> candle_core::Result<bool> {
+        Ok(self.ops_path.resolve(t.device())? == OpsPath::Fused)
     }
 
     /// Builds a preset by name: the byte-level presets `tiny`, `mini`, `small`, `base`
@@ -461,10 +526,10 @@ impl Gpt {
         }
         let logits = self.logits(unit_params, x)?;
         let targets = targets.flatten_all()?;
-        if self.fused(&logits) {
+        if self.fused(&logits)? {
             ops::cross_entropy_sum(&logits, &targets)
         } else {
-            cross_entropy_sum_ref(&logits, &targets)
+            composite::cross_entropy_sum(&logits, &targets)
         }
     }
 
@@ -550,26 +615,12 @@ impl Gpt {
         }
         let d = self.d_model();
         let (wte, wpe) = (&p[self.embed.wte], &p[self.embed.wpe]);
-        if self.fused(wte) {
-            return ops::embedding(wte, wpe, ids)?.reshape((b, t, d));
-        }
-        let v = self.cfg.vocab_size as u32;
-        let flat = ids.flatten_all()?;
-        let max = flat.max(0)?.to_scalar::<u32>()?;
-        if max >= v {
-            candle_core::bail!("Embed: token id {max} >= vocab_size {v}");
-        }
-        if is_half(wte) {
-            // As ops::embedding: the sum in f32, rounded once; the gradient rows (repeated
-            // tokens, positions over the batch) accumulated in f32, not 16 bits.
-            let (wte32, wpe32) = (wte.to_dtype(DType::F32)?, wpe.to_dtype(DType::F32)?);
-            let tok = wte32.index_select(&flat, 0)?.reshape((b, t, d))?;
-            return tok
-                .broadcast_add(&wpe32.narrow(0, 0, t)?)?
-                .to_dtype(wte.dtype());
-        }
-        let tok = wte.index_select(&flat, 0)?.reshape((b, t, d))?;
-        tok.broadcast_add(&wpe.narrow(0, 0, t)?)
+        let h = if self.fused(wte)? {
+            ops::embedding(wte, wpe, ids)?
+        } else {
+            composite::embedding(wte, wpe, ids)?
+        };
+        h.reshape((b, t, d))
     }
 
     fn block_fwd(&self, ix: &BlockIdx, p: &[Tensor], x: &Tensor) -> candle_core::Result<Tensor> {
@@ -577,7 +628,7 @@ impl Gpt {
         let h = self.n_head_usize();
         let hd = d / h;
         let x2 = x.reshape((b * t, d))?;
-        let fz = self.fused(x);
+        let fz = self.fused(x)?;
         // Attention sub-block.
         let a = layer_norm(fz, &x2, &p[ix.ln_1.w], ix.ln_1.b.map(|i| &p[i]))?;
         let qkv = linear(fz, &a, &p[ix.c_attn.w], ix.c_attn.b.map(|i| &p[i]))?; // [BT, 3D]
@@ -587,10 +638,10 @@ impl Gpt {
         let v = qkv.get(2)?.contiguous()?;
         let scores = q.matmul(&k.t()?)?; // [B, H, T, T]
         let scale = 1.0 / (hd as f64).sqrt();
-        let att = if self.fused(&scores) {
+        let att = if fz {
             ops::causal_softmax(&scores, scale)?
         } else {
-            causal_softmax_ref(&scores, scale)?
+            composite::causal_softmax(&scores, scale)?
         };
         let y = att.matmul(&v)?; // [B, H, T, hd]
         let y = y.transpose(1, 2)?.reshape((b * t, d))?;
@@ -599,10 +650,10 @@ impl Gpt {
         // MLP sub-block.
         let m = layer_norm(fz, &x2, &p[ix.ln_2.w], ix.ln_2.b.map(|i| &p[i]))?;
         let f = m.matmul(&p[ix.c_fc.w])?;
-        let f = if self.fused(&f) {
+        let f = if fz {
             ops::bias_gelu(&f, ix.c_fc.b.map(|i| &p[i]))?
         } else {
-            gelu_ref(&f, ix.c_fc.b.map(|i| &p[i]))?
+            composite::bias_gelu(&f, ix.c_fc.b.map(|i| &p[i]))?
         };
         let y = linear(fz, &f, &p[ix.mlp_proj.w], ix.mlp_proj.b.map(|i| &p[i]))?;
         (x2 + y)?.reshape((b, t, d))
@@ -612,7 +663,7 @@ impl Gpt {
     fn logits(&self, p: &[Tensor], x: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t, d) = x.dims3()?;
         let x2 = x.reshape((b * t, d))?;
-        let fz = self.fused(x);
+        let fz = self.fused(x)?;
         let h = layer_norm(
             fz,
             &x2,
@@ -625,15 +676,6 @@ impl Gpt {
     fn n_head_usize(&self) -> usize {
         self.cfg.n_head as usize
     }
-}
-
-/// Whether the fused CPU custom ops can serve this tensor (CPU; f32, f64, bf16 or f16).
-fn use_fused(t: &Tensor) -> bool {
-    t.device().is_cpu()
-        && matches!(
-            t.dtype(),
-            DType::F32 | DType::F64 | DType::BF16 | DType::F16
-        )
 }
 
 /// Checks that the hidden states `x` entering `stage` have the dtype of the unit's parameters:
@@ -652,23 +694,19 @@ fn check_activation_dtype(stage: Stage, params: &[Tensor], x: &Tensor) -> candle
     Ok(())
 }
 
-/// Whether `t` is a 16-bit float (bf16, f16): the reference compositions widen it to f32
-/// around the normalisations, softmax, GELU and cross-entropy, as the fused ops do.
-fn is_half(t: &Tensor) -> bool {
-    matches!(t.dtype(), DType::BF16 | DType::F16)
-}
-
-/// `x @ w (+ b)` for `x` `[N, in]`, `w` `[in, out]`, `b` `[out]`.
+/// `x @ w (+ b)` for `x` `[N, in]`, `w` `[in, out]`, `b` `[out]`; the bias add fused or
+/// composite.
 fn linear(fused: bool, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
     let y = x.matmul(w)?;
     match b {
         Some(b) if fused => ops::bias_add(&y, b),
-        Some(b) => bias_add_ref(&y, b),
+        Some(b) => composite::bias_add(&y, b),
         None => Ok(y),
     }
 }
 
-/// LayerNorm over the last dim of `x` `[N, D]` (Ba et al. 2016), eps [`LN_EPS`].
+/// LayerNorm over the last dim of `x` `[N, D]` (Ba et al. 2016), eps [`LN_EPS`], fused or
+/// composite.
 fn layer_norm(
     fused: bool,
     x: &Tensor,
@@ -678,105 +716,43 @@ fn layer_norm(
     if fused {
         ops::layer_norm(x, w, b, LN_EPS)
     } else {
-        layer_norm_ref(x, w, b, LN_EPS)
+        composite::layer_norm(x, w, b, LN_EPS)
     }
 }
 
-/// Reference `x + b` (`x` `[N, F]`, `b` `[F]`) from candle primitives; bf16/f16 are widened to
-/// f32 and the sum narrowed (the same bits as candle's 16-bit add), so the bias gradient is
-/// summed over rows in f32 as in [`ops::bias_add`], not in 16 bits.
+/// `x + b` from candle primitives: the same function as [`composite::bias_add`] (this name is
+/// kept for existing callers).
 pub fn bias_add_ref(x: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
-    if is_half(x) {
-        return x
-            .to_dtype(DType::F32)?
-            .broadcast_add(&b.to_dtype(DType::F32)?)?
-            .to_dtype(x.dtype());
-    }
-    x.broadcast_add(b)
+    composite::bias_add(x, b)
 }
 
-/// Reference `gelu(x + b)` (tanh approximation) from candle primitives, `x` `[N, F]`, `b`
-/// `[F]`; bf16/f16 inputs are widened to f32 (the bias add is not rounded to 16 bits) and the
-/// result narrowed back, as [`ops::bias_gelu`].
+/// `gelu(x + b)` (tanh approximation) from candle primitives: the same function as
+/// [`composite::bias_gelu`] (this name is kept for existing callers).
 pub fn gelu_ref(x: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
-    if is_half(x) {
-        let b32 = b.map(|b| b.to_dtype(DType::F32)).transpose()?;
-        return gelu_ref(&x.to_dtype(DType::F32)?, b32.as_ref())?.to_dtype(x.dtype());
-    }
-    match b {
-        Some(b) => x.broadcast_add(b)?.gelu(),
-        None => x.gelu(),
-    }
+    composite::bias_gelu(x, b)
 }
 
-/// Reference LayerNorm from candle primitives (any device): `(x - mean) / sqrt(var + eps) * w
-/// + b`, biased variance over the last dim. bf16/f16 inputs are widened to f32 and the result
-/// narrowed back (as [`ops::layer_norm`]).
+/// LayerNorm from candle primitives: the same function as [`composite::layer_norm`] (this
+/// name is kept for existing callers).
 pub fn layer_norm_ref(
     x: &Tensor,
     w: &Tensor,
     b: Option<&Tensor>,
     eps: f64,
 ) -> candle_core::Result<Tensor> {
-    if is_half(x) {
-        let f = |t: &Tensor| t.to_dtype(DType::F32);
-        let b32 = b.map(f).transpose()?;
-        return layer_norm_ref(&f(x)?, &f(w)?, b32.as_ref(), eps)?.to_dtype(x.dtype());
-    }
-    let mean = x.mean_keepdim(D::Minus1)?;
-    let xc = x.broadcast_sub(&mean)?;
-    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-    let xhat = xc.broadcast_div(&(var + eps)?.sqrt()?)?;
-    let y = xhat.broadcast_mul(w)?;
-    match b {
-        Some(b) => y.broadcast_add(b),
-        None => Ok(y),
-    }
+    composite::layer_norm(x, w, b, eps)
 }
 
-/// Reference causal softmax from candle primitives: `softmax(scale * s + mask)` over the last
-/// dim of `s` `[..., T, T]`, where `mask[i][j] = -inf` for `j > i`. bf16/f16 scores are
-/// widened to f32 and the probabilities narrowed back (as [`ops::causal_softmax`]).
+/// Causal softmax from candle primitives: the same function as [`composite::causal_softmax`]
+/// (this name is kept for existing callers).
 pub fn causal_softmax_ref(s: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
-    if is_half(s) {
-        return causal_softmax_ref(&s.to_dtype(DType::F32)?, scale)?.to_dtype(s.dtype());
-    }
-    let t = s.dim(D::Minus1)?;
-    let mask: Vec<f32> = (0..t * t)
-        .map(|k| {
-            if k % t > k / t {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    let mask = Tensor::from_vec(mask, (t, t), s.device())?.to_dtype(s.dtype())?;
-    let z = s.affine(scale, 0.0)?.broadcast_add(&mask)?;
-    let max = z.max_keepdim(D::Minus1)?.detach();
-    let e = z.broadcast_sub(&max)?.exp()?;
-    let sum = e.sum_keepdim(D::Minus1)?;
-    e.broadcast_div(&sum)
+    composite::causal_softmax(s, scale)
 }
 
-/// Reference summed cross-entropy from candle primitives: `logits` `[N, V]`, `targets` u32
-/// `[N]` -> scalar `sum_n (logsumexp(logits_n) - logits_n[target_n])`, of dtype
-/// [`ops::compute_dtype`]`(logits.dtype())`: bf16/f16 logits are widened to f32 and the loss
-/// stays f32 (as [`ops::cross_entropy_sum`]).
+/// Summed cross-entropy from candle primitives: the same function as
+/// [`composite::cross_entropy_sum`] (this name is kept for existing callers).
 pub fn cross_entropy_sum_ref(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
-    if is_half(logits) {
-        return cross_entropy_sum_ref(&logits.to_dtype(DType::F32)?, targets);
-    }
-    let n = logits.dim(0)?;
-    let max = logits.max_keepdim(D::Minus1)?.detach();
-    let lse = (logits
-        .broadcast_sub(&max)?
-        .exp()?
-        .sum_keepdim(D::Minus1)?
-        .log()?
-        + max)?;
-    let picked = logits.gather(&targets.reshape((n, 1))?, D::Minus1)?;
-    (lse - picked)?.sum_all()
+    composite::cross_entropy_sum(logits, targets)
 }
 
 /// Natural logarithm of a positive, finite, normal `x` using only IEEE-754 correctly rounded

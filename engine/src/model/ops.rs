@@ -37,9 +37,11 @@
 //! narrowed) and f16 (gemm's f16 kernel). Parameter gradients from candle autograd come out in
 //! the parameters' dtype.
 //!
-//! The f32/f64 ops are tested against the reference compositions in [`crate::model`]
-//! (`layer_norm_ref`, `causal_softmax_ref`, `cross_entropy_sum_ref`, `Tensor::gelu`); the
-//! 16-bit ops against the f32 ops (engine/tests/model_half.rs).
+//! These ops have no GPU kernels: on a CUDA device the model uses their candle-primitive
+//! counterparts in [`super::composite`] (same contract; [`super::OpsPath`]). The f32/f64 ops
+//! are tested against those compositions (engine/tests/model_gpt.rs, model_device.rs); the
+//! 16-bit ops against the f32 ops (engine/tests/model_half.rs) and against the 16-bit
+//! compositions (model_device.rs).
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
@@ -379,7 +381,7 @@ macro_rules! dispatch {
 
 /// Checks that the named float tensors of op `op` share one dtype: a clear error naming each
 /// dtype otherwise (no silent cast).
-fn same_dtype(op: &str, ts: &[(&str, &Tensor)]) -> candle_core::Result<()> {
+pub(crate) fn same_dtype(op: &str, ts: &[(&str, &Tensor)]) -> candle_core::Result<()> {
     let first = ts[0].1.dtype();
     if ts.iter().any(|(_, t)| t.dtype() != first) {
         let list: Vec<String> = ts
