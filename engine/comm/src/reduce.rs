@@ -2,10 +2,11 @@
 //!
 //! `out[i] = ((x_0[i] + x_1[i]) + x_2[i]) + ...` in the accumulation dtype (f32 for f32, bf16 and
 //! f16; f64 for f64), then for `Avg` one division by the number of contributions, then one
-//! rounding to the element dtype. Every input is streamed once and the output written once:
-//! two inputs fold straight into the output; more fold two at a time into a stack accumulator
-//! of [`BLOCK`] elements (in L1) and the last one folds in as the block is written; the inner
-//! loops are monomorphised per dtype and operation so they vectorise.
+//! rounding to the element dtype. Every input is streamed once and the output written once, in
+//! one fused pass: each step folds the next 32 elements of every input in registers and writes
+//! the 32 results, so all input streams advance together; the loops are monomorphised per
+//! dtype and operation so they vectorise (and compiled twice on x86-64, for the baseline and
+//! for AVX2, chosen at run time).
 
 use crate::buf::{Buf, BufMut, Element};
 use crate::error::{CommError, OpKind};
@@ -13,7 +14,9 @@ use crate::topology::{Group, ReduceOp};
 use half::{bf16, f16};
 use std::ops::{Add, Div};
 
-/// Elements per accumulation block (16 KiB of f32 accumulator).
+/// A length unit for tests of the reduction kernels, in elements: 4096 (16 KiB of f32), a
+/// multiple of the fused kernel's 32-element chunk, so `3 * BLOCK + 5` elements run many whole
+/// chunks and a tail (the conformance suite's large size).
 pub const BLOCK: usize = 4096;
 
 /// An accumulation type: f32 or f64.
@@ -120,7 +123,8 @@ impl<A: Acc> Fold<A> for MaxFold {
 /// # Safety
 /// Every `inputs[j]` must be valid for reads of `n` elements and `out` valid for writes of `n`
 /// elements for the duration of the call; nobody else may write those ranges meanwhile. `out`
-/// may be equal to one of the inputs (each block is read completely before it is written).
+/// may be equal to one of the inputs (each chunk is read from every input before it is
+/// written); any other overlap is not allowed.
 /// With `stream`, `out` is written with non-temporal stores (for outputs that will not stay
 /// in cache; ignored when `out` aliases an input).
 pub(crate) unsafe fn reduce_raw<T: Reducible>(
@@ -145,23 +149,71 @@ fn overlaps<T>(a: *const T, b: *const T, n: usize) -> bool {
     bytes > 0 && a < b + bytes && b < a + bytes
 }
 
+/// Elements per step of the fused kernel: every input's next `CHUNK` elements fold in registers
+/// (32 x f32 = four 256-bit vectors, two cache lines) before the `CHUNK` results are written.
+const CHUNK: usize = 32;
+
 /// The rank-order reduction `out = fin(fold(...fold(fold(x_0, x_1), x_2)..., x_{k-1}))` for
 /// one operation, where `fin` divides by `k` once when `AVG` and rounds to `T` once.
 ///
-/// Memory traffic is the minimum: each input is streamed once and `out` written once. Two
-/// inputs (the all-gather-free reduce-scatter of two ranks) fold straight into `out` in one
-/// pass; more inputs fold two at a time into an accumulator block of [`BLOCK`] elements that
-/// stays in L1, and the last input folds in while the block is written out. When `out` aliases
-/// an input (the thread backend's in-place all-reduce) every block is read completely before
-/// it is written. Any grouping gives the same bits as the sequential definition: only the
-/// memory order of the passes differs, never the order of the operations on one element.
-/// With `stream` (and no aliasing) each finished block is rounded into a stack block and
-/// written with non-temporal stores, saving the read-for-ownership of every output line.
+/// One fused pass: for each run of [`CHUNK`] elements, all `k` inputs are read and folded in
+/// registers in rank order and the results written, so the `k` input streams and the output
+/// stream advance together and the memory system always has reads in flight (a memory-bound
+/// kernel is as fast as the misses it keeps outstanding). Each input is read once and `out`
+/// written once. With `stream` (and `out` not aliasing an input, and aligned to its element
+/// size) `out` is written with non-temporal stores from its first 64-byte line on (ordinary
+/// stores for the elements before it and the tail), followed by one `sfence`. When `out`
+/// aliases an input (the thread backend's in-place all-reduce), every chunk is read from all
+/// inputs before it is written. On x86-64 with AVX2 (detected at run time) the same code is
+/// compiled for 256-bit vectors. The operations on one element are exactly the sequential
+/// definition, so every path gives the same bits.
 ///
 /// # Safety
 /// As [`reduce_raw`].
 #[inline(always)]
 unsafe fn reduce_fold<T: Reducible, F: Fold<T::A>, const AVG: bool>(
+    inputs: &[*const T],
+    out: *mut T,
+    n: usize,
+    stream: bool,
+) {
+    let aliased = inputs.iter().any(|&p| overlaps(p, out, n));
+    debug_assert!(
+        inputs
+            .iter()
+            .all(|&p| std::ptr::eq(p, out) || !overlaps(p, out, n)),
+        "`out` may only alias an input exactly"
+    );
+    let stream = stream && !aliased && (out as usize).is_multiple_of(std::mem::align_of::<T>());
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        return reduce_fused_avx2::<T, F, AVG>(inputs, out, n, stream);
+    }
+    reduce_fused::<T, F, AVG, false>(inputs, out, n, stream)
+}
+
+/// [`reduce_fused`] compiled for AVX2.
+///
+/// # Safety
+/// As [`reduce_raw`]; the CPU supports AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn reduce_fused_avx2<T: Reducible, F: Fold<T::A>, const AVG: bool>(
+    inputs: &[*const T],
+    out: *mut T,
+    n: usize,
+    stream: bool,
+) {
+    reduce_fused::<T, F, AVG, true>(inputs, out, n, stream)
+}
+
+/// The body of [`reduce_fold`]; `AVX2`: compiled inside an AVX2 function (256-bit streaming
+/// stores).
+///
+/// # Safety
+/// As [`reduce_raw`]; `out` does not alias an input when `stream`.
+#[inline(always)]
+unsafe fn reduce_fused<T: Reducible, F: Fold<T::A>, const AVG: bool, const AVX2: bool>(
     inputs: &[*const T],
     out: *mut T,
     n: usize,
@@ -176,82 +228,66 @@ unsafe fn reduce_fold<T: Reducible, F: Fold<T::A>, const AVG: bool>(
             T::from_acc(a)
         }
     };
-    let aliased = inputs.iter().any(|&p| overlaps(p, out, n));
-    let stream = stream && !aliased;
-    if !aliased && !stream && k <= 2 {
-        // SAFETY: the caller guarantees the ranges; `out` overlaps no input, so the shared and
-        // the mutable slices are disjoint.
-        let o = std::slice::from_raw_parts_mut(out, n);
-        let x0 = std::slice::from_raw_parts(inputs[0], n);
-        if k == 1 {
-            for (o, &x) in o.iter_mut().zip(x0) {
-                *o = fin(x.to_acc());
-            }
-        } else {
-            let x1 = std::slice::from_raw_parts(inputs[1], n);
-            for ((o, &a), &b) in o.iter_mut().zip(x0).zip(x1) {
-                *o = fin(F::fold(a.to_acc(), b.to_acc()));
-            }
+    // One element in rank order (heads and tails).
+    let one = |i: usize| {
+        let mut a = (*inputs[0].add(i)).to_acc();
+        for &p in &inputs[1..] {
+            a = F::fold(a, (*p.add(i)).to_acc());
         }
-        return;
+        *out.add(i) = fin(a);
+    };
+    let size = std::mem::size_of::<T>();
+    // Streaming starts at the first 64-byte line of `out` (non-temporal stores need aligned
+    // destinations); the elements before it are written normally.
+    let head = if stream {
+        (out.align_offset(64)).min(n)
+    } else {
+        0
+    };
+    for i in 0..head {
+        one(i);
     }
-    let mut acc = [T::A::default(); BLOCK];
-    let mut staged = [T::from_acc(T::A::default()); BLOCK];
-    let mut start = 0;
-    while start < n {
-        let len = BLOCK.min(n - start);
-        let a = &mut acc[..len];
-        {
-            let x0 = std::slice::from_raw_parts(inputs[0].add(start), len);
-            if k == 1 {
-                for (ai, &x) in a.iter_mut().zip(x0) {
-                    *ai = x.to_acc();
-                }
-            } else {
-                let x1 = std::slice::from_raw_parts(inputs[1].add(start), len);
-                for ((ai, &x), &y) in a.iter_mut().zip(x0).zip(x1) {
-                    *ai = F::fold(x.to_acc(), y.to_acc());
-                }
-            }
-        }
-        // With `out` aliasing an input, the last input is folded in here too and the block
-        // written in a separate pass; otherwise the last input folds in during the write.
-        let mid_end = if aliased { k } else { k - 1 };
-        for &p in inputs.get(2..mid_end).unwrap_or(&[]) {
-            let x = std::slice::from_raw_parts(p.add(start), len);
-            for (ai, &x) in a.iter_mut().zip(x) {
-                *ai = F::fold(*ai, x.to_acc());
-            }
-        }
-        // SAFETY: every input's block has been read (and its slices dropped) when `out`
-        // aliases one; otherwise `out` is disjoint from all inputs. Streaming, the block is
-        // rounded into `staged` and then streamed to `out`.
-        let o = if stream {
-            &mut staged[..len]
-        } else {
-            std::slice::from_raw_parts_mut(out.add(start), len)
-        };
-        if aliased || k < 3 {
-            for (o, &ai) in o.iter_mut().zip(a.iter()) {
-                *o = fin(ai);
+    let mut i = head;
+    let mut acc = [T::A::default(); CHUNK];
+    let mut staged = [T::from_acc(T::A::default()); CHUNK];
+    while i + CHUNK <= n {
+        // Every input's chunk is read (into `acc`) before `out`'s chunk is written, so an
+        // `out` equal to an input is fine; no reference into the buffers outlives its loop.
+        let x0 = inputs[0].add(i);
+        if k == 1 {
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = (*x0.add(j)).to_acc();
             }
         } else {
-            let x = std::slice::from_raw_parts(inputs[k - 1].add(start), len);
-            for ((o, &ai), &x) in o.iter_mut().zip(a.iter()).zip(x) {
-                *o = fin(F::fold(ai, x.to_acc()));
+            let x1 = inputs[1].add(i);
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = F::fold((*x0.add(j)).to_acc(), (*x1.add(j)).to_acc());
+            }
+            for &p in &inputs[2..] {
+                let x = p.add(i);
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = F::fold(*a, (*x.add(j)).to_acc());
+                }
             }
         }
         if stream {
-            let size = std::mem::size_of::<T>();
-            // SAFETY: `staged` holds `len` rounded elements; `out` block is disjoint from it.
-            crate::thread::stream::copy_unfenced(
+            for (o, &a) in staged.iter_mut().zip(&acc) {
+                *o = fin(a);
+            }
+            crate::thread::stream::store_lines::<AVX2>(
                 staged.as_ptr() as *const u8,
-                out.add(start) as *mut u8,
-                len * size,
-                true,
+                out.add(i) as *mut u8,
+                CHUNK * size,
             );
+        } else {
+            for (j, &a) in acc.iter().enumerate() {
+                *out.add(j + i) = fin(a);
+            }
         }
-        start += len;
+        i += CHUNK;
+    }
+    for i in i..n {
+        one(i);
     }
     if stream {
         crate::thread::stream::fence();
@@ -378,9 +414,9 @@ mod tests {
         assert_eq!(out[4999], (1.0f32 + 1.0e8) - 1.0e8);
     }
 
-    /// The fused, blocked, aliased and streaming paths of the kernel give the same bits as a
-    /// scalar rank-order loop, for 1..=5 inputs, every operation, f32 and bf16, lengths around
-    /// the block size.
+    /// The plain, aliased and streaming paths of the kernel give the same bits as a scalar
+    /// rank-order loop, for 1..=5 inputs, every operation, f32 and bf16, lengths around
+    /// [`BLOCK`].
     #[test]
     fn every_kernel_path_equals_the_scalar_rank_order_loop() {
         let v = |j: usize, i: usize| {
@@ -465,6 +501,49 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Streaming output at every start within a 64-byte line (so every head length, down to
+    /// none), with lengths that end mid-chunk, for every dtype (chunks of 64, 128 and 256
+    /// bytes): the same bits as the scalar rank-order sum, and nothing outside `out` written.
+    #[test]
+    fn streaming_heads_and_tails_are_exact_for_every_dtype() {
+        fn check<T: Reducible + PartialEq + std::fmt::Debug>(make: impl Fn(f32) -> T, name: &str) {
+            let v = |j: usize, i: usize| ((j * 7919 + i * 104_729) % 1999) as f32 * 0.37 - 300.0;
+            let n_max = 3 * CHUNK + 40 + 64;
+            for k in [1usize, 2, 3, 4] {
+                let ins: Vec<Vec<T>> = (0..k)
+                    .map(|j| (0..n_max).map(|i| make(v(j, i))).collect())
+                    .collect();
+                for off in 0..(64 / std::mem::size_of::<T>() + 1) {
+                    for n in [CHUNK - 1, CHUNK, 2 * CHUNK + 5, 3 * CHUNK + 40] {
+                        let want: Vec<T> = (0..n)
+                            .map(|i| {
+                                let mut a = ins[0][i].to_acc();
+                                for x in &ins[1..] {
+                                    a = a + x[i].to_acc();
+                                }
+                                T::from_acc(a)
+                            })
+                            .collect();
+                        let guard = make(12345.0);
+                        let mut buf = vec![guard; off + n + 3];
+                        let ptrs: Vec<*const T> = ins.iter().map(|x| x.as_ptr()).collect();
+                        unsafe {
+                            reduce_raw(&ptrs, buf.as_mut_ptr().add(off), n, ReduceOp::Sum, true)
+                        };
+                        let at = format!("{name} k={k} off={off} n={n}");
+                        assert_eq!(&buf[off..off + n], &want[..], "{at}");
+                        assert!(buf[..off].iter().all(|x| *x == guard), "{at}");
+                        assert!(buf[off + n..].iter().all(|x| *x == guard), "{at}");
+                    }
+                }
+            }
+        }
+        check::<f32>(|x| x, "f32");
+        check::<f64>(|x| x as f64 * 1.000_000_1, "f64");
+        check::<bf16>(bf16::from_f32, "bf16");
+        check::<f16>(|x| f16::from_f32(x * 0.01), "f16");
     }
 
     #[test]

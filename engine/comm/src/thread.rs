@@ -20,9 +20,11 @@
 //!    the same reduction of chunk `i` in place, a rendezvous, then each rank copies the other
 //!    reduced chunks (reduce-scatter + all-gather, Rabenseifner's algorithm as in Thakur,
 //!    Rabenseifner and Gropp, IJHPCA 2005, section 4.4, with shared memory instead of
-//!    messages). A rank whose collective moves at least what `memcpy` would stream (its
-//!    non-temporal threshold, 3/4 of the per-core share of the last-level cache, see
-//!    `stream.rs`) writes with non-temporal stores and one `sfence` before the release.
+//!    messages). A rank whose collective writes more than fits its share of the last-level
+//!    cache (3/4 of the cache over the larger of the CPUs sharing it and the world size, see
+//!    `stream.rs`) writes with non-temporal stores, copies keeping four pages in flight, and
+//!    one `sfence` before the release; the reduction reads all its inputs in one fused pass
+//!    (`reduce.rs`).
 //! 4. **Release** (unchecked rendezvous): nobody returns, and so frees its buffers, before every
 //!    peer has finished reading them. Phases 3 and 4 cannot block indefinitely: every rank past
 //!    phase 2 runs them without waiting on anything else.
@@ -89,7 +91,7 @@ struct World {
     topology: Topology,
     timeout: Duration,
     /// A rank whose collective writes at least this many bytes copies with non-temporal stores
-    /// ([`stream::non_temporal_threshold`]).
+    /// ([`stream::non_temporal_threshold`] of the world size).
     stream_from: usize,
     state: Mutex<State>,
     cv: Condvar,
@@ -390,9 +392,9 @@ fn execute(
         OpKind::Barrier => {}
         OpKind::AllGather => {
             let bytes = call.send_numel * esize;
-            // Streaming when the whole receive buffer reaches memcpy's threshold; a block that
-            // reaches it alone goes to memcpy, which then streams by itself (glibc's large
-            // copy, interleaving pages, is the faster of the two there).
+            // Streaming when the whole receive buffer reaches the rank's threshold: every block
+            // then takes the streaming copy (four pages in flight, faster than glibc's large
+            // copy here: 9.1 against 8.0 GB/s for 256 MiB on one core).
             let stream = call.recv_numel * esize >= world.stream_from;
             // Every member copies the blocks in the same order (0, 1, ...), so members running
             // at the same time read the same send buffer at about the same time and the shared
@@ -409,12 +411,7 @@ fn execute(
                 // disjoint from it (a peer's send buffer never lies in our receive buffer, and
                 // our own send block was skipped above when it does).
                 unsafe {
-                    stream::copy_unfenced(
-                        snap[j].send as *const u8,
-                        dst as *mut u8,
-                        bytes,
-                        stream && bytes < world.stream_from,
-                    )
+                    stream::copy_unfenced(snap[j].send as *const u8, dst as *mut u8, bytes, stream)
                 };
             }
             if stream {
@@ -473,7 +470,7 @@ fn execute(
                             (snap[j].recv + l * esize) as *const u8,
                             (recv + l * esize) as *mut u8,
                             (h - l) * esize,
-                            stream && (h - l) * esize < world.stream_from,
+                            stream,
                         )
                     };
                 }
@@ -534,7 +531,11 @@ pub fn thread_communicators(
     topology: Topology,
     timeout: Duration,
 ) -> Result<Vec<ThreadComm>, CommError> {
-    communicators_streaming_from(topology, timeout, stream::non_temporal_threshold())
+    communicators_streaming_from(
+        topology,
+        timeout,
+        stream::non_temporal_threshold(topology.world_size),
+    )
 }
 
 /// [`thread_communicators`] with the non-temporal copy threshold given (bytes a rank writes in
@@ -930,8 +931,8 @@ mod tests {
     /// The streaming paths (all-gather blocks, the reduce-scatter output, the all-reduce
     /// gather phase) give the same bytes as ordinary stores: per shard length `n` (odd, so
     /// blocks start at every alignment) a world of 3 ranks streaming from `8n` bytes, so every
-    /// collective streams and every block (4n bytes) takes the own non-temporal copy rather
-    /// than `memcpy`, against the reference values.
+    /// collective streams (blocks of 70,001 f32 run whole interleaved four-page sets), against
+    /// the reference values.
     #[test]
     fn streaming_all_gather_and_all_reduce_are_exact() {
         let topo = Topology::fully_sharded(3).unwrap();
