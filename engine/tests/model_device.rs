@@ -5,8 +5,9 @@
 //!
 //! What is compared: every op's forward value and the gradient of every input, then a whole
 //! tiny GPT (loss and every parameter gradient), in f32, bf16 and f16; that the composite ops
-//! refuse bad input as the fused ones do; and that the default CPU path is still the fused
-//! one, bit for bit.
+//! refuse bad input as the fused ones do; that unit-level recompute on the composite path is
+//! bitwise the whole-graph backward (tied head included); and that the default CPU path is
+//! still the fused one, bit for bit.
 //!
 //! Metric (per tensor): `err(a, b) = max_i |a_i - b_i| / max_i |b_i|`, the largest difference
 //! relative to the tensor's scale (an element-wise relative error is meaningless where a
@@ -717,5 +718,112 @@ fn default_cpu_path_is_fused_bitwise() {
         let (d, f, c) = (all_bits(&g), all_bits(&fused), all_bits(&comp));
         assert!(d == f, "{dt:?}: default path differs from the fused path");
         assert!(d != c, "{dt:?}: composite path gives the fused bits");
+    }
+}
+
+/// Unit-level recompute on the composite path (what the engine does on a CUDA device when it
+/// reshards after forward: recompute each stage from its saved input, seed its output with the
+/// upstream gradient through `ops::backward_seed`, carry the input gradient to the previous
+/// stage, add a unit's stage gradients in backward order) gives BITWISE the gradients of one
+/// autograd graph over the whole model, in f32 and bf16, tied head or not — the property the
+/// engine's parity tests rely on, as on the fused path (`model_gpt.rs`, `model_half.rs`).
+#[test]
+fn composite_unit_recompute_is_bitwise_full_graph() {
+    let (ids, tg) = text_batch(2, 12, 300);
+    for tied in [false, true] {
+        let g = Gpt::new("t", cfg(true, tied))
+            .unwrap()
+            .with_ops_path(OpsPath::Composite);
+        for dt in [DType::F32, DType::BF16] {
+            let p = params(&g, dt);
+            let (loss_full, full) = loss_and_grads(&g, &p, &ids, &tg);
+            let stages = g.stages();
+            // Forward without a graph, keeping each stage's input.
+            let mut inputs = Vec::new();
+            let mut x = ids.clone();
+            for &(stage, unit) in &stages {
+                inputs.push(x.clone());
+                if stage != fsdp::model::Stage::Head {
+                    x = g.forward_stage(stage, &p[unit], &x).unwrap().detach();
+                }
+            }
+            // Backward in reverse, one unit at a time; a unit's gradients added in that order.
+            let mut acc: Vec<Vec<Option<Tensor>>> = g
+                .spec
+                .units
+                .iter()
+                .map(|u| vec![None; u.params.len()])
+                .collect();
+            let mut g_y: Option<Tensor> = None;
+            let mut loss_stage = None;
+            for (k, &(stage, unit)) in stages.iter().enumerate().rev() {
+                let vars: Vec<Var> = {
+                    let mut vs: Vec<Var> = Vec::new();
+                    for (i, t) in p[unit].iter().enumerate() {
+                        match p[unit][..i].iter().position(|u| u.id() == t.id()) {
+                            Some(j) => vs.push(vs[j].clone()),
+                            None => vs.push(Var::from_tensor(t).unwrap()),
+                        }
+                    }
+                    vs
+                };
+                let ps: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+                let xin = (stage != fsdp::model::Stage::Embed)
+                    .then(|| Var::from_tensor(&inputs[k]).unwrap());
+                let xt = xin
+                    .as_ref()
+                    .map(|v| v.as_tensor().clone())
+                    .unwrap_or(ids.clone());
+                let grads = if stage == fsdp::model::Stage::Head {
+                    let l = g.head_loss(&ps, &xt, &tg).unwrap();
+                    loss_stage = Some(l.clone());
+                    l.backward().unwrap()
+                } else {
+                    let y = g.forward_stage(stage, &ps, &xt).unwrap();
+                    ops::backward_seed(&y, g_y.as_ref().unwrap())
+                        .unwrap()
+                        .backward()
+                        .unwrap()
+                };
+                if let Some(xv) = &xin {
+                    g_y = Some(grads.get(xv).unwrap().clone());
+                }
+                for (i, v) in vars.iter().enumerate() {
+                    let seen = vars[..i]
+                        .iter()
+                        .any(|u| u.as_tensor().id() == v.as_tensor().id());
+                    if let (false, Some(gr)) = (seen, grads.get(v)) {
+                        let slot = &mut acc[unit][i];
+                        *slot = Some(match slot.take() {
+                            None => gr.clone(),
+                            Some(prev) => (prev + gr).unwrap(),
+                        });
+                    }
+                }
+            }
+            assert_eq!(
+                bits(&loss_stage.unwrap()),
+                bits(&loss_full),
+                "{dt:?} tied {tied}: loss"
+            );
+            let mut k = 0;
+            for (u, unit) in g.spec.units.iter().enumerate() {
+                for (i, q) in unit.params.iter().enumerate() {
+                    if q.tied_to.is_some() {
+                        continue;
+                    }
+                    let st = acc[u][i]
+                        .as_ref()
+                        .unwrap_or_else(|| panic!("no stage gradient for {}", q.name));
+                    assert_eq!(full[k].0, q.name);
+                    assert!(
+                        bits(st) == bits(&full[k].1),
+                        "{dt:?} tied {tied}: {} differs",
+                        q.name
+                    );
+                    k += 1;
+                }
+            }
+        }
     }
 }

@@ -263,9 +263,17 @@ pub fn embedding(wte: &Tensor, wpe: &Tensor, ids: &Tensor) -> candle_core::Resul
         }
     }
     let flat = ids.flatten_all()?.contiguous()?;
-    let tok = widen(&wte.contiguous()?)?
-        .index_select(&flat, 0)?
-        .reshape((b, t, d))?;
+    // The table the rows are selected from is a node of its own (the widened copy, or for
+    // f32/f64 an exact `1 * wte + 0`), so `index_select`'s backward `index_add`s the token rows
+    // into fresh zeros and the result reaches `wte` as ONE term: with a tied LM head,
+    // `dwte = d(head) + d(embedding)` is then the same bits whether the stages run in one
+    // graph or one unit at a time (as the fused op's packed gradient).
+    let table = if is_half(wte) {
+        widen(&wte.contiguous()?)?
+    } else {
+        wte.contiguous()?.affine(1.0, 0.0)?
+    };
+    let tok = table.index_select(&flat, 0)?.reshape((b, t, d))?;
     let h = tok.broadcast_add(&widen(wpe)?.narrow(0, 0, t)?)?;
     h.reshape((b * t, d))?.to_dtype(wte.dtype())
 }
