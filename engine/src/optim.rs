@@ -6,8 +6,10 @@
 //! the plan marks, so padding is never updated and weight decay touches only decayed spans.
 
 use crate::error::{EngineError, Result};
+use candle_core::Tensor;
 pub use fsdp_kernels::optim::{AdamWConfig, SgdConfig};
 use fsdp_kernels::span::Span;
+use fsdp_kernels::tensor::TensorKernels;
 
 /// The optimizer of a run.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -80,6 +82,53 @@ impl Optimizer {
                     }
                 };
                 fsdp_kernels::optim::sgd_step(param, grad, buf, spans, c, step)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Optimizer {
+    /// [`Optimizer::step_shard`] on flat buffers that are tensors on a compute device
+    /// ([`crate::runtime::Placement::Device`]): `param`, `grad` and each `state` tensor are
+    /// contiguous f32 buffers of the shard's length (elements), updated in place by `kernels`
+    /// (on the CPU device bitwise equal to `step_shard`; on CUDA fsdp-kernels' CUDA kernels
+    /// with the bounds their docstrings state).
+    ///
+    /// Errors: [`EngineError::Kernel`] (length, dtype or device mismatch, bad spans or
+    /// hyper-parameters, a device failure); [`EngineError::Config`] on a wrong number of state
+    /// buffers.
+    pub fn step_tensors(
+        &self,
+        kernels: &TensorKernels,
+        param: &Tensor,
+        grad: &Tensor,
+        state: &[Tensor],
+        spans: &[Span],
+        step: u64,
+    ) -> Result<()> {
+        match self {
+            Optimizer::AdamW(c) => {
+                let [m, v] = state else {
+                    return Err(EngineError::Config(format!(
+                        "AdamW needs 2 state buffers, the shard has {}",
+                        state.len()
+                    )));
+                };
+                kernels.adamw_step(param, grad, m, v, spans, c, step)?;
+            }
+            Optimizer::Sgd(c) => {
+                let momentum = match state {
+                    [b] => Some(b),
+                    [] => None,
+                    _ => {
+                        return Err(EngineError::Config(format!(
+                            "SGD needs at most 1 state buffer, the shard has {}",
+                            state.len()
+                        )))
+                    }
+                };
+                kernels.sgd_step(param, grad, momentum, spans, c, step)?;
             }
         }
         Ok(())

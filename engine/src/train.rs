@@ -12,7 +12,9 @@ use crate::error::{EngineError, Result};
 use crate::memory::{CountingAllocator, PhasePeak, PHASES};
 use crate::model::Gpt;
 use crate::optim::{AdamWConfig, LrSchedule, Optimizer};
-use crate::runtime::{Clip, EngineConfig, InitSync, MicroBatch, NormType, RankEngine, RankState};
+use crate::runtime::{
+    Clip, EngineConfig, InitSync, MicroBatch, NormType, Placement, RankEngine, RankState,
+};
 use candle_core::Device;
 use fsdp_comm::{run_threads, CommError, Communicator, Topology, DEFAULT_TIMEOUT};
 use fsdp_planner::{plan, GradSync, PlanConfig, ShardPlan, Strategy};
@@ -70,6 +72,10 @@ pub struct TrainOptions {
     /// Initial full parameters `[unit][non-tied param][element]` instead of the seeded
     /// initialisation (`fsdp train --init-from`).
     pub init_params: Option<Vec<Vec<Vec<f32>>>>,
+    /// Where flat buffers live and units compute (`fsdp train --device`): the host (default)
+    /// or a device (CUDA: one process per GPU, `--backend nccl` when the world is larger
+    /// than 1).
+    pub placement: Placement,
 }
 
 impl Default for TrainOptions {
@@ -97,6 +103,7 @@ impl Default for TrainOptions {
             reduce_dtype: fsdp_types::DType::F32,
             threads_per_rank: None,
             init_params: None,
+            placement: Placement::Host,
         }
     }
 }
@@ -314,6 +321,12 @@ pub fn train_with(
     process_rank: Option<CommFactory<'_>>,
 ) -> Result<TrainReport> {
     validate(o)?;
+    if process_rank.is_none() && o.world_size > 1 && o.placement.device().is_cuda() {
+        return Err(EngineError::Config(format!(
+            "--device cuda with {} rank threads: the thread backend cannot reach GPU memory; start one process per GPU with `fsdp launch --nproc {} -- train --device cuda --backend nccl ...`",
+            o.world_size, o.world_size
+        )));
+    }
     let model = Gpt::from_preset(&o.model).map_err(|e| EngineError::Config(e.to_string()))?;
     let plan: ShardPlan = plan(&model.spec, &plan_config(o))?;
     let text = match &o.data {
@@ -515,7 +528,7 @@ fn run_rank(
     hooks: &dyn TrainHooks,
     progress: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<RankOutcome> {
-    let mut e = RankEngine::new(model, plan, comm, ecfg, init)?;
+    let mut e = RankEngine::new_on(model, plan, comm, ecfg, init, o.placement.clone())?;
     let rank = e.rank();
     let mut start = 0u64;
     if let Some((st, next)) = hooks.resume(rank)? {

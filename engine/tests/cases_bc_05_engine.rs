@@ -49,7 +49,7 @@ fn mean_grad(w: usize, strategy: Strategy, param: DType, reduce: DType) -> Vec<f
             };
             let mut e = RankEngine::new(&model, &p, &comm, ecfg, &init).unwrap();
             e.accumulate(&[mb]).unwrap();
-            e.grad_shards().remove(0).remove(0)
+            e.grad_shards().unwrap().remove(0).remove(0)
         },
     );
     let shards: Vec<Vec<f32>> = res.into_iter().map(|r| r.unwrap()).collect();

@@ -220,7 +220,7 @@ fn bc_02_clipping_uses_the_global_norm_at_every_world_size() {
                         norm,
                     })?;
                     let after = e.grad_norm(norm)?;
-                    Ok((before, after, e.grad_shards()[0][0].clone()))
+                    Ok((before, after, e.grad_shards()?[0][0].clone()))
                 },
             );
             let res: Vec<_> = res.into_iter().map(|r| r.unwrap()).collect();
@@ -291,14 +291,14 @@ fn bc03_grads(sync: GradSync, order: [usize; 3], one_batch: bool) -> Vec<Vec<f32
                 (acc.loss - 0.5 * 4.0 * 3.5).abs() < 1e-12,
                 "loss is the mean over 6 samples"
             );
-            out.push(e.grad_shards()[0][0].clone());
+            out.push(e.grad_shards()?[0][0].clone());
             e.optimizer_step(1e-3)?;
             assert!(
-                e.grad_shards()[0][0].iter().all(|x| *x == 0.0),
+                e.grad_shards()?[0][0].iter().all(|x| *x == 0.0),
                 "zeroed after the step"
             );
             e.accumulate(&mbs)?;
-            out.push(e.grad_shards()[0][0].clone());
+            out.push(e.grad_shards()?[0][0].clone());
             Ok(out)
         },
     );
@@ -516,7 +516,7 @@ fn bc_10b_uneven_last_batch_is_weighted_by_real_samples() {
             };
             let rows: Vec<Vec<f32>> = samples.iter().map(|&i| vec![i as f32; 2]).collect();
             let acc = e.accumulate(&[model.batch(&rows).unwrap()])?;
-            Ok((acc.loss, e.grad_shards()[0][0].clone()))
+            Ok((acc.loss, e.grad_shards()?[0][0].clone()))
         },
     );
     let res: Vec<_> = res.into_iter().map(|r| r.unwrap()).collect();

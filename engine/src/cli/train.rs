@@ -5,6 +5,7 @@
 use super::CliError;
 use crate::error::EngineError;
 use crate::memory::CountingAllocator;
+use crate::runtime::Placement;
 use crate::train::{train, StepReport, TrainOptions, TrainReport};
 use fsdp_planner::{GradSync, Strategy};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -31,6 +32,20 @@ pub enum BackendArg {
     /// This process is one rank of an MPI job (`mpirun -n W fsdp train --backend mpi`); rank
     /// and world size come from MPI. Needs a binary built with `--features mpi`.
     Mpi,
+    /// This process is one rank of an NCCL job on GPUs (`fsdp launch --nproc N -- train
+    /// --device cuda --backend nccl`); rank, world size and GPU (`LOCAL_RANK`) come from
+    /// torchrun's environment. Needs a binary built with `--features cuda`.
+    Nccl,
+}
+
+/// Where flat buffers live and the units compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceArg {
+    /// Host memory and CPU compute.
+    Cpu,
+    /// The GPU `LOCAL_RANK` (0 without a launcher): parameters, gradients, optimizer state and
+    /// activations in device memory, CUDA kernels, cuBLAS matmuls. Needs `--features cuda`.
+    Cuda,
 }
 
 /// A floating-point dtype for `--param-dtype` / `--reduce-dtype`.
@@ -77,9 +92,13 @@ pub struct TrainArgs {
     /// Number of ranks (threads on the in-process backend).
     #[arg(long, default_value_t = 1)]
     pub world_size: usize,
-    /// Transport: rank threads in this process, or MPI processes (start with `mpirun -n W`).
+    /// Transport: rank threads in this process, MPI processes (start with `mpirun -n W`), or
+    /// NCCL processes on GPUs (start with `fsdp launch --nproc N`).
     #[arg(long, value_enum, default_value_t = BackendArg::Threads)]
     pub backend: BackendArg,
+    /// Where the model's flat buffers live and its units compute.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
     /// Seconds a rank waits for its peers inside a collective before failing with an error
     /// that names them (`--backend mpi`; the thread backend waits 60 s).
     #[arg(long, default_value_t = 60.0)]
@@ -207,6 +226,25 @@ impl TrainArgs {
             reduce_dtype: self.reduce_dtype.dtype(),
             threads_per_rank: self.threads_per_rank,
             init_params: None,
+            placement: match self.device {
+                DeviceArg::Cpu => Placement::Host,
+                DeviceArg::Cuda => {
+                    let ordinal = match std::env::var("LOCAL_RANK") {
+                        Ok(v) => v.parse::<usize>().map_err(|_| {
+                            CliError::Usage(format!(
+                                "--device cuda: LOCAL_RANK={v:?} is not a GPU index"
+                            ))
+                        })?,
+                        Err(_) => 0,
+                    };
+                    let d = candle_core::Device::new_cuda(ordinal).map_err(|e| {
+                        CliError::Usage(format!(
+                            "--device cuda: cannot open GPU {ordinal}: {e} (a binary built with                              `--features cuda` and a CUDA driver are needed)"
+                        ))
+                    })?;
+                    Placement::Device(d)
+                }
+            },
         })
     }
 }
@@ -311,21 +349,30 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
             .filter(|&w| w > 1)
         {
             return Err(CliError::Usage(format!(
-                "this process is one of {w} ranks started by a launcher (RANK / WORLD_SIZE are set), but --backend threads runs all ranks as threads of one process: run `fsdp train --world-size {w}` without a launcher, or `mpirun -n {w} fsdp train --backend mpi` (a multi-process GPU backend for `fsdp launch` is not built yet)"
+                "this process is one of {w} ranks started by a launcher (RANK / WORLD_SIZE are set), but --backend threads runs all ranks as threads of one process: run `fsdp train --world-size {w}` without a launcher, `mpirun -n {w} fsdp train --backend mpi`, or on GPUs `fsdp launch --nproc {w} -- train --device cuda --backend nccl`"
             )));
         }
     }
     let mpi = match args.backend {
-        BackendArg::Threads => None,
+        BackendArg::Threads | BackendArg::Nccl => None,
         BackendArg::Mpi => Some(mpi_backend::MpiProcess::init(
             args.world_size,
             args.comm_timeout,
             &mut opts,
         )?),
     };
-    let root = mpi.as_ref().is_none_or(|m| m.rank() == 0);
+    let nccl = match args.backend {
+        BackendArg::Nccl => Some(NcclProcess::init(
+            args.world_size,
+            args.comm_timeout,
+            &mut opts,
+        )?),
+        _ => None,
+    };
+    let root =
+        mpi.as_ref().is_none_or(|m| m.rank() == 0) && nccl.as_ref().is_none_or(|n| n.rank == 0);
     crate::train::validate(&opts).map_err(cli_error)?;
-    if mpi.is_none() {
+    if mpi.is_none() && nccl.is_none() && !opts.placement.device().is_cuda() {
         preflight_threads(&opts, available_memory())?;
     }
     super::ckpt::apply_init_from(&args.ckpt, &mut opts)?;
@@ -417,9 +464,10 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
             ));
         }
     };
-    let report = match &mpi {
-        None => train(&opts, alloc, &hooks, &progress),
-        Some(m) => m.train(&opts, alloc, &hooks, &progress),
+    let report = match (&mpi, &nccl) {
+        (Some(m), _) => m.train(&opts, alloc, &hooks, &progress),
+        (None, Some(n)) => n.train(&opts, alloc, &hooks, &progress),
+        (None, None) => train(&opts, alloc, &hooks, &progress),
     }
     .map_err(cli_error)?;
     if !root {
@@ -505,6 +553,64 @@ fn print_summary(r: &TrainReport) {
             mib(r.plan_peak_per_rank * r.world_size as u64)
         ),
         None => println!("process heap: not measured (no counting allocator installed)"),
+    }
+}
+
+/// `--backend nccl`: this process as one rank of an NCCL job started by `fsdp launch` (or
+/// torchrun), from its environment.
+struct NcclProcess {
+    rank: usize,
+    timeout: std::time::Duration,
+}
+
+impl NcclProcess {
+    /// Reads torchrun's environment and sets `opts.world_size` to `WORLD_SIZE`.
+    ///
+    /// Errors: [`CliError::Usage`] without a launcher's environment, when `--world-size`
+    /// (other than its default 1) disagrees with it, or for a bad `--comm-timeout`.
+    fn init(
+        world_size_flag: usize,
+        comm_timeout: f64,
+        opts: &mut TrainOptions,
+    ) -> Result<NcclProcess, CliError> {
+        if !(comm_timeout.is_finite() && comm_timeout > 0.0) {
+            return Err(CliError::Usage(format!(
+                "--comm-timeout must be a positive number of seconds, got {comm_timeout}"
+            )));
+        }
+        let env = fsdp_comm::rendezvous::LaunchEnv::from_env().map_err(|e| {
+            CliError::Usage(format!(
+                "--backend nccl runs one process per GPU under a launcher: `fsdp launch --nproc N -- train --device cuda --backend nccl ...` ({e})"
+            ))
+        })?;
+        if world_size_flag != 1 && world_size_flag != env.world_size {
+            return Err(CliError::Usage(format!(
+                "--world-size {world_size_flag} disagrees with WORLD_SIZE={} of the launcher; with --backend nccl the world size is the launcher's --nproc (omit --world-size)",
+                env.world_size
+            )));
+        }
+        opts.world_size = env.world_size;
+        Ok(NcclProcess {
+            rank: env.rank,
+            timeout: std::time::Duration::from_secs_f64(comm_timeout),
+        })
+    }
+
+    /// Trains as this rank over an NCCL communicator (`fsdp_comm::nccl_from_env`).
+    fn train(
+        &self,
+        o: &TrainOptions,
+        alloc: Option<&'static CountingAllocator>,
+        hooks: &dyn crate::train::TrainHooks,
+        progress: &(dyn Fn(&StepReport) + Sync),
+    ) -> crate::error::Result<crate::train::TrainReport> {
+        let timeout = self.timeout;
+        let factory = move |t: fsdp_comm::Topology| fsdp_comm::nccl_from_env(t, timeout);
+        let r = crate::train::train_with(o, alloc, hooks, progress, Some(&factory));
+        if let Err(e) = &r {
+            eprintln!("fsdp train: rank {}: {e}", self.rank);
+        }
+        r
     }
 }
 

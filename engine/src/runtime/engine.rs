@@ -26,12 +26,14 @@ use crate::memory::{MemoryLedger, PhasePeak, LEDGER_CATEGORIES};
 use crate::optim::Optimizer;
 use crate::runtime::collectives::{f64_chunks_to_u64, u64_to_f64_chunks, Collectives};
 use crate::runtime::staged::{MicroBatch, StagedModel};
-use crate::runtime::unit::{owned_bytes, with_f32, FsdpUnit};
+use crate::runtime::unit::{owned_bytes, with_f32, FsdpUnit, Placement};
 use candle_core::{Tensor, Var};
 use fsdp_comm::{Buf, BufMut, Communicator, Group, OwnedBuf, PendingOp, ReduceOp};
+use fsdp_kernels::tensor::TensorKernels;
 use fsdp_planner::{GradSync, Phase, ShardPlan};
 use fsdp_types::DType;
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Which norm clipping uses.
@@ -258,6 +260,10 @@ pub struct RankEngine<'a, M: StagedModel + ?Sized> {
     overlap: bool,
     /// f16 dynamic loss scaling.
     scaler: Option<LossScaler>,
+    /// Where flat buffers live and units compute.
+    placement: Placement,
+    /// The device kernels under [`Placement::Device`].
+    dev: Option<Arc<TensorKernels>>,
 }
 
 impl<M: StagedModel + ?Sized> std::fmt::Debug for RankEngine<'_, M> {
@@ -305,6 +311,24 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         comm: &'a dyn Communicator,
         cfg: EngineConfig,
         init: &[Vec<Vec<f32>>],
+    ) -> Result<Self> {
+        Self::new_on(model, plan, comm, cfg, init, Placement::Host)
+    }
+
+    /// [`RankEngine::new`] with the flat buffers and the compute on `placement`: with
+    /// [`Placement::Device`] every flat buffer is a 1-D tensor on that device, the flat-buffer
+    /// kernels run there (fsdp-kernels' CUDA kernels on a CUDA device) and the communicator
+    /// receives the device tensors (on CUDA only the NCCL backend reaches them).
+    ///
+    /// Errors: as [`RankEngine::new`]; [`EngineError::Kernel`] when the device's kernels cannot
+    /// be set up (no CUDA driver, NVRTC failure).
+    pub fn new_on(
+        model: &'a M,
+        plan: &'a ShardPlan,
+        comm: &'a dyn Communicator,
+        cfg: EngineConfig,
+        init: &[Vec<Vec<f32>>],
+        placement: Placement,
     ) -> Result<Self> {
         if plan.strategy.replicated_params_and_grads() {
             return Err(EngineError::Config(format!(
@@ -454,6 +478,10 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             }
         }
         let shard_index = rank % topo.shard_size;
+        let dev = match &placement {
+            Placement::Host => None,
+            Placement::Device(d) => Some(Arc::new(TensorKernels::new(d)?)),
+        };
         let mut ledger = MemoryLedger::new();
         let mut units = Vec::with_capacity(spec.units.len());
         for (u, (us, ul)) in spec.units.iter().zip(&plan.units).enumerate() {
@@ -465,6 +493,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                 shard_index as u64,
                 cfg.optimizer.state_buffers(),
                 plan.config.param_dtype,
+                dev.as_ref(),
                 &mut ledger,
             )?);
         }
@@ -496,6 +525,8 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             overlap: plan.overlaps_reductions(),
             scaler: (plan.config.param_dtype == DType::F16)
                 .then(|| LossScaler::initial(plan.config.micro_batch * plan.config.seq_len)),
+            placement,
+            dev,
         })
     }
 
@@ -507,6 +538,16 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
     /// The f16 dynamic loss scaler's state (`None` unless param_dtype is f16).
     pub fn loss_scaler(&self) -> Option<LossScaler> {
         self.scaler
+    }
+
+    /// Where this rank's flat buffers live and its units compute.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
+    }
+
+    /// The flat-buffer kernels of the device under [`Placement::Device`] (`None` on the host).
+    pub fn tensor_kernels(&self) -> Option<&TensorKernels> {
+        self.dev.as_deref()
     }
 
     /// This rank.
@@ -619,7 +660,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         if sync_last {
             for u in 0..self.units.len() {
                 if self.units[u].trainable() {
-                    self.units[u].alloc_flat_grads(DType::F32, &mut self.ledger);
+                    self.units[u].alloc_flat_grads(DType::F32, &mut self.ledger)?;
                 }
             }
         }
@@ -642,7 +683,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                 .flat_map(|u| &u.flats)
                 .filter(|f| f.layout.trainable)
             {
-                if !fsdp_kernels::max_abs(&f.grad, &f.spans)?.is_finite() {
+                if !f.grad.max_abs(&f.spans)?.is_finite() {
                     local_overflow = true;
                 }
             }
@@ -650,7 +691,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         let divisor = tokens as f64 * self.scaler.map_or(1.0, |s| s.scale);
         for u in self.units.iter_mut() {
             for f in u.flats.iter_mut().filter(|f| f.layout.trainable) {
-                fsdp_kernels::div_scalar(&mut f.grad, divisor as f32);
+                f.grad.div_scalar(divisor as f32)?;
             }
         }
         let violation = self.memory_violation();
@@ -663,7 +704,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             .all_reduce(Group::World, ReduceOp::Sum, BufMut::F64(&mut buf))?;
         let overflow = buf[2] > 0.0;
         if overflow {
-            self.zero_grad();
+            self.zero_grad()?;
         }
         if let Some(e) = violation {
             return Err(e);
@@ -718,6 +759,14 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
 
     /// Forward and backward of one micro-batch; returns its local loss sum.
     fn micro_batch(&mut self, mb: &MicroBatch, sync_last: bool, reduce: bool) -> Result<f64> {
+        let on_device;
+        let mb = match &self.placement {
+            Placement::Host => mb,
+            Placement::Device(d) => {
+                on_device = mb.to_device(d)?;
+                &on_device
+            }
+        };
         let plan = self.plan;
         let sched = &plan.schedule;
         let keep = !sched.reshard_after_forward;
@@ -826,7 +875,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                     let mut params: Vec<Option<Tensor>> =
                         self.units[u].vars.iter().map(|v| grads.remove(v)).collect();
                     drop(grads);
-                    self.units[u].alloc_flat_grads(grad_dtype, &mut self.ledger);
+                    self.units[u].alloc_flat_grads(grad_dtype, &mut self.ledger)?;
                     let add = sync_last || touched[u];
                     self.units[u].gather_grads(&mut params, add)?;
                     touched[u] = true;
@@ -864,17 +913,27 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         let mut flats = Vec::new();
         for (t, fs) in unit.flats.iter().filter(|f| f.layout.trainable).enumerate() {
             let (send, keep) = if sync_last && rd != DType::F32 {
-                let OwnedBuf::F32(acc) = &unit.flat_grads[t] else {
-                    return Err(EngineError::Config(
-                        "persistent gradient buffer is not f32".into(),
-                    ));
+                let c = match (&unit.flat_grads[t], &fs.dev) {
+                    (OwnedBuf::F32(acc), _) => {
+                        let mut c = OwnedBuf::zeros(rd, acc.len());
+                        match &mut c {
+                            OwnedBuf::BF16(v) => fsdp_kernels::cast::cast_f32_to_bf16(acc, v)?,
+                            OwnedBuf::F16(v) => fsdp_kernels::cast::cast_f32_to_f16(acc, v)?,
+                            _ => unreachable!("reduce_dtype checked at construction"),
+                        }
+                        c
+                    }
+                    (OwnedBuf::Tensor(acc), Some(k)) => {
+                        let c = k.zeros(rd, acc.elem_count())?;
+                        k.cast_into(&c, 0, acc)?;
+                        OwnedBuf::Tensor(c)
+                    }
+                    _ => {
+                        return Err(EngineError::Config(
+                            "persistent gradient buffer is not f32".into(),
+                        ))
+                    }
                 };
-                let mut c = OwnedBuf::zeros(rd, acc.len());
-                match &mut c {
-                    OwnedBuf::BF16(v) => fsdp_kernels::cast::cast_f32_to_bf16(acc, v)?,
-                    OwnedBuf::F16(v) => fsdp_kernels::cast::cast_f32_to_f16(acc, v)?,
-                    _ => unreachable!("reduce_dtype checked at construction"),
-                }
                 self.ledger
                     .alloc(fsdp_planner::Category::UnshardedGrads, owned_bytes(&c));
                 (c, false)
@@ -886,11 +945,14 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                 let n = fs.shard_numel();
                 self.ledger
                     .alloc(fsdp_planner::Category::Staging, rd.size_bytes() * n as u64);
-                ReduceWork::Started(self.comm.start_reduce_scatter_sum(
-                    Group::Shard,
-                    send,
-                    OwnedBuf::zeros(rd, n),
-                )?)
+                let recv = match &fs.dev {
+                    None => OwnedBuf::zeros(rd, n),
+                    Some(k) => OwnedBuf::Tensor(k.zeros(rd, n)?),
+                };
+                ReduceWork::Started(
+                    self.comm
+                        .start_reduce_scatter_sum(Group::Shard, send, recv)?,
+                )
             } else if r > 1 {
                 ReduceWork::Started(self.comm.start_all_reduce(
                     Group::Replicate,
@@ -925,8 +987,15 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                 }
             };
             if s > 1 && r > 1 {
-                self.comm
-                    .all_reduce(Group::Replicate, ReduceOp::Sum, reduced.as_buf_mut())?;
+                if reduced.tensor().is_none() {
+                    self.comm
+                        .all_reduce(Group::Replicate, ReduceOp::Sum, reduced.as_buf_mut())?;
+                } else {
+                    let op =
+                        self.comm
+                            .start_all_reduce(Group::Replicate, ReduceOp::Sum, reduced)?;
+                    reduced = self.comm.wait(op)?.buf;
+                }
             }
             let unit = &mut self.units[p.unit];
             let fs = unit
@@ -935,7 +1004,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                 .filter(|f| f.layout.trainable)
                 .nth(fr.t)
                 .expect("trainable flat index");
-            accumulate_widen(&mut fs.grad, &reduced)?;
+            fs.grad.accumulate(&reduced)?;
             let send = if s > 1 {
                 self.ledger
                     .free(fsdp_planner::Category::Staging, owned_bytes(&reduced));
@@ -968,9 +1037,9 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             .filter(|f| f.layout.trainable)
         {
             match norm {
-                NormType::L2 => local += fsdp_kernels::sum_squares(&f.grad, &f.spans)?,
+                NormType::L2 => local += f.grad.sum_squares(&f.spans)?,
                 NormType::Inf => {
-                    let m = fsdp_kernels::max_abs(&f.grad, &f.spans)? as f64;
+                    let m = f.grad.max_abs(&f.spans)? as f64;
                     local = if m.is_nan() || m > local { m } else { local };
                 }
             }
@@ -1002,7 +1071,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         if coef < 1.0 {
             for f in self.units.iter_mut().flat_map(|u| u.flats.iter_mut()) {
                 if f.layout.trainable {
-                    fsdp_kernels::scale(&mut f.grad, coef as f32);
+                    f.grad.scale(coef as f32)?;
                 }
             }
         }
@@ -1024,15 +1093,17 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             }
         }
         self.step = step;
-        self.zero_grad();
-        Ok(())
+        self.zero_grad()
     }
 
     /// Sets every gradient shard to zero.
-    pub fn zero_grad(&mut self) {
+    ///
+    /// Errors: a device kernel failure.
+    pub fn zero_grad(&mut self) -> Result<()> {
         for f in self.units.iter_mut().flat_map(|u| u.flats.iter_mut()) {
-            fsdp_kernels::zero(&mut f.grad);
+            f.grad.zero()?;
         }
+        Ok(())
     }
 
     /// One full training step: [`RankEngine::accumulate`], clipping (if configured),
@@ -1089,6 +1160,14 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         let mut sum = 0f64;
         let mut count = 0u64;
         for mb in mbs {
+            let on_device;
+            let mb = match &self.placement {
+                Placement::Host => mb,
+                Placement::Device(d) => {
+                    on_device = mb.to_device(d)?;
+                    &on_device
+                }
+            };
             let mut x = mb.input.clone();
             for s in 0..m {
                 let u = self.stage_units[s];
@@ -1141,15 +1220,18 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         Ok(out)
     }
 
-    /// This rank's gradient shards, per unit per trainable flat parameter (`s_f` elements).
-    pub fn grad_shards(&self) -> Vec<Vec<Vec<f32>>> {
+    /// This rank's gradient shards, per unit per trainable flat parameter (`s_f` elements;
+    /// host copies).
+    ///
+    /// Errors: a device copy failure.
+    pub fn grad_shards(&self) -> Result<Vec<Vec<Vec<f32>>>> {
         self.units
             .iter()
             .map(|u| {
                 u.flats
                     .iter()
                     .filter(|f| f.layout.trainable)
-                    .map(|f| f.grad.clone())
+                    .map(|f| f.grad_vec())
                     .collect()
             })
             .collect()
@@ -1182,8 +1264,8 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                     param: fs.param_vec()?,
                     optimizer_state: names
                         .iter()
-                        .zip(&fs.state)
-                        .map(|(n, v)| (n.to_string(), v.clone()))
+                        .zip(fs.state_vecs()?)
+                        .map(|(n, v)| (n.to_string(), v))
                         .collect(),
                 });
             }
@@ -1244,8 +1326,8 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             for fs in unit.flats.iter_mut() {
                 let s = it.next().expect("checked");
                 fs.set_param(&s.param)?;
-                for (dst, (_, v)) in fs.state.iter_mut().zip(&s.optimizer_state) {
-                    dst.copy_from_slice(v);
+                for (i, (_, v)) in s.optimizer_state.iter().enumerate() {
+                    fs.set_state(i, v)?;
                 }
             }
         }
@@ -1289,25 +1371,6 @@ fn check_counts(all: &[Vec<f64>], what: &'static str, unit: &str) -> Result<()> 
         what,
         detail: format!("{}, others: {common}", odd.join(", ")),
     })
-}
-
-/// Adds a reduced gradient shard (`grad.len()` elements of any dtype) into the fp32 gradient
-/// shard; 16-bit values widen exactly.
-fn accumulate_widen(grad: &mut [f32], src: &OwnedBuf) -> Result<()> {
-    if grad.len() != src.len() {
-        return Err(EngineError::Config(format!(
-            "reduced gradient of {} elements for a shard of {}",
-            src.len(),
-            grad.len()
-        )));
-    }
-    match src {
-        OwnedBuf::F32(v) => fsdp_kernels::accumulate(grad, v)?,
-        OwnedBuf::BF16(v) => grad.iter_mut().zip(v).for_each(|(g, x)| *g += x.to_f32()),
-        OwnedBuf::F16(v) => grad.iter_mut().zip(v).for_each(|(g, x)| *g += x.to_f32()),
-        OwnedBuf::F64(v) => grad.iter_mut().zip(v).for_each(|(g, x)| *g += *x as f32),
-    }
-    Ok(())
 }
 
 /// Reads a 0-dim or 1-element f32 tensor (helper for tests and drivers).

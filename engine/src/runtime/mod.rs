@@ -16,4 +16,4 @@ pub use engine::{
     RankState, StepStats,
 };
 pub use staged::{MicroBatch, StagedModel};
-pub use unit::{FlatShard, FsdpUnit, UnitState};
+pub use unit::{FlatShard, FsdpUnit, Placement, UnitState};

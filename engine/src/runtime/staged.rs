@@ -27,6 +27,20 @@ pub struct MicroBatch {
     pub count: u64,
 }
 
+impl MicroBatch {
+    /// The same micro-batch with its tensors on `device` (a shallow copy when they are there
+    /// already).
+    ///
+    /// Errors: a failed device copy.
+    pub fn to_device(&self, device: &candle_core::Device) -> candle_core::Result<MicroBatch> {
+        Ok(MicroBatch {
+            input: self.input.to_device(device)?,
+            target: self.target.to_device(device)?,
+            count: self.count,
+        })
+    }
+}
+
 /// A model computed stage by stage, one FSDP unit per stage (a unit may serve several stages,
 /// like a tied-embedding root unit used first and last).
 ///

@@ -20,11 +20,176 @@ use crate::optim::Optimizer;
 use crate::runtime::collectives::Collectives;
 use candle_core::{CpuStorage, Device, InplaceOp1, Layout, Storage, Tensor, Var, WithDType};
 use fsdp_comm::{Group, OwnedBuf, PendingOp};
+use fsdp_kernels::tensor::TensorKernels;
 use fsdp_kernels::Span;
 use fsdp_planner::{FlatParamLayout, UnitLayout, UnitSpec};
 use fsdp_types::DType;
 use half::{bf16, f16};
 use std::cell::RefCell;
+use std::sync::Arc;
+
+/// Where a rank's flat buffers live and its FSDP units compute.
+#[derive(Debug, Clone, Default)]
+pub enum Placement {
+    /// Host memory and CPU compute: flat buffers are `Vec`s, gathered parameters are copied
+    /// out of the all-gather buffer (the default, and the path every parity test pins).
+    #[default]
+    Host,
+    /// Flat buffers (master, gradient and optimizer shards, all-gather and flat-gradient
+    /// buffers) are 1-D candle tensors on this device, the units compute there, and the
+    /// unsharded parameters are views of the gathered buffer (no copy). On a CUDA device the
+    /// kernels are fsdp-kernels' CUDA kernels and the collectives need the NCCL backend; on
+    /// the CPU device the same code runs on host tensors, with results bitwise equal to
+    /// [`Placement::Host`] (tested).
+    Device(Device),
+}
+
+impl Placement {
+    /// The candle device units compute on.
+    pub fn device(&self) -> Device {
+        match self {
+            Placement::Host => Device::Cpu,
+            Placement::Device(d) => d.clone(),
+        }
+    }
+}
+
+/// An fp32 flat buffer of a shard (master weights, gradient, optimizer state): a host `Vec`
+/// or a 1-D f32 tensor on the placement's device with the kernels that update it.
+#[derive(Debug)]
+pub(crate) enum F32Buf {
+    Host(Vec<f32>),
+    Dev(Tensor, Arc<TensorKernels>),
+}
+
+impl F32Buf {
+    /// `values` where `dev` is `None`, else a copy of them on the device.
+    pub(crate) fn from_vec(dev: Option<&Arc<TensorKernels>>, values: Vec<f32>) -> Result<F32Buf> {
+        Ok(match dev {
+            None => F32Buf::Host(values),
+            Some(k) => F32Buf::Dev(k.from_f32(&values, DType::F32)?, k.clone()),
+        })
+    }
+
+    /// `n` zeros.
+    pub(crate) fn zeros(dev: Option<&Arc<TensorKernels>>, n: usize) -> Result<F32Buf> {
+        Ok(match dev {
+            None => F32Buf::Host(vec![0.0; n]),
+            Some(k) => F32Buf::Dev(k.zeros(DType::F32, n)?, k.clone()),
+        })
+    }
+
+    /// An empty buffer (frozen flat parameters have no gradient).
+    pub(crate) fn empty() -> F32Buf {
+        F32Buf::Host(Vec::new())
+    }
+
+    /// Elements.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            F32Buf::Host(v) => v.len(),
+            F32Buf::Dev(t, _) => t.elem_count(),
+        }
+    }
+
+    /// A host copy.
+    pub(crate) fn to_vec(&self) -> Result<Vec<f32>> {
+        Ok(match self {
+            F32Buf::Host(v) => v.clone(),
+            F32Buf::Dev(t, k) => k.to_f32(t)?,
+        })
+    }
+
+    /// Overwrites the buffer with `values` (same length).
+    pub(crate) fn set(&mut self, values: &[f32]) -> Result<()> {
+        if values.len() != self.len() {
+            return Err(EngineError::State(format!(
+                "{} values for a buffer of {} elements",
+                values.len(),
+                self.len()
+            )));
+        }
+        match self {
+            F32Buf::Host(v) => v.copy_from_slice(values),
+            F32Buf::Dev(t, k) => k.copy_into(t, 0, &k.from_f32(values, DType::F32)?)?,
+        }
+        Ok(())
+    }
+
+    /// Largest absolute value over `spans` (NaN if any is NaN).
+    pub(crate) fn max_abs(&self, spans: &[Span]) -> Result<f32> {
+        Ok(match self {
+            F32Buf::Host(v) => fsdp_kernels::max_abs(v, spans)?,
+            F32Buf::Dev(t, k) => k.max_abs(t, spans)?,
+        })
+    }
+
+    /// Sum of squares over `spans`, accumulated in f64.
+    pub(crate) fn sum_squares(&self, spans: &[Span]) -> Result<f64> {
+        Ok(match self {
+            F32Buf::Host(v) => fsdp_kernels::sum_squares(v, spans)?,
+            F32Buf::Dev(t, k) => k.sum_squares(t, spans)?,
+        })
+    }
+
+    /// Multiplies every element by `a`.
+    pub(crate) fn scale(&mut self, a: f32) -> Result<()> {
+        match self {
+            F32Buf::Host(v) => fsdp_kernels::scale(v, a),
+            F32Buf::Dev(t, k) => k.scale(t, a)?,
+        }
+        Ok(())
+    }
+
+    /// Divides every element by `d`.
+    pub(crate) fn div_scalar(&mut self, d: f32) -> Result<()> {
+        match self {
+            F32Buf::Host(v) => fsdp_kernels::div_scalar(v, d),
+            F32Buf::Dev(t, k) => k.div_scalar(t, d)?,
+        }
+        Ok(())
+    }
+
+    /// Sets every element to zero.
+    pub(crate) fn zero(&mut self) -> Result<()> {
+        match self {
+            F32Buf::Host(v) => fsdp_kernels::zero(v),
+            F32Buf::Dev(t, k) => k.zero(t)?,
+        }
+        Ok(())
+    }
+
+    /// Adds a reduced gradient shard (`len()` elements of any dtype) into this fp32 buffer;
+    /// 16-bit values widen exactly.
+    pub(crate) fn accumulate(&mut self, src: &OwnedBuf) -> Result<()> {
+        if self.len() != src.len() {
+            return Err(EngineError::Config(format!(
+                "reduced gradient of {} elements for a shard of {}",
+                src.len(),
+                self.len()
+            )));
+        }
+        match (self, src) {
+            (F32Buf::Host(grad), OwnedBuf::F32(v)) => fsdp_kernels::accumulate(grad, v)?,
+            (F32Buf::Host(grad), OwnedBuf::BF16(v)) => {
+                grad.iter_mut().zip(v).for_each(|(g, x)| *g += x.to_f32())
+            }
+            (F32Buf::Host(grad), OwnedBuf::F16(v)) => {
+                grad.iter_mut().zip(v).for_each(|(g, x)| *g += x.to_f32())
+            }
+            (F32Buf::Host(grad), OwnedBuf::F64(v)) => {
+                grad.iter_mut().zip(v).for_each(|(g, x)| *g += *x as f32)
+            }
+            (F32Buf::Dev(t, k), OwnedBuf::Tensor(x)) => k.accumulate(t, x)?,
+            (F32Buf::Host(_), _) | (F32Buf::Dev(..), _) => {
+                return Err(EngineError::Config(
+                    "a reduced gradient and its shard live on different devices".into(),
+                ))
+            }
+        }
+        Ok(())
+    }
+}
 
 /// Where an FSDP unit is in its life cycle within a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,7 +208,7 @@ pub enum UnitState {
 #[derive(Debug)]
 enum Master {
     /// Shard group > 1: the shard as one flat buffer of `s_f` elements.
-    Flat(Vec<f32>),
+    Flat(F32Buf),
     /// Shard group of one: one tensor per segment (variables when trainable); padding and
     /// alignment gaps are implicit zeros.
     Parts(Vec<Tensor>),
@@ -58,12 +223,14 @@ pub struct FlatShard {
     pub shard_index: u64,
     master: Master,
     /// The fp32 accumulated gradient shard (`s_f` elements); empty for frozen flat params.
-    pub grad: Vec<f32>,
+    pub(crate) grad: F32Buf,
     /// Optimizer state buffers (`s_f` elements each): AdamW `[exp_avg, exp_avg_sq]`, SGD
     /// `[momentum]` or none; empty for frozen flat params.
-    pub state: Vec<Vec<f32>>,
+    pub(crate) state: Vec<F32Buf>,
     /// The real spans of this shard with their weight-decay flags (padding excluded).
     pub spans: Vec<Span>,
+    /// The device kernels when the shard lives on a compute device ([`Placement::Device`]).
+    pub(crate) dev: Option<Arc<TensorKernels>>,
 }
 
 impl FlatShard {
@@ -80,16 +247,40 @@ impl FlatShard {
     /// A copy of the master shard (`s_f` elements, padding zero).
     pub fn param_vec(&self) -> Result<Vec<f32>> {
         match &self.master {
-            Master::Flat(v) => Ok(v.clone()),
+            Master::Flat(v) => v.to_vec(),
             Master::Parts(parts) => {
                 let mut out = vec![0f32; self.shard_numel()];
                 for (seg, t) in self.layout.segments.iter().zip(parts) {
                     let r = seg_range(seg);
-                    with_f32(t, |x| out[r].copy_from_slice(x))?;
+                    match &self.dev {
+                        None => with_f32(t, |x| out[r].copy_from_slice(x))?,
+                        Some(k) => out[r].copy_from_slice(&k.to_f32(t)?),
+                    }
                 }
                 Ok(out)
             }
         }
+    }
+
+    /// A host copy of the fp32 gradient shard (`s_f` elements; empty for frozen ones).
+    pub fn grad_vec(&self) -> Result<Vec<f32>> {
+        self.grad.to_vec()
+    }
+
+    /// Host copies of the optimizer state buffers (`s_f` elements each).
+    pub fn state_vecs(&self) -> Result<Vec<Vec<f32>>> {
+        self.state.iter().map(F32Buf::to_vec).collect()
+    }
+
+    /// Overwrites optimizer state buffer `i` with `values` (`s_f` elements).
+    ///
+    /// Errors: [`EngineError::State`] on a bad index or length.
+    pub fn set_state(&mut self, i: usize, values: &[f32]) -> Result<()> {
+        let n = self.state.len();
+        self.state
+            .get_mut(i)
+            .ok_or_else(|| EngineError::State(format!("optimizer state {i} of {n}")))?
+            .set(values)
     }
 
     /// Overwrites the master shard with `values` (`s_f` elements; padding must be zero).
@@ -105,11 +296,14 @@ impl FlatShard {
             )));
         }
         match &mut self.master {
-            Master::Flat(v) => v.copy_from_slice(values),
+            Master::Flat(v) => v.set(values)?,
             Master::Parts(parts) => {
                 for (seg, t) in self.layout.segments.iter().zip(parts.iter()) {
                     let r = seg_range(seg);
-                    mut_f32(t, |x| x.copy_from_slice(&values[r]))?;
+                    match &self.dev {
+                        None => mut_f32(t, |x| x.copy_from_slice(&values[r]))?,
+                        Some(k) => k.copy_into(t, 0, &k.from_f32(&values[r], DType::F32)?)?,
+                    }
                 }
             }
         }
@@ -127,11 +321,34 @@ impl FlatShard {
             layout,
             ..
         } = self;
-        match master {
-            Master::Flat(p) => {
-                let mut st: Vec<&mut [f32]> = state.iter_mut().map(|s| s.as_mut_slice()).collect();
-                opt.step_shard(p, grad, &mut st, spans, step)
+        if let (Master::Flat(F32Buf::Dev(p, k)), F32Buf::Dev(g, _)) = (&*master, &*grad) {
+            let st = dev_tensors(state)?;
+            return opt.step_tensors(k, p, g, &st, spans, step);
+        }
+        if let (Master::Parts(parts), F32Buf::Dev(g, k)) = (&*master, &*grad) {
+            let st = dev_tensors(state)?;
+            for (seg, t) in layout.segments.iter().zip(parts.iter()) {
+                let r = seg_range(seg);
+                let sp = [Span::new(0, r.len(), seg.weight_decay)];
+                let gs = g.narrow(0, r.start, r.len())?;
+                let ss: Vec<Tensor> = st
+                    .iter()
+                    .map(|s| s.narrow(0, r.start, r.len()))
+                    .collect::<candle_core::Result<_>>()?;
+                opt.step_tensors(k, t, &gs, &ss, &sp, step)?;
             }
+            return Ok(());
+        }
+        let (F32Buf::Host(grad), Ok(mut state)) = (&*grad, host_slices(state)) else {
+            return Err(EngineError::Config(
+                "a shard's master, gradient and optimizer state live on different devices".into(),
+            ));
+        };
+        match master {
+            Master::Flat(F32Buf::Host(p)) => opt.step_shard(p, grad, &mut state, spans, step),
+            Master::Flat(F32Buf::Dev(..)) => Err(EngineError::Config(
+                "a shard's master and gradient live on different devices".into(),
+            )),
             Master::Parts(parts) => {
                 let mut err = None;
                 for (seg, t) in layout.segments.iter().zip(parts.iter()) {
@@ -153,6 +370,30 @@ impl FlatShard {
             }
         }
     }
+}
+
+/// The device tensors of state buffers (all must be on the device).
+fn dev_tensors(state: &[F32Buf]) -> Result<Vec<Tensor>> {
+    state
+        .iter()
+        .map(|s| match s {
+            F32Buf::Dev(t, _) => Ok(t.clone()),
+            F32Buf::Host(_) => Err(EngineError::Config(
+                "optimizer state on the host for a shard on a device".into(),
+            )),
+        })
+        .collect()
+}
+
+/// The host slices of state buffers (all must be on the host).
+fn host_slices(state: &mut [F32Buf]) -> std::result::Result<Vec<&mut [f32]>, ()> {
+    state
+        .iter_mut()
+        .map(|s| match s {
+            F32Buf::Host(v) => Ok(v.as_mut_slice()),
+            F32Buf::Dev(..) => Err(()),
+        })
+        .collect()
 }
 
 fn seg_range(seg: &fsdp_planner::Segment) -> std::ops::Range<usize> {
@@ -267,6 +508,7 @@ impl FsdpUnit {
         shard_index: u64,
         state_buffers: usize,
         param_dtype: DType,
+        dev: Option<&Arc<TensorKernels>>,
         ledger: &mut MemoryLedger,
     ) -> Result<Self> {
         if !matches!(param_dtype, DType::F32 | DType::BF16 | DType::F16) {
@@ -283,9 +525,12 @@ impl FsdpUnit {
             let (grad, state) = if fl.trainable {
                 ledger.alloc(Category::GradShards, 4 * n as u64);
                 ledger.alloc(Category::OptimizerState, 4 * (n * state_buffers) as u64);
-                (vec![0.0; n], vec![vec![0.0; n]; state_buffers])
+                let state = (0..state_buffers)
+                    .map(|_| F32Buf::zeros(dev, n))
+                    .collect::<Result<Vec<_>>>()?;
+                (F32Buf::zeros(dev, n)?, state)
             } else {
-                (Vec::new(), Vec::new())
+                (F32Buf::empty(), Vec::new())
             };
             let spans = fl
                 .shard_spans(shard_index)
@@ -298,19 +543,20 @@ impl FsdpUnit {
                     )
                 })
                 .collect();
+            let device = dev.map_or(Device::Cpu, |k| k.device().clone());
             let master = if copies {
-                Master::Flat(shard)
+                Master::Flat(F32Buf::from_vec(dev, shard)?)
             } else {
                 let mut parts = Vec::with_capacity(fl.segments.len());
                 for seg in &fl.segments {
                     let shape: Vec<usize> = seg.shape.iter().map(|&d| d as usize).collect();
                     let data = fl.view(&shard, parts.len()).to_vec();
                     let t = if fl.trainable {
-                        Var::from_vec(data, shape.as_slice(), &Device::Cpu)?
+                        Var::from_vec(data, shape.as_slice(), &device)?
                             .as_tensor()
                             .clone()
                     } else {
-                        Tensor::from_vec(data, shape.as_slice(), &Device::Cpu)?
+                        Tensor::from_vec(data, shape.as_slice(), &device)?
                     };
                     parts.push(t);
                 }
@@ -323,6 +569,7 @@ impl FsdpUnit {
                 grad,
                 state,
                 spans,
+                dev: dev.cloned(),
             });
         }
         let mut locs = Vec::with_capacity(spec.params.len());
@@ -438,7 +685,17 @@ impl FsdpUnit {
                         self.unsharded_bytes += b;
                     }
                 }
-                Master::Flat(shard) => {
+                Master::Flat(F32Buf::Dev(shard, k)) => {
+                    let b = pd.size_bytes() * p as u64;
+                    ledger.alloc(Category::UnshardedParams, b);
+                    self.unsharded_bytes += b;
+                    let buf = k.zeros(pd, p)?;
+                    let at = fs.shard_index as usize * shard.elem_count();
+                    k.cast_into(&buf, at, shard)?;
+                    self.gathers
+                        .push(comm.start_all_gather_in_place(Group::Shard, OwnedBuf::Tensor(buf))?);
+                }
+                Master::Flat(F32Buf::Host(shard)) => {
                     let b = pd.size_bytes() * p as u64;
                     ledger.alloc(Category::UnshardedParams, b);
                     self.unsharded_bytes += b;
@@ -453,7 +710,9 @@ impl FsdpUnit {
                         OwnedBuf::F16(v) => {
                             fsdp_kernels::cast::cast_f32_to_f16(shard, &mut v[at..at + n])?
                         }
-                        OwnedBuf::F64(_) => unreachable!("param_dtype checked at construction"),
+                        OwnedBuf::F64(_) | OwnedBuf::Tensor(_) => {
+                            unreachable!("param_dtype checked at construction")
+                        }
                     }
                     self.gathers
                         .push(comm.start_all_gather_in_place(Group::Shard, buf)?);
@@ -486,9 +745,10 @@ impl FsdpUnit {
                     let dt = candle_dtype(pd);
                     let mut ts = Vec::with_capacity(parts.len());
                     for t in parts {
+                        // A fresh cast copy: a variable view of it needs no second copy.
                         let c = t.to_dtype(dt)?;
                         ts.push(if fs.layout.trainable {
-                            Var::from_tensor(&c)?.as_tensor().clone()
+                            c.variable_view()
                         } else {
                             c
                         });
@@ -506,6 +766,7 @@ impl FsdpUnit {
                         OwnedBuf::BF16(v) => cut(v, &fs.layout, trainable)?,
                         OwnedBuf::F16(v) => cut(v, &fs.layout, trainable)?,
                         OwnedBuf::F64(v) => cut(v, &fs.layout, trainable)?,
+                        OwnedBuf::Tensor(t) => views(&t, &fs.layout, trainable)?,
                     });
                 }
             }
@@ -552,15 +813,25 @@ impl FsdpUnit {
 
     /// Allocates zeroed unsharded gradient buffers of `dtype` (`P_f` elements per trainable
     /// flat parameter, counted in `unsharded_grads`); a no-op if they exist.
-    pub(crate) fn alloc_flat_grads(&mut self, dtype: DType, ledger: &mut MemoryLedger) {
+    ///
+    /// Errors: a device allocation failure.
+    pub(crate) fn alloc_flat_grads(
+        &mut self,
+        dtype: DType,
+        ledger: &mut MemoryLedger,
+    ) -> Result<()> {
         if !self.flat_grads.is_empty() {
-            return;
+            return Ok(());
         }
         for fs in self.flats.iter().filter(|f| f.layout.trainable) {
             let p = fs.padded_numel();
             ledger.alloc(Category::UnshardedGrads, dtype.size_bytes() * p as u64);
-            self.flat_grads.push(OwnedBuf::zeros(dtype, p));
+            self.flat_grads.push(match &fs.dev {
+                None => OwnedBuf::zeros(dtype, p),
+                Some(k) => OwnedBuf::Tensor(k.zeros(dtype, p)?),
+            });
         }
+        Ok(())
     }
 
     /// Frees the unsharded gradient buffers.
@@ -586,6 +857,13 @@ impl FsdpUnit {
                     continue;
                 };
                 let r = seg_range(seg);
+                if let OwnedBuf::Tensor(b) = buf {
+                    let k = fs.dev.as_ref().ok_or_else(|| {
+                        EngineError::Config("a device gradient buffer without kernels".into())
+                    })?;
+                    add_grad_into(k, b, r, &g, add)?;
+                    continue;
+                }
                 let g = if g.dtype() == candle_core::DType::F32 {
                     g
                 } else {
@@ -617,11 +895,49 @@ impl FsdpUnit {
                             *d = if add { *d + *s as f64 } else { *s as f64 };
                         }
                     }
+                    OwnedBuf::Tensor(_) => unreachable!("device buffers handled above"),
                 })?;
             }
         }
         Ok(())
     }
+}
+
+/// Copies (`add == false`) or adds the parameter gradient `g` (any shape and float dtype) into
+/// elements `r` of the device flat gradient `buf`, with the host path's arithmetic: a copy
+/// rounds once to `buf`'s dtype; an add widens both to f32 (f64 for an f64 buffer), adds and
+/// rounds once.
+fn add_grad_into(
+    k: &TensorKernels,
+    buf: &Tensor,
+    r: std::ops::Range<usize>,
+    g: &Tensor,
+    add: bool,
+) -> Result<()> {
+    let bd = buf.dtype();
+    let g = g.flatten_all()?;
+    if !add {
+        let g = if g.dtype() == bd {
+            g.contiguous()?
+        } else {
+            g.to_dtype(candle_core::DType::F32)?.to_dtype(bd)?
+        };
+        k.copy_into(buf, r.start, &g)?;
+        return Ok(());
+    }
+    let dst = buf.narrow(0, r.start, r.len())?;
+    if bd == candle_core::DType::F32 {
+        k.accumulate(&dst, &g.contiguous()?)?;
+        return Ok(());
+    }
+    let wide = if bd == candle_core::DType::F64 {
+        candle_core::DType::F64
+    } else {
+        candle_core::DType::F32
+    };
+    let sum = (dst.to_dtype(wide)? + g.to_dtype(candle_core::DType::F32)?.to_dtype(wide)?)?;
+    k.copy_into(buf, r.start, &sum.to_dtype(bd)?)?;
+    Ok(())
 }
 
 /// Bytes of an owned buffer (elements x element size).
@@ -637,6 +953,21 @@ pub fn candle_dtype(d: DType) -> candle_core::DType {
         DType::F16 => candle_core::DType::F16,
         DType::F64 => candle_core::DType::F64,
     }
+}
+
+/// The layout's parameter tensors as views of a gathered device buffer (`P_f` elements; no
+/// copy: the buffer lives as long as its last view), variables when `trainable`.
+fn views(full: &Tensor, layout: &FlatParamLayout, trainable: bool) -> Result<Vec<Tensor>> {
+    let mut ts = Vec::with_capacity(layout.segments.len());
+    for seg in &layout.segments {
+        let shape: Vec<usize> = seg.shape.iter().map(|&d| d as usize).collect();
+        let r = seg_range(seg);
+        let v = full
+            .narrow(0, r.start, r.len())?
+            .reshape(shape.as_slice())?;
+        ts.push(if trainable { v.variable_view() } else { v });
+    }
+    Ok(ts)
 }
 
 /// Cuts a gathered flat buffer (`P_f` elements) into the layout's parameter tensors (variables
