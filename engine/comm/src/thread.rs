@@ -32,9 +32,7 @@
 //! Any failure aborts the whole world: later calls on every rank return the same error.
 
 use crate::buf::OwnedBuf;
-use crate::comm::{
-    check_call, check_in_place_call, host_pair, Communicator, Completed, PendingOp,
-};
+use crate::comm::{check_call, check_in_place_call, host_pair, Communicator, Completed, PendingOp};
 use crate::error::{CallDesc, CommError, OpKind, RankCalls};
 use crate::progress::{Job, ProgressQueue};
 use crate::reduce::{reduce_dyn, reduce_dyn_streaming};
