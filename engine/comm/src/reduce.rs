@@ -505,7 +505,8 @@ mod tests {
 
     /// Streaming output at every start within a 64-byte line (so every head length, down to
     /// none), with lengths that end mid-chunk, for every dtype (chunks of 64, 128 and 256
-    /// bytes): the same bits as the scalar rank-order sum, and nothing outside `out` written.
+    /// bytes), through the run-time dispatch and the baseline build: the same bits as the
+    /// scalar rank-order sum, and nothing outside `out` written.
     #[test]
     fn streaming_heads_and_tails_are_exact_for_every_dtype() {
         fn check<T: Reducible + PartialEq + std::fmt::Debug>(make: impl Fn(f32) -> T, name: &str) {
@@ -527,15 +528,25 @@ mod tests {
                             })
                             .collect();
                         let guard = make(12345.0);
-                        let mut buf = vec![guard; off + n + 3];
                         let ptrs: Vec<*const T> = ins.iter().map(|x| x.as_ptr()).collect();
-                        unsafe {
-                            reduce_raw(&ptrs, buf.as_mut_ptr().add(off), n, ReduceOp::Sum, true)
-                        };
-                        let at = format!("{name} k={k} off={off} n={n}");
-                        assert_eq!(&buf[off..off + n], &want[..], "{at}");
-                        assert!(buf[..off].iter().all(|x| *x == guard), "{at}");
-                        assert!(buf[off + n..].iter().all(|x| *x == guard), "{at}");
+                        // The dispatching entry (AVX2 where present) and the baseline build
+                        // (SSE2 streaming stores on x86-64).
+                        for path in ["dispatch", "baseline"] {
+                            let mut buf = vec![guard; off + n + 3];
+                            let o = unsafe { buf.as_mut_ptr().add(off) };
+                            match path {
+                                "dispatch" => unsafe {
+                                    reduce_raw(&ptrs, o, n, ReduceOp::Sum, true)
+                                },
+                                _ => unsafe {
+                                    reduce_fused::<T, AddFold, false, false>(&ptrs, o, n, true)
+                                },
+                            }
+                            let at = format!("{name} {path} k={k} off={off} n={n}");
+                            assert_eq!(&buf[off..off + n], &want[..], "{at}");
+                            assert!(buf[..off].iter().all(|x| *x == guard), "{at}");
+                            assert!(buf[off + n..].iter().all(|x| *x == guard), "{at}");
+                        }
                     }
                 }
             }
