@@ -827,3 +827,98 @@ fn composite_unit_recompute_is_bitwise_full_graph() {
         }
     }
 }
+
+/// Counts the bytes this test binary holds on the heap (current and peak), for
+/// [`activation_bytes_fused_vs_composite`]. The composite path allocates the same tensors on
+/// a CUDA device as on the CPU, so its CPU figures predict its device activation bytes.
+struct Counting;
+static CURRENT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static PEAK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+// SAFETY: forwards every call to the system allocator unchanged; only counts sizes.
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        use std::sync::atomic::Ordering::Relaxed;
+        let p = std::alloc::System.alloc(l);
+        if !p.is_null() {
+            let now = CURRENT.fetch_add(l.size(), Relaxed) + l.size();
+            PEAK.fetch_max(now, Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        CURRENT.fetch_sub(l.size(), std::sync::atomic::Ordering::Relaxed);
+        std::alloc::System.dealloc(p, l)
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+/// Heap bytes of one transformer block (preset `mini`: D 256, 8 heads; B 4 x T 256 tokens)
+/// on each path and dtype: held after forward (the autograd graph: what a unit kept for
+/// backward costs) and the peak over forward + backward, above the parameters and the input.
+/// Prints a table and JSON lines; asserts nothing about sizes beyond the sanity that the
+/// forward holds something. Run alone (the counter is process-wide):
+/// `cargo test -p fsdp --test model_device -- --ignored --nocapture activation_bytes`
+#[test]
+#[ignore = "measurement: run alone with --ignored --nocapture"]
+fn activation_bytes_fused_vs_composite() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let (b, t) = (4, 256);
+    let g = Gpt::from_preset("mini").unwrap();
+    let mut r = Lcg(21);
+    let d = g.d_model();
+    for dt in DTYPES {
+        let p = params(&g, dt);
+        let unit = g.unit_of(fsdp::model::Stage::Block(0));
+        let x: Vec<f32> = (0..b * t * d).map(|_| r.unif() as f32).collect();
+        let x = Tensor::from_vec(x, (b, t, d), &Device::Cpu)
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap();
+        let up = x.affine(0.5, 0.0).unwrap();
+        let mut row = Vec::new();
+        for path in [OpsPath::Fused, OpsPath::Composite] {
+            let m = g.clone().with_ops_path(path);
+            let vars: Vec<Var> = p[unit]
+                .iter()
+                .map(|t| Var::from_tensor(t).unwrap())
+                .collect();
+            let ps: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+            let xv = Var::from_tensor(&x).unwrap();
+            let base = CURRENT.load(Relaxed);
+            PEAK.store(base, Relaxed);
+            let y = m
+                .forward_stage(fsdp::model::Stage::Block(0), &ps, xv.as_tensor())
+                .unwrap();
+            let held = CURRENT.load(Relaxed) - base;
+            let grads = ops::backward_seed(&y, &up).unwrap().backward().unwrap();
+            let peak = PEAK.load(Relaxed) - base;
+            assert!(grads.get(&xv).is_some());
+            drop((grads, y));
+            row.push((path, held, peak));
+        }
+        let tokens = (b * t) as f64;
+        for (path, held, peak) in &row {
+            println!(
+                "mini block, B {b} T {t}, {dt:?} {path:?}: held after forward {:.2} MiB ({:.0} \
+                 bytes/token), peak forward+backward {:.2} MiB",
+                *held as f64 / 1048576.0,
+                *held as f64 / tokens,
+                *peak as f64 / 1048576.0
+            );
+            println!(
+                "{{\"bench\":\"model_device_activation_bytes\",\"preset\":\"mini\",\"batch\":{b},\
+                 \"seq_len\":{t},\"dtype\":\"{dt:?}\",\"path\":\"{path:?}\",\"held_bytes\":{held},\
+                 \"peak_bytes\":{peak}}}"
+            );
+            assert!(*held > 0);
+        }
+        println!(
+            "{dt:?}: composite / fused held after forward = {:.2}x, peak = {:.2}x",
+            row[1].1 as f64 / row[0].1 as f64,
+            row[1].2 as f64 / row[0].2 as f64
+        );
+    }
+}
