@@ -24,9 +24,10 @@
 //! Dtypes: a unit computes in the dtype of its parameters (`param_dtype`): f32, bf16 or f16 in
 //! training, f64 on the CPU for gradient checks. Stage inputs after the embedding and every
 //! activation are in that dtype, matrix products run in it (candle's CPU matmul widens bf16 to
-//! f32 and narrows the product; f16 uses gemm's f16 kernel), and the normalisations, softmax,
-//! GELU and cross-entropy compute in f32 on 16-bit storage ([`ops`] module docs, on both the
-//! fused and the reference path), with the loss returned in f32 ([`ops::compute_dtype`]).
+//! f32 and narrows the product; f16 uses gemm's f16 kernel; on CUDA cuBLAS's bf16/f16 GEMMs),
+//! and the normalisations, softmax, GELU and cross-entropy compute in f32 on 16-bit storage
+//! ([`ops`] and [`composite`] module docs: one contract for both paths), with the loss
+//! returned in f32 ([`ops::compute_dtype`]).
 //! Parameters of one unit in different dtypes, or activations in another dtype than the
 //! parameters, are an error (no silent cast). Mixed precision after Micikevicius et al. 2018.
 
