@@ -19,7 +19,8 @@
 //! its inputs: what lets a sharded run equal a single-process run bit for bit.
 //!
 //! CUDA (issue 7): these functions are the reference. Module [`cuda`] holds the CUDA kernels
-//! (`cuda::CudaKernels`, feature `cuda`: AdamW, casts, sum of squares, scale, accumulate,
+//! (`cuda::CudaKernels`, feature `cuda`: AdamW, SGD, casts, sum of squares, max-abs, scale,
+//! divide, accumulate from f32/bf16/f16/f64,
 //! compiled by NVRTC at first use) with the same names and argument order over device buffers,
 //! the same [`AdamWScalars`] and span validation, tested against these functions on random
 //! inputs; its host-side logic (span tiles, launch grids, the device probe) builds everywhere.

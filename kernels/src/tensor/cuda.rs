@@ -73,7 +73,7 @@ pub(crate) enum DevPiece<'a> {
     Mut(DevMut<'a>),
 }
 
-impl DevPiece<'_> {
+impl<'a> DevPiece<'a> {
     /// The window, read-only (a written window reborrowed).
     fn view(&self) -> DevRef<'_> {
         match self {
@@ -99,7 +99,7 @@ impl DevPiece<'_> {
         }
     }
 
-    fn as_mut(&mut self, what: &'static str) -> Result<&mut DevMut<'_>, KernelError> {
+    fn writable(&mut self, what: &'static str) -> Result<&mut DevMut<'a>, KernelError> {
         match self {
             DevPiece::Mut(m) => Ok(m),
             DevPiece::Ref(_) => Err(internal(what)),
@@ -160,7 +160,7 @@ type Pieces<'a> = Vec<Option<DevPiece<'a>>>;
 /// the rest of the view it splits and the pieces found so far shrink to the shorter borrow
 /// (every view type is covariant in its lifetime); the recursion depth is the number of
 /// written-storage windows of one call (at most 4).
-fn descend<'a, R, F>(mut todo: Vec<Todo<'a>>, mut pieces: Pieces<'a>, k: F) -> R
+fn descend<'a, R, F>(mut todo: Vec<Todo<'a>>, pieces: Pieces<'a>, k: F) -> R
 where
     F: for<'x> FnOnce(Pieces<'x>) -> R,
 {
@@ -268,11 +268,14 @@ where
     })
 }
 
+/// Uploaded span tables by (span list, buffer length in elements).
+type SpanCache = HashMap<(Vec<Span>, usize), Arc<DeviceSpans>>;
+
 /// The CUDA side of a `TensorKernels`.
 pub(crate) struct CudaState {
     stream: Arc<CudaStream>,
     kernels: CudaKernels,
-    spans: Mutex<HashMap<(Vec<Span>, usize), Arc<DeviceSpans>>>,
+    spans: Mutex<SpanCache>,
 }
 
 impl CudaState {
@@ -317,10 +320,10 @@ impl CudaState {
                 p.try_into().map_err(|_| internal("param"))?;
             self.kernels.adamw_step(
                 s,
-                f32_mut(p.as_mut("param")?, "param")?,
+                f32_mut(p.writable("param")?, "param")?,
                 &g.f32_view("grad")?,
-                f32_mut(m.as_mut("exp_avg")?, "exp_avg")?,
-                f32_mut(v.as_mut("exp_avg_sq")?, "exp_avg_sq")?,
+                f32_mut(m.writable("exp_avg")?, "exp_avg")?,
+                f32_mut(v.writable("exp_avg_sq")?, "exp_avg_sq")?,
                 &ds,
                 cfg,
                 step,
@@ -344,12 +347,12 @@ impl CudaState {
             };
             let mut b = it.next();
             let buf = match b.as_mut() {
-                Some(b) => Some(f32_mut(b.as_mut("momentum_buf")?, "momentum_buf")?),
+                Some(b) => Some(f32_mut(b.writable("momentum_buf")?, "momentum_buf")?),
                 None => None,
             };
             self.kernels.sgd_step(
                 s,
-                f32_mut(p.as_mut("param")?, "param")?,
+                f32_mut(p.writable("param")?, "param")?,
                 &g.f32_view("grad")?,
                 buf,
                 &ds,
@@ -378,7 +381,7 @@ impl CudaState {
     pub fn scale(&self, args: &[Arg<'_>], a: f32) -> Result<(), KernelError> {
         let s = &self.stream;
         with_pieces(s, args, |mut p| {
-            self.kernels.scale(s, f32_mut(p[0].as_mut("t")?, "t")?, a)
+            self.kernels.scale(s, f32_mut(p[0].writable("t")?, "t")?, a)
         })
     }
 
@@ -386,7 +389,7 @@ impl CudaState {
         let s = &self.stream;
         with_pieces(s, args, |mut p| {
             self.kernels
-                .div_scalar(s, f32_mut(p[0].as_mut("t")?, "t")?, d)
+                .div_scalar(s, f32_mut(p[0].writable("t")?, "t")?, d)
         })
     }
 
@@ -394,7 +397,7 @@ impl CudaState {
         let s = &self.stream;
         with_pieces(s, args, |mut p| {
             let call = "cuMemsetD8Async(zero)";
-            match p[0].as_mut("t")? {
+            match p[0].writable("t")? {
                 DevMut::F32(v) => s.memset_zeros(v),
                 DevMut::BF16(v) => s.memset_zeros(v),
                 DevMut::F16(v) => s.memset_zeros(v),
@@ -408,7 +411,7 @@ impl CudaState {
         let s = &self.stream;
         with_pieces(s, args, |p| {
             let [mut d, src]: [DevPiece<'_>; 2] = p.try_into().map_err(|_| internal("dst"))?;
-            let dst = f32_mut(d.as_mut("dst")?, "dst")?;
+            let dst = f32_mut(d.writable("dst")?, "dst")?;
             match src.view() {
                 DevRef::F32(x) => self.kernels.accumulate(s, dst, &x),
                 DevRef::BF16(x) => self.kernels.accumulate_bf16(s, dst, &x),
@@ -423,7 +426,7 @@ impl CudaState {
         with_pieces(s, args, |p| {
             let [mut d, src]: [DevPiece<'_>; 2] = p.try_into().map_err(|_| internal("dst"))?;
             let x = src.f32_view("src")?;
-            match d.as_mut("dst")? {
+            match d.writable("dst")? {
                 DevMut::F32(y) => s
                     .memcpy_dtod(&x, y)
                     .map_err(|e| driver("cuMemcpyDtoDAsync(cast_into f32)", e)),
@@ -439,7 +442,7 @@ impl CudaState {
         with_pieces(s, args, |p| {
             let [mut d, src]: [DevPiece<'_>; 2] = p.try_into().map_err(|_| internal("dst"))?;
             let call = "cuMemcpyDtoDAsync(copy_into)";
-            match (d.as_mut("dst")?, src.view()) {
+            match (d.writable("dst")?, src.view()) {
                 (DevMut::F32(y), DevRef::F32(x)) => s.memcpy_dtod(&x, y),
                 (DevMut::BF16(y), DevRef::BF16(x)) => s.memcpy_dtod(&x, y),
                 (DevMut::F16(y), DevRef::F16(x)) => s.memcpy_dtod(&x, y),

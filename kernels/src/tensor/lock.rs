@@ -228,3 +228,94 @@ pub(crate) fn split_order(plan: &Plan, group: usize) -> Vec<usize> {
     m.sort_by_key(|&i| plan.placed[i].range.start);
     m
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn buf(n: usize) -> Tensor {
+        Tensor::zeros(n, candle_core::DType::F32, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn one_group_per_storage_in_address_order_with_windows_in_storage_elements() {
+        let (a, b) = (buf(100), buf(50));
+        let (a1, a2) = (a.narrow(0, 10, 20).unwrap(), a.narrow(0, 40, 30).unwrap());
+        let args = [
+            Arg::write(&a1, "a1"),
+            Arg::read(&b, "b"),
+            Arg::write_window(&a2, "a2", 5, 10),
+        ];
+        let plan = plan(&args).unwrap();
+        assert_eq!(plan.groups.len(), 2);
+        let keys: Vec<usize> = plan
+            .groups
+            .iter()
+            .map(|g| storage_key(args[g.members[0]].t))
+            .collect();
+        assert!(keys[0] < keys[1], "lock order is increasing address");
+        let ga = plan.placed[0].group;
+        assert_eq!(plan.placed[2].group, ga);
+        assert_ne!(plan.placed[1].group, ga);
+        assert_eq!(plan.groups[ga].members, vec![0, 2]);
+        assert!(plan.groups[ga].write);
+        assert!(!plan.groups[plan.placed[1].group].write);
+        assert_eq!(plan.placed[0].range, 10..30);
+        assert_eq!(plan.placed[2].range, 45..55);
+        assert_eq!(plan.placed[1].range, 0..50);
+        assert!(plan.placed.iter().all(|p| !p.snapshot));
+        assert_eq!(split_order(&plan, ga), vec![0, 2]);
+        // The locks can be taken (one per storage: no self-deadlock) and released.
+        let guards = acquire(&args, &plan);
+        assert_eq!(guards.len(), 2);
+        assert!(matches!(guards[ga], Guard::Write(_)));
+    }
+
+    #[test]
+    fn overlapping_reads_of_a_written_storage_are_snapshots_overlapping_writes_are_errors() {
+        let a = buf(100);
+        let (w, r) = (a.narrow(0, 0, 60).unwrap(), a.narrow(0, 50, 50).unwrap());
+        let args = [Arg::write(&w, "dst"), Arg::read(&r, "src")];
+        let p = plan(&args).unwrap();
+        assert_eq!(p.groups.len(), 1);
+        assert!(!p.placed[0].snapshot && p.placed[1].snapshot);
+        assert_eq!(split_order(&p, 0), vec![0]);
+        // Same tensor read and written.
+        let args = [Arg::write(&a, "dst"), Arg::read(&a, "src")];
+        assert!(plan(&args).unwrap().placed[1].snapshot);
+        // Reads only: shared, no snapshot even when overlapping.
+        let args = [Arg::read(&w, "x"), Arg::read(&r, "y")];
+        let p = plan(&args).unwrap();
+        assert!(!p.groups[0].write && p.placed.iter().all(|x| !x.snapshot));
+        // Two overlapping writes.
+        let args = [Arg::write(&w, "param"), Arg::write(&r, "exp_avg")];
+        assert_eq!(
+            plan(&args).err(),
+            Some(KernelError::AliasedBuffers {
+                first: "param",
+                first_start: 0,
+                first_end: 60,
+                second: "exp_avg",
+                second_start: 50,
+                second_end: 100
+            })
+        );
+        // Empty windows overlap nothing.
+        let e = a.narrow(0, 10, 0).unwrap();
+        let args = [Arg::write(&w, "param"), Arg::write(&e, "exp_avg")];
+        let p = plan(&args).unwrap();
+        assert_eq!(split_order(&p, 0), vec![0]);
+        // A window past the tensor's end.
+        let args = [Arg::write_window(&w, "dst", 55, 6)];
+        assert!(matches!(
+            plan(&args),
+            Err(KernelError::OffsetOutOfRange {
+                offset: 55,
+                len: 6,
+                buffer_len: 60,
+                ..
+            })
+        ));
+    }
+}
