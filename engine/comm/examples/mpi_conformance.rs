@@ -105,6 +105,10 @@ fn main() -> ExitCode {
         "barrier_orders_arrivals_by_clock",
         barrier_orders_arrivals_by_clock,
     ));
+    checks.push((
+        "device_tensors_are_errors_on_host_backends",
+        device_tensors_are_errors,
+    ));
     let mut failed = 0;
     let mut ran = 0;
     for (name, check) in checks {
@@ -135,4 +139,13 @@ fn main() -> ExitCode {
     } else {
         ExitCode::FAILURE
     }
+}
+
+/// [`conformance::device_tensors_are_errors_on_host_backends`] as a plain check: CUDA tensors
+/// are `DeviceBufferUnreachable` on MPI; without a CUDA device it prints `SKIPPED (no CUDA
+/// device): ...` (on stderr, every rank) and passes.
+fn device_tensors_are_errors(
+    l: &dyn conformance::Launcher,
+) -> Result<(), conformance::CheckFailure> {
+    conformance::device_tensors_are_errors_on_host_backends(l).map(|_| ())
 }

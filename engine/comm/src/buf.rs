@@ -106,17 +106,6 @@ pub(crate) fn dtype_of_candle(d: candle_core::DType) -> Option<DType> {
     }
 }
 
-/// The candle dtype of a collective dtype.
-#[cfg(feature = "cuda")]
-pub(crate) fn candle_dtype(d: DType) -> candle_core::DType {
-    match d {
-        DType::F32 => candle_core::DType::F32,
-        DType::BF16 => candle_core::DType::BF16,
-        DType::F16 => candle_core::DType::F16,
-        DType::F64 => candle_core::DType::F64,
-    }
-}
-
 /// `"cpu"`, `"cuda:0"`, `"metal:1"`: where a tensor lives, for messages.
 pub(crate) fn device_name(t: &Tensor) -> String {
     match t.device().location() {

@@ -80,7 +80,10 @@ impl PendingOp {
     }
 
     /// Blocks until the collective finished; returns the result buffer (the gathered buffer of
-    /// `group size x shard` elements, the reduced shard, or the in-place buffer).
+    /// `group size x shard` elements, the reduced shard, or the in-place buffer). Exception:
+    /// on the NCCL backend a collective on CUDA tensors ([`OwnedBuf::Tensor`]) is finished on
+    /// the device, not the host: `wait` makes the tensors' candle stream wait for it (candle
+    /// work queued afterwards sees the result) and returns without blocking the host.
     ///
     /// Errors: the collective's [`CommError`].
     pub fn wait(self) -> Result<OwnedBuf, CommError> {

@@ -9,6 +9,10 @@
 //!   `gpu/check.sh` runs it with P = 2. Started by plain `cargo test` it reports the skip.
 //! - `nccl_device_buffers_in_place`: the engine-facing device calls (in-place all-gather,
 //!   reduce-scatter, all-reduce on device buffers, completion by event on a compute stream).
+//! - `nccl_tensor_buffers_in_place`: `OwnedBuf::Tensor` (candle CUDA tensors) through the
+//!   started calls, ordered against candle's stream; CPU tensors staged; refusals. The
+//!   conformance runs above include the tensor checks (`tensor_buffers_match_reference`,
+//!   `tensor_bad_buffers_are_local_errors`) on CUDA tensors.
 //!
 //! Without a device (or without the feature) each test prints
 //! `SKIPPED (no CUDA device): <test> (<why>)` to stderr and returns.
@@ -149,6 +153,117 @@ mod gpu {
             .all_gather_device(Group::Shard, &mut odd.slice_mut(..), None)
             .unwrap();
         comm.wait_device(op).unwrap();
+    }
+
+    /// `OwnedBuf::Tensor` on NCCL at W = 1: CUDA tensors in place on the communicator's stream,
+    /// ordered after candle's work (the own block is written by a candle op right before the
+    /// call) and before candle's next op (the result is read through candle after `wait`);
+    /// CPU tensors staged; mixed host/device buffers and strided tensors refused.
+    pub fn tensor_buffers() {
+        use candle_core::{DType as CDType, Device, Tensor};
+        use fsdp_comm::{CommError, Communicator, OwnedBuf};
+        let ctx = CudaContext::new(0).unwrap();
+        let id = NcclId::new(0).unwrap();
+        let comm = NcclComm::new(
+            ctx,
+            0,
+            Topology::fully_sharded(1).unwrap(),
+            &id,
+            NcclOptions::default(),
+        )
+        .unwrap();
+        let dev = Device::new_cuda(0).unwrap();
+        let host: Vec<f32> = (0..4096).map(|i| i as f32 * 0.25 - 100.0).collect();
+        // A flat buffer of 4096 + 8 elements; the unit's view starts 5 elements in. The own
+        // block is written by candle (x * 2 - x == x, queued on candle's stream) right before
+        // the in-place all-gather is started.
+        let flat = Tensor::zeros(4096 + 8, CDType::F32, &dev).unwrap();
+        let view = flat.narrow(0, 5, 4096).unwrap();
+        let src = Tensor::from_slice(&host, 4096, &dev).unwrap();
+        let src = ((&src * 2.0).unwrap() - &src).unwrap();
+        view.slice_set(&src, 0, 0).unwrap();
+        let done = comm
+            .start_all_gather_in_place(Group::World, OwnedBuf::Tensor(view.clone()))
+            .unwrap()
+            .wait_all()
+            .unwrap();
+        assert!(done.send.is_none());
+        assert!(done.buf.tensor().is_some());
+        let back: Vec<f32> = view.to_vec1().unwrap();
+        assert_eq!(back, host);
+        let pad: Vec<f32> = flat.narrow(0, 0, 5).unwrap().to_vec1().unwrap();
+        assert_eq!(pad, vec![0.0; 5]);
+        // Reduce-scatter (avg, W = 1: unchanged) into a separate tensor, all-reduce (sum) and
+        // broadcast in place, all started before the first wait.
+        let shard = Tensor::zeros(4096, CDType::F32, &dev).unwrap();
+        let bf = Tensor::from_slice(&host, 4096, &dev)
+            .unwrap()
+            .to_dtype(CDType::BF16)
+            .unwrap();
+        let p1 = comm
+            .start_reduce_scatter(
+                Group::World,
+                fsdp_comm::ReduceOp::Avg,
+                OwnedBuf::Tensor(view.clone()),
+                OwnedBuf::Tensor(shard.clone()),
+            )
+            .unwrap();
+        let p2 = comm
+            .start_all_reduce(Group::Shard, ReduceOp::Sum, OwnedBuf::Tensor(bf.clone()))
+            .unwrap();
+        let p3 = comm
+            .start_broadcast(Group::Replicate, 0, OwnedBuf::Tensor(bf.clone()))
+            .unwrap();
+        for p in [p1, p2, p3] {
+            p.wait().unwrap();
+        }
+        assert_eq!(shard.to_vec1::<f32>().unwrap(), host);
+        let want: Vec<half::bf16> = host.iter().map(|&x| half::bf16::from_f32(x)).collect();
+        assert_eq!(bf.to_vec1::<half::bf16>().unwrap(), want);
+        // CPU tensors go the staged way.
+        let cpu = Tensor::from_slice(&host, 4096, &Device::Cpu).unwrap();
+        let got = comm
+            .start_all_reduce(Group::World, ReduceOp::Max, OwnedBuf::Tensor(cpu.clone()))
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert!(got.is_host());
+        assert_eq!(cpu.to_vec1::<f32>().unwrap(), host);
+        // A device send with a host receive buffer, and a strided tensor, are refused.
+        let e = comm
+            .start_all_gather(
+                Group::World,
+                OwnedBuf::Tensor(shard.clone()),
+                OwnedBuf::zeros(fsdp_comm::DType::F32, 4096),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(e, CommError::InvalidTensor { ref reason, .. } if reason.contains("mixes")),
+            "{e}"
+        );
+        let strided = Tensor::zeros((4, 3), CDType::F32, &dev)
+            .unwrap()
+            .t()
+            .unwrap();
+        let e = comm
+            .start_all_reduce(Group::World, ReduceOp::Sum, OwnedBuf::Tensor(strided))
+            .unwrap_err();
+        assert!(matches!(e, CommError::InvalidTensor { .. }), "{e}");
+        // A handle dropped without wait leaves the tensor usable (candle waits for it).
+        let x = Tensor::from_slice(&host, 4096, &dev).unwrap();
+        drop(
+            comm.start_all_reduce(Group::World, ReduceOp::Sum, OwnedBuf::Tensor(x.clone()))
+                .unwrap(),
+        );
+        assert_eq!(x.to_vec1::<f32>().unwrap(), host);
+    }
+}
+
+#[test]
+fn nccl_tensor_buffers_in_place() {
+    if device_or_skip("nccl_tensor_buffers_in_place") {
+        #[cfg(feature = "cuda")]
+        gpu::tensor_buffers();
     }
 }
 

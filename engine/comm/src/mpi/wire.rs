@@ -346,6 +346,41 @@ pub(crate) fn encode_error(e: &CommError, w: &mut Writer) {
             w.str(call);
             w.str(message);
         }
+        CommError::DeviceBufferUnreachable {
+            rank,
+            op,
+            backend,
+            dtype,
+            numel,
+            device,
+        } => {
+            w.u64(13);
+            w.usize(*rank);
+            w.u64(op_code(*op));
+            w.str(backend);
+            w.u64(dtype_code(*dtype));
+            w.usize(*numel);
+            w.str(device);
+        }
+        CommError::InvalidTensor {
+            rank,
+            op,
+            dtype,
+            shape,
+            device,
+            reason,
+        } => {
+            w.u64(14);
+            w.usize(*rank);
+            w.u64(op_code(*op));
+            w.str(dtype);
+            w.usize(shape.len());
+            for d in shape {
+                w.usize(*d);
+            }
+            w.str(device);
+            w.str(reason);
+        }
     }
 }
 
@@ -445,6 +480,32 @@ pub(crate) fn decode_error(r: &mut Reader<'_>) -> Option<CommError> {
             call: r.string()?,
             message: r.string()?,
         },
+        13 => CommError::DeviceBufferUnreachable {
+            rank: r.usize()?,
+            op: op_from(r.u64()?)?,
+            backend: static_str(r.string()?),
+            dtype: dtype_from(r.u64()?)?,
+            numel: r.usize()?,
+            device: r.string()?,
+        },
+        14 => {
+            let rank = r.usize()?;
+            let op = op_from(r.u64()?)?;
+            let dtype = r.string()?;
+            let n = r.usize()?;
+            let mut shape = Vec::with_capacity(n.min(64));
+            for _ in 0..n {
+                shape.push(r.usize()?);
+            }
+            CommError::InvalidTensor {
+                rank,
+                op,
+                dtype,
+                shape,
+                device: r.string()?,
+                reason: r.string()?,
+            }
+        }
         _ => return None,
     })
 }
@@ -553,6 +614,22 @@ mod tests {
                 rank: 1,
                 world_size: 2,
                 reason: "rank 1 never arrived".into(),
+            },
+            CommError::DeviceBufferUnreachable {
+                rank: 1,
+                op: OpKind::ReduceScatter,
+                backend: "mpi",
+                dtype: DType::BF16,
+                numel: 4096,
+                device: "cuda:0".into(),
+            },
+            CommError::InvalidTensor {
+                rank: 2,
+                op: OpKind::AllGather,
+                dtype: "u8".into(),
+                shape: vec![2, 3],
+                device: "cpu".into(),
+                reason: "strided".into(),
             },
             CommError::Device {
                 rank: 0,

@@ -154,6 +154,12 @@ impl Launcher for NcclLauncher {
         "nccl"
     }
 
+    /// This process's CUDA device as a candle device (the tensor checks run on CUDA tensors in
+    /// place).
+    fn tensor_device(&self) -> Result<candle_core::Device, String> {
+        candle_core::Device::new_cuda(self.device).map_err(|e| e.to_string())
+    }
+
     fn max_world_size(&self) -> usize {
         match &self.mode {
             Mode::Single => 1,
@@ -496,6 +502,37 @@ fn encode_error(e: &CommError, w: &mut W) {
             w.str(call);
             w.str(message);
         }
+        CommError::DeviceBufferUnreachable {
+            rank,
+            op,
+            backend,
+            dtype,
+            numel,
+            device,
+        } => {
+            w.u64(13);
+            w.list(&[*rank, *numel]);
+            w.u64(op_index(*op));
+            w.str(backend);
+            w.u64(dtype_index(*dtype));
+            w.str(device);
+        }
+        CommError::InvalidTensor {
+            rank,
+            op,
+            dtype,
+            shape,
+            device,
+            reason,
+        } => {
+            w.u64(14);
+            w.u64(*rank as u64);
+            w.u64(op_index(*op));
+            w.str(dtype);
+            w.list(shape);
+            w.str(device);
+            w.str(reason);
+        }
     }
 }
 
@@ -603,6 +640,25 @@ fn decode_error(r: &mut R<'_>) -> Option<CommError> {
             call: r.string()?,
             message: r.string()?,
         },
+        13 => {
+            let v = r.list()?;
+            CommError::DeviceBufferUnreachable {
+                rank: *v.first()?,
+                numel: *v.get(1)?,
+                op: op_of(r.u64()?)?,
+                backend: r.stat()?,
+                dtype: dtype_of(r.u64()?)?,
+                device: r.string()?,
+            }
+        }
+        14 => CommError::InvalidTensor {
+            rank: r.us()?,
+            op: op_of(r.u64()?)?,
+            dtype: r.string()?,
+            shape: r.list()?,
+            device: r.string()?,
+            reason: r.string()?,
+        },
         _ => return None,
     })
 }
@@ -696,6 +752,22 @@ mod tests {
             Err(CommError::RankPanicked {
                 rank: 3,
                 message: "on purpose".into(),
+            }),
+            Err(CommError::DeviceBufferUnreachable {
+                rank: 1,
+                op: OpKind::Broadcast,
+                backend: "threads",
+                dtype: DType::F64,
+                numel: 77,
+                device: "cuda:1".into(),
+            }),
+            Err(CommError::InvalidTensor {
+                rank: 0,
+                op: OpKind::AllReduce,
+                dtype: "f32".into(),
+                shape: vec![4, 5, 6],
+                device: "cuda:0".into(),
+                reason: "on cuda:0 but the communicator runs on cuda:1".into(),
             }),
             Err(CommError::Unsupported {
                 backend: "nccl",

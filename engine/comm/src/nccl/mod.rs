@@ -11,6 +11,14 @@
 //! ([`DeviceOp::then`]): the next unit's all-gather runs while the current unit computes, a
 //! unit's reduce-scatter while the next unit's backward computes.
 //!
+//! **Tensor buffers.** The started calls (`start_all_gather`, `start_all_gather_in_place`,
+//! `start_reduce_scatter`, `start_all_reduce`, `start_broadcast`) take candle CUDA tensors
+//! ([`crate::OwnedBuf::Tensor`] on this communicator's device) and use them in place on the
+//! communicator's stream, ordered after the work candle already queued on the tensors' stream
+//! (an event, no host block); `wait` orders candle's stream after the collective without
+//! blocking the host (details in `tensor.rs`). Host buffers (vectors, CPU tensors) go the
+//! staged way of the synchronous calls. One call takes all-device or all-host buffers.
+//!
 //! **Arithmetic.** With [`Reduction::RankOrder`] (the default) reductions are bit-identical to
 //! the thread and MPI backends: contributions move with grouped `ncclSend`/`ncclRecv` (an
 //! all-to-all of chunks: reduce-scatter sends `(g-1)/g` of the buffer per rank, as NCCL's ring
@@ -46,12 +54,17 @@
 mod launcher;
 pub(crate) mod raw;
 mod reduce;
+mod tensor;
 
 pub use launcher::{NcclLauncher, NCCL_HOSTID_PER_RANK};
 pub use reduce::REDUCE_SOURCE;
 
-use crate::buf::{Buf, BufMut, Element};
-use crate::comm::{check_call, check_in_place_call, Communicator};
+use crate::buf::{Buf, BufMut, Element, OwnedBuf};
+use crate::comm::{
+    check_call, check_in_place_call, eager_start_all_gather, eager_start_all_gather_in_place,
+    eager_start_all_reduce, eager_start_broadcast, eager_start_reduce_scatter, Communicator,
+    PendingOp,
+};
 use crate::error::{CallDesc, CommError, OpKind, RankCalls};
 use crate::rendezvous::{LaunchEnv, Rendezvous};
 use crate::topology::{Group, ReduceOp, Topology};
@@ -1313,6 +1326,74 @@ impl Communicator for NcclComm {
             b.copy_from_slice(&out);
             Ok(())
         })
+    }
+
+    /// CUDA tensors in place on the communicator's stream (see `tensor.rs`: `wait` orders
+    /// candle's stream after the collective, it does not block the host); host buffers staged
+    /// and run at once.
+    fn start_all_gather(
+        &self,
+        group: Group,
+        send: OwnedBuf,
+        recv: OwnedBuf,
+    ) -> Result<PendingOp, CommError> {
+        if tensor::is_device(&send) || tensor::is_device(&recv) {
+            return self.start_all_gather_tensor(group, send, recv);
+        }
+        eager_start_all_gather(self, group, send, recv)
+    }
+
+    /// A CUDA tensor in place (NCCL's in-place all-gather, see `tensor.rs`); host buffers
+    /// staged and run at once.
+    fn start_all_gather_in_place(
+        &self,
+        group: Group,
+        buf: OwnedBuf,
+    ) -> Result<PendingOp, CommError> {
+        if tensor::is_device(&buf) {
+            return self.start_all_gather_in_place_tensor(group, buf);
+        }
+        eager_start_all_gather_in_place(self, group, buf)
+    }
+
+    /// CUDA tensors in place (rank-order reduction by default); host buffers staged.
+    fn start_reduce_scatter(
+        &self,
+        group: Group,
+        op: ReduceOp,
+        send: OwnedBuf,
+        recv: OwnedBuf,
+    ) -> Result<PendingOp, CommError> {
+        if tensor::is_device(&send) || tensor::is_device(&recv) {
+            return self.start_reduce_scatter_tensor(group, op, send, recv);
+        }
+        eager_start_reduce_scatter(self, group, op, send, recv)
+    }
+
+    /// A CUDA tensor in place (rank-order reduction by default); host buffers staged.
+    fn start_all_reduce(
+        &self,
+        group: Group,
+        op: ReduceOp,
+        buf: OwnedBuf,
+    ) -> Result<PendingOp, CommError> {
+        if tensor::is_device(&buf) {
+            return self.start_all_reduce_tensor(group, op, buf);
+        }
+        eager_start_all_reduce(self, group, op, buf)
+    }
+
+    /// A CUDA tensor in place; host buffers staged.
+    fn start_broadcast(
+        &self,
+        group: Group,
+        root: usize,
+        buf: OwnedBuf,
+    ) -> Result<PendingOp, CommError> {
+        if tensor::is_device(&buf) {
+            return self.start_broadcast_tensor(group, root, buf);
+        }
+        eager_start_broadcast(self, group, root, buf)
     }
 
     fn barrier(&self, group: Group) -> Result<(), CommError> {
