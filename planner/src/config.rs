@@ -147,6 +147,65 @@ impl FromStr for GradSync {
     }
 }
 
+/// Which implementation of the GPT's hot ops (embedding, LayerNorm, causal softmax, bias add,
+/// bias + GELU, cross-entropy) the activation estimate counts: the engine's
+/// `fsdp::model::OpsPath` after it is resolved against the device.
+///
+/// The two paths keep different tensors for backward (see
+/// [`crate::memory::use_activations`]): the fused CPU ops keep about one tensor per op in
+/// `param_dtype`, the composite path (candle primitives differentiated by candle autograd, what
+/// a CUDA device runs) keeps every primitive's output, in f32 inside the ops for bf16/f16, so
+/// its activations are 1.6x (f32) to 4.4x (bf16) those of the fused path for a GPT-2 block.
+/// Only GPT-2 architectures differ; Llama (not run by this engine) and generic specs plan the
+/// same bytes under both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ActivationModel {
+    /// The fused CPU ops (`engine/src/model/ops.rs`; `OpsPath::Fused`, what `OpsPath::Auto`
+    /// picks on the CPU). The default; plans made before this choice existed used it.
+    #[default]
+    Fused,
+    /// The composite ops (`engine/src/model/composite.rs`; `OpsPath::Composite`, what
+    /// `OpsPath::Auto` picks on a CUDA device: `fsdp train --device cuda`).
+    Composite,
+}
+
+impl ActivationModel {
+    /// The command-line and JSON name: `fused` or `composite`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ActivationModel::Fused => "fused",
+            ActivationModel::Composite => "composite",
+        }
+    }
+
+    /// Whether this is the default ([`ActivationModel::Fused`]); such configs serialize (and
+    /// fingerprint) without the field, exactly as before it existed.
+    pub fn is_fused(&self) -> bool {
+        *self == ActivationModel::Fused
+    }
+}
+
+impl fmt::Display for ActivationModel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for ActivationModel {
+    type Err = PlanError;
+    /// Reads `fused` or `composite`.
+    fn from_str(s: &str) -> Result<Self, PlanError> {
+        match s {
+            "fused" => Ok(ActivationModel::Fused),
+            "composite" => Ok(ActivationModel::Composite),
+            _ => Err(PlanError::InvalidConfig(format!(
+                "unknown activation model `{s}` (expected fused or composite)"
+            ))),
+        }
+    }
+}
+
 /// Largest world size accepted (keeps every byte count far from `u64` overflow).
 pub const MAX_WORLD_SIZE: u64 = 1 << 24;
 /// Largest alignment accepted, in elements.
@@ -181,11 +240,17 @@ pub struct PlanConfig {
     pub alignment: u64,
     /// Memory per device; needed by `Auto`, used by fit reports.
     pub device_memory: Option<Bytes>,
+    /// The ops path whose activations are estimated ([`ActivationModel`]). Left out of the
+    /// serialized config (and so of the fingerprint) when it is the default `Fused`, so plans
+    /// of default configs keep their bytes and fingerprints.
+    #[serde(default, skip_serializing_if = "ActivationModel::is_fused")]
+    pub activations: ActivationModel,
 }
 
 impl PlanConfig {
     /// Defaults for `world_size` ranks: full shard, f32 params and reduction, AdamW, one
-    /// micro-batch of 1 x 1024 tokens, sync every micro-batch, prefetch 1, alignment 1.
+    /// micro-batch of 1 x 1024 tokens, sync every micro-batch, prefetch 1, alignment 1,
+    /// activations of the fused ops.
     pub fn new(world_size: u64) -> Self {
         PlanConfig {
             world_size,
@@ -200,6 +265,7 @@ impl PlanConfig {
             seq_len: 1024,
             alignment: 1,
             device_memory: None,
+            activations: ActivationModel::Fused,
         }
     }
 

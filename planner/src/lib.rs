@@ -21,7 +21,7 @@ pub mod report;
 pub mod schedule;
 pub mod spec;
 
-pub use config::{GradSync, Optimizer, PlanConfig, Strategy};
+pub use config::{ActivationModel, GradSync, Optimizer, PlanConfig, Strategy};
 pub use error::PlanError;
 pub use layout::{layout_units, FlatParamLayout, Segment, ShardSlice, ShardSpan, UnitLayout};
 pub use memory::{Category, CategoryBytes, MemoryPlan, Phase, PhaseMemory, TimelinePoint};

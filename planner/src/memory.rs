@@ -41,10 +41,10 @@
 //! gradients; each such backward step has two timeline points: while computing (the previous
 //! unit's send buffer and staging still in flight) and after starting its own reduction.
 
-use crate::config::{GradSync, PlanConfig};
+use crate::config::{ActivationModel, GradSync, PlanConfig};
 use crate::layout::UnitLayout;
 use crate::schedule::{Schedule, ScheduleStep, UseRole};
-use crate::spec::Architecture;
+use crate::spec::{Architecture, Gpt2Config};
 use fsdp_types::{Bytes, DType};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -336,8 +336,14 @@ pub struct UseActivations {
     pub backward: Bytes,
 }
 
-/// The activation estimate of one unit use; see [`UseActivations`] for the formulas.
+/// The activation estimate of one unit use; see [`UseActivations`] for the formulas of the
+/// fused ops ([`ActivationModel::Fused`]) and [`composite_gpt2_activations`] for the composite
+/// ops ([`ActivationModel::Composite`], GPT-2 only: Llama and generic specs plan the same
+/// bytes under both models).
 pub fn use_activations(arch: &Architecture, role: UseRole, cfg: &PlanConfig) -> UseActivations {
+    if let (ActivationModel::Composite, Architecture::Gpt2(c)) = (cfg.activations, arch) {
+        return composite_gpt2_activations(c, role, cfg);
+    }
     let e = cfg.param_dtype.size_bytes();
     let (s, b) = (cfg.seq_len, cfg.micro_batch);
     let n = s * b;
@@ -391,6 +397,138 @@ pub fn use_activations(arch: &Architecture, role: UseRole, cfg: &PlanConfig) -> 
             live: Bytes(e * n * (h + vocab)),
             output: Bytes(4),
             backward: Bytes(e * (2 * n * h + vocab * n + 2 * head_p)),
+        },
+    }
+}
+
+/// Activation bytes of one GPT-2 unit use under [`ActivationModel::Composite`]: the composite
+/// ops of `engine/src/model/composite.rs` (candle-core primitives differentiated by candle
+/// autograd; what a CUDA device runs), counted tensor by tensor.
+///
+/// Method: as [`UseActivations`] (Korthikanti et al. 2022, sec. 4.1: count what the forward
+/// keeps for backward), redone for the composite ops. candle keeps every tracked op's output
+/// alive while a later node of the graph refers to it, so the forward keeps the output of
+/// every primitive that allocates: views (`reshape`, `narrow`, `transpose`, `broadcast_as`,
+/// `get`) and same-dtype `to_dtype` / `contiguous` of a contiguous tensor allocate nothing;
+/// the row max is `detach`ed but held by the subtraction that uses it. Notation: `N = b*s`
+/// tokens, `h` = d_model, `a` heads, `V` vocab, `P` = n_positions; `e` = size(param_dtype);
+/// `f` = size of what the ops compute in (4 for bf16/f16, which widen to f32, else `e`);
+/// `w` = 1 for bf16/f16 (the ops widen each input once and narrow the output once), else 0;
+/// `β` = 1 with biases. Bytes per token of the ops (`composite.rs`):
+/// - LayerNorm: widened `x` (`w f h`), `x - mean`, its square, `* rstd`, `* weight`
+///   (`4 f h`), `+ bias` (`β f h`), narrowed output (`w e h`); per row `7 f` (sum and
+///   division for the mean and for the variance, `+ eps`, `sqrt`, `recip`).
+/// - bias add over `F` features: `β F (f (1 + w) + w e)` (widened `x`, the sum, narrowed).
+/// - bias + GELU over `F`: `F (f (w + β + 1) + w e)` (widened `x`, `x + b`, GELU, narrowed).
+/// - causal softmax per score element: `f (w + 5) + w e` (widened scores, `scale * s`,
+///   `+ mask`, `- max`, `exp`, `* (1 / sum)`, narrowed); per row `3 f` (max, sum, recip); per
+///   use the `[s, s]` mask, `f s^2`.
+/// - matrix products and the residual adds in `param_dtype`: `e` per output element.
+/// - widened parameter vectors (bf16/f16): `f` per LayerNorm weight and bias element.
+///
+/// **Forward, kept by the graph** (live):
+/// - Embedding: `N h (2f + w e) + f h (V + w P)`: the table node of its own (`1 * wte`, or
+///   widened `wte`), the widened `wpe` (bf16/f16), the selected rows, the sum with the
+///   positions, the narrowed output. Input: token ids `4 N`.
+/// - Block: `N (2 LN + 16 e h + bias(3h) + 2 bias(h) + gelu(4h) +
+///   a s (e + f (w + 5) + w e) + 3 f a) + f s^2 + widened vectors`, where `16 e h` = the qkv
+///   product `3h`, the
+///   contiguous q, k, v `3h`, `probs @ v` `h`, the head-transpose copy `h`, the projection
+///   products `h + 4h + h`, two residuals `2h`; the scores `e a s` per token.
+///   For mini (h 256, a 4) at B 4 x T 256: 63.35 MiB f32, 75.86 MiB bf16 (fused: 35 MiB,
+///   17.5 MiB).
+/// - Head: `N (LN + e V + f V (w + 2) + 6 f) + f`: final LayerNorm, logits, for the
+///   cross-entropy the widened logits (bf16/f16), `logits - max` and its `exp` (`f V`
+///   each), per row max, sum, log, `+ max`, the picked logit and the difference; the loss.
+///
+/// **Backward, on top of the kept graph** (the incoming output gradient is `output`, counted
+/// by the memory plan):
+/// - Embedding: `w f N h + max(2 f P h, e P h + 2 f V h)`: the incoming gradient widened;
+///   candle processes the wpe branch first (the batch sum of `s` rows, the zeros for the
+///   other `P - s` rows and the concatenation of `narrow`'s backward: `2 f P h` whatever `s`),
+///   then the wte branch (wpe's gradient kept, `e P h`; the zeros and the `index_add` result
+///   of `index_select`'s backward, `2 f V h`). Derived from the graph; measured within 1.8 KB
+///   (candle's tensor headers).
+/// - Block: `N (64 f h + w e h) + e (4h^2 + h)`: the MLP projection's weight and bias
+///   gradients, and on the gradient frontier of the MLP backward (candle's tanh-GELU
+///   derivative materialises its cube, tanh and products as `[N, 4h]` f32 temporaries next to
+///   the bias-add and projection gradients) the equivalent of 16 `[N, 4h]` f32 tensors per
+///   token, plus the narrowed `[N, h]` copy for bf16/f16. The per-token coefficient is
+///   calibrated, not derived: the least-squares line through the backward peaks measured with
+///   the counting allocator (`engine/tests/engine_memory_composite.rs`, `stage_bytes`) over
+///   tiny/mini/small (h 128/256/384), (B, T) in {(2, 64), (2, 256), (8, 128), (4, 256)},
+///   f32 and bf16, is exactly `260 h` bytes per token in both dtypes (`4 h` f32 of it and
+///   `2 h` bf16 of it is the incoming output gradient), independent of `T` (equal at 8 x 128
+///   and 4 x 256), and its intercept is exactly the parameter term above plus 7-8 KB.
+/// - Head: `f N (8h + V + 1) + e (V h + h (1 + β))`: the head's parameter gradients, and
+///   per token `8h + V + 1` f32 elements at the LayerNorm/logits backward, calibrated the
+///   same way (exact per-token slope in f32 and bf16; intercept = the parameter gradients
+///   plus 4.1-4.4 KB). With the byte-level presets' `V = 256` only, the split between the
+///   `V` and the constant term is not separately measured.
+///
+/// Every estimate is within 0.6% (a few KB of candle tensor headers) of the measured bytes
+/// for all 72 (preset, B, T, dtype, stage) cases above. f64 (gradient checks) uses `f = e = 8`
+/// and is not measured.
+pub fn composite_gpt2_activations(
+    c: &Gpt2Config,
+    role: UseRole,
+    cfg: &PlanConfig,
+) -> UseActivations {
+    // Element sizes: `e` of the parameters and hidden states, `f` of what the ops compute in
+    // (f32 for bf16/f16, else the parameter dtype); `w` = 1 where the ops widen and narrow.
+    let e = cfg.param_dtype.size_bytes();
+    let w = u64::from(e == 2);
+    let f = if w == 1 { 4 } else { e };
+    let bias = u64::from(c.bias);
+    let (h, a, v, pos) = (c.d_model, c.n_head, c.vocab_size, c.n_positions);
+    let (s, n) = (cfg.seq_len, cfg.seq_len * cfg.micro_batch);
+    // Bytes per token kept by one composite op (see the doc above), and per use for the
+    // widened parameter vectors.
+    let ln_tok = h * (f * (w + 4 + bias) + w * e) + 7 * f;
+    let ln_par = w * f * h * (1 + bias);
+    let bias_tok = |feat: u64| bias * feat * (f * (1 + w) + w * e);
+    let bias_par = |feat: u64| bias * w * f * feat;
+    let gelu_tok = |feat: u64| feat * (f * (w + bias + 1) + w * e);
+    let score_elem = e + f * (w + 5) + w * e;
+    let hidden = Bytes(e * n * h);
+    match role {
+        UseRole::Embedding => UseActivations {
+            input: Bytes(4 * n),
+            live: Bytes(n * h * (2 * f + w * e) + f * h * (v + w * pos)),
+            output: hidden,
+            // The incoming gradient widened (bf16/f16), then the larger of the two parameter
+            // branches: wpe's (the batch sum of `t` rows, zeros for the other `P - t`, their
+            // concatenation: `2 f P h`) and wte's after it (wpe's gradient kept, `e P h`, plus
+            // the zeros and the `index_add` of `index_select`'s backward, `2 f V h`).
+            backward: Bytes(w * f * n * h + (2 * f * pos * h).max(e * pos * h + 2 * f * v * h)),
+        },
+        UseRole::Block => {
+            let tok = 2 * ln_tok
+                + 16 * e * h
+                + bias_tok(3 * h)
+                + 2 * bias_tok(h)
+                + gelu_tok(4 * h)
+                + a * s * score_elem
+                + 3 * f * a;
+            let per_use =
+                f * s * s + 2 * ln_par + bias_par(3 * h) + 2 * bias_par(h) + bias_par(4 * h);
+            UseActivations {
+                input: hidden,
+                live: Bytes(n * tok + per_use),
+                output: hidden,
+                // Calibrated per token (see the doc): 16 `[N, 4h]` f32 tensors of the MLP
+                // backward, plus the widened incoming gradient's narrow copy for bf16/f16; the
+                // MLP projection's weight and bias gradients.
+                backward: Bytes(n * (64 * f * h + w * e * h) + e * (4 * h * h + h)),
+            }
+        }
+        UseRole::Head => UseActivations {
+            input: hidden,
+            live: Bytes(n * (ln_tok + e * v + f * v * (w + 2) + 6 * f) + ln_par + f),
+            output: Bytes(4),
+            // Calibrated per token (see the doc): `8h + V + 1` f32 elements; the head's
+            // parameter gradients in `param_dtype`.
+            backward: Bytes(f * n * (8 * h + v + 1) + e * (v * h + h * (1 + bias))),
         },
     }
 }

@@ -128,6 +128,21 @@ pub fn render_table(plan: &ShardPlan, fit: Option<&FitReport>) -> String {
         c.prefetch,
         c.alignment
     );
+    let _ = writeln!(
+        o,
+        "activations {} ops{}",
+        c.activations,
+        match (c.activations, &plan.arch) {
+            (_, Architecture::Generic) => " (generic architecture: no estimate)",
+            (crate::config::ActivationModel::Fused, _) => " (CPU: engine/src/model/ops.rs)",
+            (crate::config::ActivationModel::Composite, Architecture::Gpt2(_)) => {
+                " (CUDA: engine/src/model/composite.rs, f32 inside the ops)"
+            }
+            (crate::config::ActivationModel::Composite, _) => {
+                " (counted as the fused ops for this architecture)"
+            }
+        }
+    );
     let _ = writeln!(o, "fingerprint {}", plan.fingerprint);
     let _ = writeln!(o);
 
@@ -341,6 +356,7 @@ pub fn render_json(plan: &ShardPlan, fit: Option<&FitReport>) -> serde_json::Val
         "padding": plan.padding,
         "memory": {
             "per_rank_identical": true,
+            "activation_model": plan.config.activations.name(),
             "phases": phases,
             "peak": {"bytes": m.peak, "phase": m.peak_phase, "unit": m.peak_unit},
             "model_states": m.model_states,

@@ -4,7 +4,7 @@
 //! reader, and writing the rendered report. Every bad input becomes `CliError::Usage` (exit 2).
 
 use super::CliError;
-use fsdp_planner::config::{GradSync, Optimizer, PlanConfig, Strategy};
+use fsdp_planner::config::{ActivationModel, GradSync, Optimizer, PlanConfig, Strategy};
 use fsdp_planner::{hf, plan, preset, report, Architecture, ModelSpec, PlanError};
 use fsdp_types::{Bytes, DType};
 use std::path::PathBuf;
@@ -55,6 +55,28 @@ pub enum GradSyncArg {
     Every,
     /// Accumulate unsharded gradients, reduce on the last micro-batch only.
     Last,
+}
+
+/// The device `fsdp train --device` will run on, which picks the activation model the way the
+/// engine's `OpsPath::Auto` picks the ops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PlanDeviceArg {
+    /// Host CPU: the fused CPU ops (`ActivationModel::Fused`).
+    Cpu,
+    /// A CUDA GPU: the composite ops (`ActivationModel::Composite`).
+    Cuda,
+}
+
+/// Which ops path's activations to plan (`--activations`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ActivationsArg {
+    /// From `--device`: fused on the CPU, composite on CUDA.
+    Auto,
+    /// The fused CPU ops (`engine/src/model/ops.rs`).
+    Fused,
+    /// The composite ops (`engine/src/model/composite.rs`; CUDA, or
+    /// `Gpt::with_ops_path(OpsPath::Composite)` on the CPU).
+    Composite,
 }
 
 /// Arguments of `fsdp plan`.
@@ -116,6 +138,13 @@ pub struct PlanArgs {
     /// Alignment of each parameter inside its flat parameter, in elements.
     #[arg(long, default_value_t = 1)]
     pub alignment: u64,
+    /// The device the run computes on (as `fsdp train --device`): `cuda` plans the
+    /// activations of the composite ops a GPU runs.
+    #[arg(long, value_enum, default_value_t = PlanDeviceArg::Cpu)]
+    pub device: PlanDeviceArg,
+    /// Whose activations to plan: `auto` (from --device), `fused` (CPU only) or `composite`.
+    #[arg(long, value_enum, default_value_t = ActivationsArg::Auto)]
+    pub activations: ActivationsArg,
     /// Memory per device, e.g. 80GiB, 40GB, 512MiB.
     #[arg(long)]
     pub device_memory: Option<String>,
@@ -165,6 +194,19 @@ pub fn config_from_args(a: &PlanArgs) -> Result<PlanConfig, CliError> {
                 .map_err(|e| CliError::Usage(format!("--device-memory: {e}")))
         })
         .transpose()?;
+    let activations =
+        match (a.activations, a.device) {
+            (ActivationsArg::Auto, PlanDeviceArg::Cpu)
+            | (ActivationsArg::Fused, PlanDeviceArg::Cpu) => ActivationModel::Fused,
+            (ActivationsArg::Auto, PlanDeviceArg::Cuda) | (ActivationsArg::Composite, _) => {
+                ActivationModel::Composite
+            }
+            (ActivationsArg::Fused, PlanDeviceArg::Cuda) => return Err(CliError::Usage(
+                "--activations fused is the CPU ops path; --device cuda runs the composite ops \
+                 (use --activations composite or auto)"
+                    .into(),
+            )),
+        };
     let cfg = PlanConfig {
         world_size: a.world_size,
         strategy,
@@ -186,6 +228,7 @@ pub fn config_from_args(a: &PlanArgs) -> Result<PlanConfig, CliError> {
         seq_len: a.seq_len.unwrap_or(DEFAULT_SEQ_LEN),
         alignment: a.alignment,
         device_memory,
+        activations,
     };
     cfg.validate().map_err(usage)?;
     Ok(cfg)
