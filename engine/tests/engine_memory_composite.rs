@@ -299,3 +299,55 @@ fn composite_process_peak_within_5_percent_of_plan() {
         "process peak / plan total outside [0.95 (W > 1: 0.85), 1.05]: {bad:?}"
     );
 }
+
+/// Backward peak above the kept graph of single composite ops (f32), in bytes per output
+/// element: where the block's calibrated `64 f h` per token comes from.
+/// `cargo test -p fsdp --test engine_memory_composite -- --ignored --nocapture op_bytes`
+#[test]
+#[ignore = "measurement: run alone with --ignored --nocapture"]
+fn op_bytes() {
+    use fsdp::model::composite;
+    let (n, h) = (1024usize, 256usize);
+    for pass in 0..2 {
+        for (name, rows, cols) in [
+            ("bias_gelu", n, 4 * h),
+            ("layer_norm", n, h),
+            ("bias_add", n, h),
+            ("softmax", 4 * 256, 256),
+        ] {
+            let x =
+                Var::from_tensor(&Tensor::randn(0f32, 1.0, (rows, cols), &Device::Cpu).unwrap())
+                    .unwrap();
+            let b =
+                Var::from_tensor(&Tensor::randn(0f32, 1.0, cols, &Device::Cpu).unwrap()).unwrap();
+            let w =
+                Var::from_tensor(&Tensor::randn(0f32, 1.0, cols, &Device::Cpu).unwrap()).unwrap();
+            let base = ALLOC.current();
+            let y = match name {
+                "bias_gelu" => composite::bias_gelu(x.as_tensor(), Some(b.as_tensor())).unwrap(),
+                "layer_norm" => {
+                    composite::layer_norm(x.as_tensor(), w.as_tensor(), Some(b.as_tensor()), 1e-5)
+                        .unwrap()
+                }
+                "bias_add" => composite::bias_add(x.as_tensor(), b.as_tensor()).unwrap(),
+                _ => composite::causal_softmax(&x.as_tensor().reshape((4, 256, 256)).unwrap(), 0.1)
+                    .unwrap(),
+            };
+            let live = ALLOC.current() - base;
+            let g = y.ones_like().unwrap();
+            ALLOC.reset_peak();
+            let root = fsdp::model::ops::backward_seed(&y, &g).unwrap();
+            let grads = root.backward().unwrap();
+            let peak = ALLOC.peak() - base;
+            drop((root, grads, g, y));
+            let el = (rows * cols) as f64;
+            if pass == 1 {
+                println!(
+                    "{name}: live {:.2} B/elem, backward above live (incl. seed g) {:.2} B/elem",
+                    live as f64 / el,
+                    (peak - live) as f64 / el
+                );
+            }
+        }
+    }
+}

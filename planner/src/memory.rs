@@ -449,22 +449,28 @@ pub fn use_activations(arch: &Architecture, role: UseRole, cfg: &PlanConfig) -> 
 ///   then the wte branch (wpe's gradient kept, `e P h`; the zeros and the `index_add` result
 ///   of `index_select`'s backward, `2 f V h`). Derived from the graph; measured within 1.8 KB
 ///   (candle's tensor headers).
-/// - Block: `N (64 f h + w e h) + e (4h^2 + h)`: the MLP projection's weight and bias
-///   gradients, and on the gradient frontier of the MLP backward (candle's tanh-GELU
-///   derivative materialises its cube, tanh and products as `[N, 4h]` f32 temporaries next to
-///   the bias-add and projection gradients) the equivalent of 16 `[N, 4h]` f32 tensors per
-///   token, plus the narrowed `[N, h]` copy for bf16/f16. The per-token coefficient is
-///   calibrated, not derived: the least-squares line through the backward peaks measured with
-///   the counting allocator (`engine/tests/engine_memory_composite.rs`, `stage_bytes`) over
-///   tiny/mini/small (h 128/256/384), (B, T) in {(2, 64), (2, 256), (8, 128), (4, 256)},
-///   f32 and bf16, is exactly `260 h` bytes per token in both dtypes (`4 h` f32 of it and
-///   `2 h` bf16 of it is the incoming output gradient), independent of `T` (equal at 8 x 128
-///   and 4 x 256), and its intercept is exactly the parameter term above plus 7-8 KB.
+/// - Block: `N (64 f h + w e h) + e (4h^2 + β h)`, derived: the block's backward peaks in
+///   the GELU's backward (candle-core `backprop.rs`, `Op::Unary(arg, UnaryOp::Gelu)`), after
+///   the MLP projection's weight and bias gradients (`e (4h^2 + β h)`) are stored. candle
+///   builds that derivative from the tracked `arg`, so the gradient it produces is itself a
+///   graph that keeps every intermediate alive until the gradient is consumed: the cube, two
+///   scaled terms and their sum, tanh, `0.5 tanh`, two more scaled terms and their sum,
+///   `tanh^2`, `1 - tanh^2`, the product, two sums (14) and `grad * gelu'` (15), plus the
+///   incoming gradient: 16 `[N, 4h]` f32 tensors, `64 f h` per token (in bf16/f16 the GELU
+///   runs in f32 too). Measured for the op alone: 64 bytes per `[N, 4h]` f32 element above
+///   the kept graph (`engine/tests/engine_memory_composite.rs`, `op_bytes`), and for the
+///   block: exactly `260 h` bytes per token in f32 and bf16 (`stage_bytes`, tiny/mini/small,
+///   (B, T) in {(2, 64), (2, 256), (8, 128), (4, 256)}, independent of `T`) = this plus the
+///   output gradient (`4h` f32; `2h` bf16, where one more `[N, h]` bf16 tensor, `w e h`, is
+///   alive: that term is measured, not traced), intercept the parameter term plus 7-8 KB.
 /// - Head: `f N (8h + V + 1) + e (V h + h (1 + β))`: the head's parameter gradients, and
-///   per token `8h + V + 1` f32 elements at the LayerNorm/logits backward, calibrated the
-///   same way (exact per-token slope in f32 and bf16; intercept = the parameter gradients
-///   plus 4.1-4.4 KB). With the byte-level presets' `V = 256` only, the split between the
-///   `V` and the constant term is not separately measured.
+///   per token `8h + V + 1` f32 elements, calibrated, not traced: the least-squares line of
+///   the same measurements has exactly this slope in f32 and bf16 (intercept = the parameter
+///   gradients plus 4.1-4.4 KB). The `8h` matches the final LayerNorm's backward measured
+///   alone (8 f32 per element above its kept graph and incoming gradient, `op_bytes`), the
+///   `V` one `[N, V]` f32 gradient of the cross-entropy kept alive with it. With the
+///   byte-level presets' `V = 256` only, the split between the `V` and the constant term is
+///   not separately measured.
 ///
 /// Every estimate is within 0.6% (a few KB of candle tensor headers) of the measured bytes
 /// for all 72 (preset, B, T, dtype, stage) cases above. f64 (gradient checks) uses `f = e = 8`
@@ -516,10 +522,9 @@ pub fn composite_gpt2_activations(
                 input: hidden,
                 live: Bytes(n * tok + per_use),
                 output: hidden,
-                // Calibrated per token (see the doc): 16 `[N, 4h]` f32 tensors of the MLP
-                // backward, plus the widened incoming gradient's narrow copy for bf16/f16; the
-                // MLP projection's weight and bias gradients.
-                backward: Bytes(n * (64 * f * h + w * e * h) + e * (4 * h * h + h)),
+                // The GELU backward (see the doc): 16 `[N, 4h]` f32 tensors, one `[N, h]`
+                // more for bf16/f16; the MLP projection's weight and bias gradients.
+                backward: Bytes(n * (64 * f * h + w * e * h) + e * (4 * h * h + bias * h)),
             }
         }
         UseRole::Head => UseActivations {
