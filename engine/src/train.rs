@@ -217,8 +217,22 @@ pub struct TrainReport {
     pub plan_peak_per_rank: u64,
     /// Process heap peak during training minus the heap before the engines were built.
     pub process_peak: Option<u64>,
+    /// On a CUDA device: the plan's peak bytes per rank against the largest measured device
+    /// peak of this process's ranks (`None` on the host).
+    pub device_memory: Option<DeviceMemoryReport>,
     /// Plan fingerprint.
     pub fingerprint: String,
+}
+
+/// A rank's device memory: the plan's peak against the measured peak (bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct DeviceMemoryReport {
+    /// The plan's peak bytes per rank (every category, activations estimated for the ops path
+    /// the device runs).
+    pub plan_bytes: u64,
+    /// The most device bytes allocated at once during the training loop (the device's
+    /// allocation pool; see `fsdp_kernels::tensor::TensorKernels::memory`).
+    pub measured_peak_bytes: u64,
 }
 
 /// Builds the plan configuration of `o`.
@@ -232,6 +246,11 @@ pub fn plan_config(o: &TrainOptions) -> PlanConfig {
     c.prefetch = o.prefetch;
     c.param_dtype = o.param_dtype;
     c.reduce_dtype = o.reduce_dtype;
+    // On CUDA the model computes through the composite ops (`OpsPath::Auto`), which keep
+    // other activations than the fused CPU ops.
+    if o.placement.device().is_cuda() {
+        c.activations = fsdp_planner::ActivationModel::Composite;
+    }
     c
 }
 
@@ -453,6 +472,14 @@ pub fn train_with(
         / tail as f64;
     let tokens: u64 = r0.steps.iter().map(|s| s.tokens).sum();
     let loop_seconds: f64 = r0.steps.iter().map(|s| s.step_seconds).sum();
+    let device_memory = outcomes
+        .iter()
+        .filter_map(|x| x.device_peak)
+        .max()
+        .map(|m| DeviceMemoryReport {
+            plan_bytes: plan.memory.peak.0,
+            measured_peak_bytes: m,
+        });
     let memory = outcomes
         .iter()
         .map(|x| {
@@ -504,6 +531,7 @@ pub fn train_with(
         process_peak: alloc
             .zip(heap_before)
             .map(|(a, b)| a.peak().saturating_sub(b)),
+        device_memory,
         fingerprint: plan.fingerprint().to_string(),
     })
 }
@@ -512,6 +540,8 @@ struct RankOutcome {
     steps: Vec<StepReport>,
     val_loss: f64,
     peaks: [PhasePeak; 3],
+    /// Peak device bytes during the training loop (a CUDA placement only).
+    device_peak: Option<u64>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -545,6 +575,9 @@ fn run_rank(
     let mut steps = Vec::new();
     let mut peaks = [PhasePeak::default(); 3];
     let mut val_loss = f64::NAN;
+    // The device peak counts the training loop: model states already allocated, start-up
+    // transients (initial values, checkpoint import) not.
+    e.reset_device_memory_peak()?;
     for step in start..o.steps {
         let mbs: Vec<MicroBatch> = (0..o.grad_accum)
             .map(|k| to_micro_batch(&sampler.micro_batch(step, k, rank)))
@@ -591,10 +624,12 @@ fn run_rank(
         }
         steps.push(rep);
     }
+    let device_peak = e.device_memory()?.map(|m| m.peak);
     Ok(RankOutcome {
         steps,
         val_loss,
         peaks,
+        device_peak,
     })
 }
 

@@ -1,7 +1,8 @@
 //! `fsdp train` refuses, with exit code 2 and a message naming the problem, what it cannot run
 //! correctly: gradients reduced in f16 (the sum over ranks overflows before the division by the
 //! token count), a process started by a launcher with the in-process thread backend (it would
-//! train its own copy of the model), checkpoint flags without a checkpoint directory.
+//! train its own copy of the model), checkpoint flags without a checkpoint directory, a CUDA
+//! device or the NCCL backend where they cannot run.
 
 use std::process::Command;
 
@@ -84,4 +85,54 @@ fn checkpoint_flags_need_a_checkpoint_directory() {
         assert_eq!(code, 2, "{flag}: {err}");
         assert!(err.contains("--ckpt-dir"), "{flag}: {err}");
     }
+}
+
+/// Without a CUDA build or device, `--device cuda` is bad input naming what is missing; the
+/// NCCL backend outside a launcher names `fsdp launch`; a launched NCCL rank that disagrees on
+/// the world size is refused before any GPU work.
+#[test]
+fn device_and_nccl_backend_refusals_name_the_fix() {
+    let mut a = SMALL.to_vec();
+    a.extend(["--device", "cuda"]);
+    let (code, err) = fsdp(&a, &[("LOCAL_RANK", "0")]);
+    // A build with CUDA on a machine with a GPU would train: this test runs where neither is.
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--device cuda") && err.contains("GPU 0"),
+        "{err}"
+    );
+    let (code, err) = fsdp(
+        &[&SMALL[..], &["--device", "cuda"]].concat(),
+        &[("LOCAL_RANK", "x")],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("LOCAL_RANK=\"x\""), "{err}");
+
+    let mut a = SMALL.to_vec();
+    a.extend(["--backend", "nccl"]);
+    let (code, err) = fsdp(&a, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("fsdp launch --nproc"), "{err}");
+    let env = [
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("LOCAL_RANK", "0"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29999"),
+    ];
+    let mut a = SMALL.to_vec();
+    a.extend(["--backend", "nccl", "--world-size", "4"]);
+    let (code, err) = fsdp(&a, &env);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--world-size 4") && err.contains("WORLD_SIZE=2"),
+        "{err}"
+    );
+    // The right world size gets as far as building the NCCL communicator, which this build
+    // (no `cuda` feature) cannot: a run failure naming the rebuild.
+    let mut a = SMALL.to_vec();
+    a.extend(["--backend", "nccl"]);
+    let (code, err) = fsdp(&a, &env);
+    assert_ne!(code, 0, "{err}");
+    assert!(err.contains("--features cuda"), "{err}");
 }

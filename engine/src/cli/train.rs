@@ -237,7 +237,9 @@ impl TrainArgs {
                         })?,
                         Err(_) => 0,
                     };
-                    let d = candle_core::Device::new_cuda(ordinal).map_err(|e| {
+                    // One explicit stream for every thread of the rank (candle's plain
+                    // `new_cuda` computes on CUDA's per-thread default stream).
+                    let d = candle_core::Device::new_cuda_with_stream(ordinal).map_err(|e| {
                         CliError::Usage(format!(
                             "--device cuda: cannot open GPU {ordinal}: {e} (a binary built with                              `--features cuda` and a CUDA driver are needed)"
                         ))
@@ -504,12 +506,25 @@ fn summary_json(r: &TrainReport) -> serde_json::Value {
         "seconds": r.seconds,
         "plan_peak_per_rank": r.plan_peak_per_rank,
         "process_peak": r.process_peak,
+        "device_memory": r.device_memory,
         "memory": r.memory,
         "fingerprint": r.fingerprint,
     })
 }
 
 fn print_summary(r: &TrainReport) {
+    print_summary_lines(r);
+    if let Some(d) = r.device_memory {
+        println!(
+            "device memory: plan {} B, measured peak {} B ({:.4})",
+            d.plan_bytes,
+            d.measured_peak_bytes,
+            d.measured_peak_bytes as f64 / d.plan_bytes.max(1) as f64
+        );
+    }
+}
+
+fn print_summary_lines(r: &TrainReport) {
     println!(
         "trained {} ({} params) on {} | world {} ({}, shard group {})",
         r.model, r.params, r.data, r.world_size, r.strategy, r.shard_size

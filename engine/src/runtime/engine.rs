@@ -550,6 +550,29 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         self.dev.as_deref()
     }
 
+    /// Device memory (bytes) now and at its peak since the last
+    /// [`RankEngine::reset_device_memory_peak`], from the device's allocation pool (see
+    /// `fsdp_kernels::tensor::TensorKernels::memory`); `None` on the host and the CPU device.
+    ///
+    /// Errors: [`EngineError::Kernel`] with the driver's text.
+    pub fn device_memory(&self) -> Result<Option<fsdp_kernels::tensor::DeviceMemory>> {
+        match &self.dev {
+            Some(k) => Ok(k.memory()?),
+            None => Ok(None),
+        }
+    }
+
+    /// Starts a new device-memory peak at the current use (no-op on the host).
+    ///
+    /// Errors: [`EngineError::Kernel`] with the driver's text.
+    pub fn reset_device_memory_peak(&self) -> Result<()> {
+        if let Some(k) = &self.dev {
+            k.synchronize()?;
+            k.reset_memory_peak()?;
+        }
+        Ok(())
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.rank
@@ -1131,6 +1154,10 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             self.optimizer_step(lr)?;
             g
         };
+        // On a device the step is done when the device is: the clock reads after it.
+        if let Some(k) = &self.dev {
+            k.synchronize()?;
+        }
         let (comm, calls) = self.comm.take_time();
         Ok(StepStats {
             step: self.step,

@@ -291,6 +291,63 @@ impl CudaState {
         })
     }
 
+    /// Waits until the stream has finished all queued work.
+    pub fn synchronize(&self) -> Result<(), KernelError> {
+        self.stream
+            .synchronize()
+            .map_err(|e| driver("cuStreamSynchronize", e))
+    }
+
+    /// `(current, peak)` bytes allocated from the device's current memory pool (the pool
+    /// `cuMemAllocAsync` serves, which candle's and this crate's allocations use).
+    pub fn pool_memory(&self) -> Result<(u64, u64), KernelError> {
+        use cudarc::driver::sys::CUmemPool_attribute as A;
+        let pool = self.pool()?;
+        let mut current = 0u64;
+        let mut peak = 0u64;
+        // SAFETY: `pool` is the device's valid current pool; both attributes are `cuuint64_t`.
+        unsafe {
+            cudarc::driver::result::mem_pool::get_attribute(
+                pool,
+                A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+                &mut current as *mut u64 as *mut std::ffi::c_void,
+            )
+            .map_err(|e| driver("cuMemPoolGetAttribute(USED_MEM_CURRENT)", e))?;
+            cudarc::driver::result::mem_pool::get_attribute(
+                pool,
+                A::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                &mut peak as *mut u64 as *mut std::ffi::c_void,
+            )
+            .map_err(|e| driver("cuMemPoolGetAttribute(USED_MEM_HIGH)", e))?;
+        }
+        Ok((current, peak))
+    }
+
+    /// Resets the pool's peak to its current use.
+    pub fn reset_pool_peak(&self) -> Result<(), KernelError> {
+        use cudarc::driver::sys::CUmemPool_attribute as A;
+        let pool = self.pool()?;
+        let mut zero = 0u64;
+        // SAFETY: as `pool_memory`; setting USED_MEM_HIGH to 0 resets it to the current use.
+        unsafe {
+            cudarc::driver::result::mem_pool::set_attribute(
+                pool,
+                A::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                &mut zero as *mut u64 as *mut std::ffi::c_void,
+            )
+            .map_err(|e| driver("cuMemPoolSetAttribute(USED_MEM_HIGH)", e))
+        }
+    }
+
+    fn pool(&self) -> Result<cudarc::driver::sys::CUmemoryPool, KernelError> {
+        let ctx = self.stream.context();
+        ctx.bind_to_thread()
+            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        // SAFETY: `cu_device` is the context's valid device handle.
+        unsafe { cudarc::driver::result::device::get_mem_pool(ctx.cu_device()) }
+            .map_err(|e| driver("cuDeviceGetMemPool", e))
+    }
+
     /// The tile table of `spans` for a buffer of `n` elements, uploaded once and cached.
     fn spans(&self, spans: &[Span], n: usize) -> Result<Arc<DeviceSpans>, KernelError> {
         let key = (spans.to_vec(), n);

@@ -82,6 +82,15 @@ fn candle_err(call: String, e: candle_core::Error) -> KernelError {
     }
 }
 
+/// Device memory in use, in bytes (see [`TensorKernels::memory`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Bytes allocated now.
+    pub current: u64,
+    /// Most bytes allocated at once since the last reset.
+    pub peak: u64,
+}
+
 /// Flat-buffer kernels on candle tensors, per device. One per rank (no global state): on CPU
 /// it holds nothing but the device; on CUDA it holds the compiled NVRTC module of this crate's
 /// kernels for that device, candle's stream of the device, and a cache of uploaded span tables.
@@ -143,6 +152,46 @@ impl TensorKernels {
     /// The device whose tensors these kernels take.
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// Blocks the host until the device has finished the work queued so far (kernels of this
+    /// crate and candle's model work on the same stream); a no-op on the CPU, where every call
+    /// has finished when it returns. Step timings read the clock after it.
+    ///
+    /// Errors: [`KernelError::Device`] with the driver's text (e.g. a failed kernel).
+    pub fn synchronize(&self) -> Result<(), KernelError> {
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &self.cuda {
+            return c.synchronize();
+        }
+        Ok(())
+    }
+
+    /// Bytes allocated on the device now and at the peak since the last
+    /// [`TensorKernels::reset_memory_peak`]: the device's current memory pool, which serves
+    /// every stream-ordered allocation (`cuMemAllocAsync`: candle's tensors, these kernels'
+    /// buffers); NCCL's and cuBLAS's own allocations and the CUDA context are not in it.
+    /// `None` on the CPU.
+    ///
+    /// Errors: [`KernelError::Device`] with the driver's text.
+    pub fn memory(&self) -> Result<Option<DeviceMemory>, KernelError> {
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &self.cuda {
+            let (current, peak) = c.pool_memory()?;
+            return Ok(Some(DeviceMemory { current, peak }));
+        }
+        Ok(None)
+    }
+
+    /// Starts a new peak for [`TensorKernels::memory`] at the current use (no-op on the CPU).
+    ///
+    /// Errors: [`KernelError::Device`] with the driver's text.
+    pub fn reset_memory_peak(&self) -> Result<(), KernelError> {
+        #[cfg(feature = "cuda")]
+        if let Some(c) = &self.cuda {
+            return c.reset_pool_peak();
+        }
+        Ok(())
     }
 
     /// A new 1-D buffer of `numel` zeros of `dtype` on the device.
