@@ -196,7 +196,10 @@ fn plan_composes_composite_estimates() {
     )
     .unwrap();
     assert!(p.memory.peak > f.memory.peak);
-    let (ca, fa) = (t[7].bytes.activations.0, f.memory.timeline[7].bytes.activations.0);
+    let (ca, fa) = (
+        t[7].bytes.activations.0,
+        f.memory.timeline[7].bytes.activations.0,
+    );
     assert!(ca > 2 * fa, "composite {ca} vs fused {fa}");
     for (a, b) in p.memory.timeline.iter().zip(&f.memory.timeline) {
         assert_eq!(a.bytes.ledger_total(), b.bytes.ledger_total());
