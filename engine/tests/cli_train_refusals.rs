@@ -128,11 +128,32 @@ fn device_and_nccl_backend_refusals_name_the_fix() {
         err.contains("--world-size 4") && err.contains("WORLD_SIZE=2"),
         "{err}"
     );
-    // The right world size gets as far as building the NCCL communicator, which this build
-    // (no `cuda` feature) cannot: a run failure naming the rebuild.
+    // The right world size needs the NCCL backend, which this build (no `cuda` feature) lacks:
+    // bad input naming the rebuild, said once.
     let mut a = SMALL.to_vec();
     a.extend(["--backend", "nccl"]);
     let (code, err) = fsdp(&a, &env);
-    assert_ne!(code, 0, "{err}");
+    assert_eq!(code, 2, "{err}");
     assert!(err.contains("--features cuda"), "{err}");
+    assert_eq!(err.matches("--features cuda").count(), 1, "{err}");
+    // Timeouts too long for the clock are bad input, not a panic.
+    let mut a = SMALL.to_vec();
+    a.extend(["--backend", "nccl", "--comm-timeout", "1e20"]);
+    let (code, err) = fsdp(&a, &env);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--comm-timeout") && !err.contains("panicked"),
+        "{err}"
+    );
+    let (code, err) = fsdp(
+        &[
+            "launch", "--nproc", "2", "--grace", "1e300", "--", "plan", "--model", "tiny",
+        ],
+        &[],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--grace") && !err.contains("panicked"),
+        "{err}"
+    );
 }

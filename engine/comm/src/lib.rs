@@ -37,7 +37,7 @@ mod topology;
 pub use buf::{Buf, BufMut, Element, OwnedBuf};
 pub use comm::{check_call, Communicator, Completed, PendingOp, PendingWait};
 pub use error::{CallDesc, CommError, OpKind, RankCalls};
-pub use process::nccl_from_env;
+pub use process::{nccl_from_env, NCCL_BUILT};
 pub use reduce::{reduce_in_rank_order, BLOCK};
 pub use thread::{run_threads, thread_communicators, ThreadComm, DEFAULT_TIMEOUT};
 pub use topology::{Group, ReduceOp, Topology};

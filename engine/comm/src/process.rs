@@ -7,6 +7,10 @@ use crate::error::CommError;
 use crate::topology::Topology;
 use std::time::Duration;
 
+/// Whether this build has the NCCL backend (the `cuda` feature): callers refuse
+/// `--backend nccl` up front without it.
+pub const NCCL_BUILT: bool = cfg!(feature = "cuda");
+
 /// The NCCL backend for this process, bootstrapped from torchrun's environment (`RANK`,
 /// `WORLD_SIZE`, `LOCAL_RANK` selecting the GPU, `MASTER_ADDR`, `MASTER_PORT`; `fsdp launch`
 /// sets them): rank 0 creates the NCCL unique id and shares it through the TCP rendezvous,

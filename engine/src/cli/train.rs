@@ -241,7 +241,7 @@ impl TrainArgs {
                     // `new_cuda` computes on CUDA's per-thread default stream).
                     let d = candle_core::Device::new_cuda_with_stream(ordinal).map_err(|e| {
                         CliError::Usage(format!(
-                            "--device cuda: cannot open GPU {ordinal}: {e} (a binary built with                              `--features cuda` and a CUDA driver are needed)"
+                            "--device cuda: cannot open GPU {ordinal}: {e} (needs a binary built with `--features cuda` and a CUDA driver)"
                         ))
                     })?;
                     Placement::Device(d)
@@ -588,11 +588,7 @@ impl NcclProcess {
         comm_timeout: f64,
         opts: &mut TrainOptions,
     ) -> Result<NcclProcess, CliError> {
-        if !(comm_timeout.is_finite() && comm_timeout > 0.0) {
-            return Err(CliError::Usage(format!(
-                "--comm-timeout must be a positive number of seconds, got {comm_timeout}"
-            )));
-        }
+        let timeout = comm_timeout_arg(comm_timeout)?;
         let env = fsdp_comm::rendezvous::LaunchEnv::from_env().map_err(|e| {
             CliError::Usage(format!(
                 "--backend nccl runs one process per GPU under a launcher: `fsdp launch --nproc N -- train --device cuda --backend nccl ...` ({e})"
@@ -605,9 +601,16 @@ impl NcclProcess {
             )));
         }
         opts.world_size = env.world_size;
+        if !fsdp_comm::NCCL_BUILT {
+            return Err(CliError::Usage(
+                "--backend nccl: this fsdp binary was built without CUDA support; rebuild with \
+                 `cargo build --release --features cuda` (see gpu/README.md)"
+                    .into(),
+            ));
+        }
         Ok(NcclProcess {
             rank: env.rank,
-            timeout: std::time::Duration::from_secs_f64(comm_timeout),
+            timeout,
         })
     }
 
@@ -621,12 +624,24 @@ impl NcclProcess {
     ) -> crate::error::Result<crate::train::TrainReport> {
         let timeout = self.timeout;
         let factory = move |t: fsdp_comm::Topology| fsdp_comm::nccl_from_env(t, timeout);
-        let r = crate::train::train_with(o, alloc, hooks, progress, Some(&factory));
-        if let Err(e) = &r {
-            eprintln!("fsdp train: rank {}: {e}", self.rank);
-        }
-        r
+        crate::train::train_with(o, alloc, hooks, progress, Some(&factory))
     }
+}
+
+/// Longest `--comm-timeout` / `--grace` accepted, in seconds (about 11.6 days): longer waits
+/// are no timeout at all, and a deadline that far out would overflow the clock.
+pub const MAX_WAIT_SECONDS: f64 = 1e6;
+
+/// `--comm-timeout` as a duration.
+///
+/// Errors: [`CliError::Usage`] unless it is a number of seconds in `(0, MAX_WAIT_SECONDS]`.
+fn comm_timeout_arg(comm_timeout: f64) -> Result<std::time::Duration, CliError> {
+    if !(comm_timeout.is_finite() && comm_timeout > 0.0 && comm_timeout <= MAX_WAIT_SECONDS) {
+        return Err(CliError::Usage(format!(
+            "--comm-timeout must be a positive number of seconds up to {MAX_WAIT_SECONDS:e}, got {comm_timeout}"
+        )));
+    }
+    Ok(std::time::Duration::from_secs_f64(comm_timeout))
 }
 
 /// `--backend mpi`: this process as one rank of an MPI job.
@@ -657,11 +672,7 @@ mod mpi_backend {
             comm_timeout: f64,
             opts: &mut TrainOptions,
         ) -> Result<MpiProcess, CliError> {
-            if !(comm_timeout.is_finite() && comm_timeout > 0.0) {
-                return Err(CliError::Usage(format!(
-                    "--comm-timeout must be a positive number of seconds, got {comm_timeout}"
-                )));
-            }
+            let timeout = super::comm_timeout_arg(comm_timeout)?;
             let universe = fsdp_comm::mpi::MpiUniverse::init()
                 .map_err(|e| CliError::Failed(format!("--backend mpi: {e}")))?;
             let n = universe.size();
@@ -675,7 +686,7 @@ mod mpi_backend {
             Ok(MpiProcess {
                 rank: universe.rank(),
                 universe,
-                timeout: std::time::Duration::from_secs_f64(comm_timeout),
+                timeout,
             })
         }
 
