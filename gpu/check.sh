@@ -121,13 +121,15 @@ engine() {
 
 # 1. CUDA kernels against the CPU reference (bounds in each kernel's docstring).
 run kernels_unit 60 "$T/kernels_unit" --nocapture
-run cuda_kernels_vs_cpu 120 "$T/cuda_kernels" --nocapture --test-threads=1
+run cuda_kernels_vs_cpu 120 "$T/cuda_kernels" --skip cuda_tensor_kernels:: --nocapture --test-threads=1
+run cuda_tensor_kernels_vs_cpu 120 "$T/cuda_kernels" cuda_tensor_kernels:: --nocapture --test-threads=1
 
 # 2. NCCL: unit tests (NVRTC reduction source, codecs), conformance at world size 1
 #    (rank-order and NCCL reductions) and the device-buffer calls.
 run comm_unit 60 "$T/comm_unit" --nocapture
 run nccl_conformance_w1 180 "$T/nccl_conformance" --exact nccl_conformance_world_size_1 --nocapture
 run nccl_device_buffers_w1 60 "$T/nccl_conformance" --exact nccl_device_buffers_in_place --nocapture
+run nccl_tensor_buffers_w1 60 "$T/nccl_conformance" --exact nccl_tensor_buffers_in_place --nocapture
 
 # 3. NCCL conformance with 2 processes on the one GPU (distinct NCCL_HOSTID per process,
 #    loopback sockets), started by `fsdp launch`.

@@ -9,6 +9,12 @@
 
 use fsdp_kernels::cuda::device_or_skip;
 
+// The TensorKernels checks (`cuda_tensor_kernels.rs`, also a test target of its own) are compiled
+// into this binary too, so the GPU machine runs both from one executable (the device tool
+// carries at most 64 MiB: gpu/build.sh). Filter with `cuda_tensor_kernels::`.
+#[path = "cuda_tensor_kernels.rs"]
+mod cuda_tensor_kernels;
+
 #[cfg(feature = "cuda")]
 mod gpu {
     use cudarc::driver::{CudaContext, CudaStream};
