@@ -7,7 +7,7 @@
 //! export/import across the two placements. This is the CPU test of the logic the CUDA
 //! device runs (issue 7); tiny GPT on tinyshakespeare.
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use fsdp::model::Gpt;
 use fsdp::optim::{AdamWConfig, Optimizer, SgdConfig};
 use fsdp::runtime::{
@@ -19,34 +19,10 @@ use fsdp_planner::{plan, GradSync, PlanConfig, Strategy};
 use fsdp_types::DType;
 use std::time::Duration;
 
-const B: usize = 2;
-const T: usize = 32;
+mod common;
+use common::{micro_batch, text, B, T};
+
 const STEPS: usize = 3;
-
-fn text() -> Vec<u8> {
-    let p = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/data/tinyshakespeare.txt"
-    );
-    std::fs::read(p).expect("tinyshakespeare.txt")
-}
-
-fn micro_batch(text: &[u8], step: usize, k: usize, rank: usize, w: usize, kk: usize) -> MicroBatch {
-    let span = text.len() - T - 1;
-    let mut inp = Vec::with_capacity(B * T);
-    let mut tgt = Vec::with_capacity(B * T);
-    for b in 0..B {
-        let g = ((step * kk + k) * w + rank) * B + b;
-        let start = (g * 7919 + 17) % span;
-        inp.extend(text[start..start + T].iter().map(|&c| c as u32));
-        tgt.extend(text[start + 1..start + T + 1].iter().map(|&c| c as u32));
-    }
-    MicroBatch {
-        input: Tensor::from_vec(inp, (B, T), &Device::Cpu).unwrap(),
-        target: Tensor::from_vec(tgt, (B, T), &Device::Cpu).unwrap(),
-        count: (B * T) as u64,
-    }
-}
 
 #[derive(Clone, Copy, Debug)]
 struct Case {

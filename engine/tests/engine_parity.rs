@@ -3,7 +3,6 @@
 //! the engine's reduction order — bit for bit on the thread backend (losses and every final
 //! parameter), tiny GPT, 5 steps, on tinyshakespeare.
 
-use candle_core::{Device, Tensor};
 use fsdp::model::Gpt;
 use fsdp::optim::{AdamWConfig, Optimizer};
 use fsdp::runtime::reference::Reference;
@@ -12,36 +11,10 @@ use fsdp_comm::{run_threads, Topology};
 use fsdp_planner::{plan, GradSync, PlanConfig, Strategy};
 use std::time::Duration;
 
-const B: usize = 2;
-const T: usize = 32;
+mod common;
+use common::{micro_batch, text, B, T};
+
 const STEPS: usize = 5;
-
-fn text() -> Vec<u8> {
-    let p = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/data/tinyshakespeare.txt"
-    );
-    std::fs::read(p).expect("tinyshakespeare.txt")
-}
-
-/// Micro-batch `k` of `rank` at `step`: `B` windows of `T + 1` bytes at fixed, distinct
-/// offsets.
-fn micro_batch(text: &[u8], step: usize, k: usize, rank: usize, w: usize, kk: usize) -> MicroBatch {
-    let span = text.len() - T - 1;
-    let mut inp = Vec::with_capacity(B * T);
-    let mut tgt = Vec::with_capacity(B * T);
-    for b in 0..B {
-        let g = ((step * kk + k) * w + rank) * B + b;
-        let start = (g * 7919 + 17) % span;
-        inp.extend(text[start..start + T].iter().map(|&c| c as u32));
-        tgt.extend(text[start + 1..start + T + 1].iter().map(|&c| c as u32));
-    }
-    MicroBatch {
-        input: Tensor::from_vec(inp, (B, T), &Device::Cpu).unwrap(),
-        target: Tensor::from_vec(tgt, (B, T), &Device::Cpu).unwrap(),
-        count: (B * T) as u64,
-    }
-}
 
 fn optimizer() -> Optimizer {
     Optimizer::AdamW(AdamWConfig {
