@@ -1255,50 +1255,15 @@ pub fn bias_add(x: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
 // ---------------------------------------------------------------------------------------------
 // Backward seed: a scalar whose gradient with respect to `y` is exactly `g`.
 
-struct BackwardSeed {
-    g: Tensor,
-}
-
-fn zero_scalar<E: Elem>() -> candle_core::Result<(CpuStorage, Shape)> {
-    Ok((E::wrap(vec![E::zero()]), Shape::from(())))
-}
-
-impl CustomOp1 for BackwardSeed {
-    fn name(&self) -> &'static str {
-        "backward-seed"
-    }
-    fn cpu_fwd(&self, s: &CpuStorage, _l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        dispatch!(self.name(), s, zero_scalar())
-    }
-    fn bwd(
-        &self,
-        _arg: &Tensor,
-        _res: &Tensor,
-        _grad: &Tensor,
-    ) -> candle_core::Result<Option<Tensor>> {
-        Ok(Some(self.g.clone()))
-    }
-}
-
 /// A 0-dim tensor `s` such that `s.backward()` delivers exactly `g` as the gradient of `y`
-/// (`y`, `g` of the same shape and float dtype: f32, f64, bf16 or f16): the upstream-gradient
-/// seed of unit-level recompute backward. It replaces `(y * g).sum_all().backward()`, which
-/// gives the same bits for f32 (`1 * g = g`) but costs two strided broadcast multiplies (also
-/// computing an unused gradient for `g`) — about 7 ms per `[1024, 256]` stage output on one
-/// core. The forward value is 0 (of `y`'s dtype) on the CPU; on other devices this falls back
-/// to `(y * g).sum_all()`. Errors: shape or dtype mismatch, an unsupported dtype.
+/// (`y`, `g` of the same shape, float dtype (f32, f64, bf16 or f16) and device): the
+/// upstream-gradient seed of unit-level backward. It replaces `(y * g).sum_all().backward()`,
+/// which gives the same bits for f32 (`1 * g = g`) but costs two strided broadcast multiplies
+/// (also computing an unused gradient for `g`) — about 7 ms per `[1024, 256]` stage output on
+/// one core — and about three `y`-sized buffers no memory plan counts. The forward value is a
+/// 0-dim zero on `y`'s device (CPU, or CUDA with feature `cuda`): see
+/// [`fsdp_kernels::tensor::backward_seed`]. Errors: shape, dtype or device mismatch, an
+/// unsupported dtype.
 pub fn backward_seed(y: &Tensor, g: &Tensor) -> candle_core::Result<Tensor> {
-    if y.dims() != g.dims() || y.dtype() != g.dtype() {
-        candle_core::bail!(
-            "backward_seed: y {:?} {:?} vs g {:?} {:?}",
-            y.dims(),
-            y.dtype(),
-            g.dims(),
-            g.dtype()
-        );
-    }
-    if !y.device().is_cpu() {
-        return (y * g)?.sum_all();
-    }
-    y.apply_op1(BackwardSeed { g: g.detach() })
+    fsdp_kernels::tensor::backward_seed(y, g)
 }

@@ -38,6 +38,7 @@ mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod lock;
+mod seed;
 
 use crate::cast;
 use crate::error::{check_len, KernelError};
@@ -48,6 +49,7 @@ use cpu::{Slice, SliceMut};
 use fsdp_types::DType;
 use half::{bf16, f16};
 use lock::Arg;
+pub use seed::backward_seed;
 
 /// Elements converted per block when a 16-bit or f64 source is widened on the host (a stack
 /// buffer: no allocation proportional to the buffer).
