@@ -1,18 +1,58 @@
-//! Training throughput of the engine: step time and tokens/s of the `mini` GPT (d_model 256,
-//! 4 layers, seq 128, micro-batch 8 per rank, fp32 AdamW) at world size 2 under full shard,
-//! shard-grad-op and DDP (no-shard), against one process with the same global batch (micro-batch
-//! 16) and the same cores; with the time per step spent inside collectives.
+//! Training throughput of the engine against the reference figures of the developers' guide,
+//! measured on the same 2-core machine: PyTorch FSDP2 (gloo, 2 ranks x 1 thread, fp32, AdamW,
+//! GPT with byte vocabulary) and PyTorch's best single process on the same cores.
+//!
+//! Two workloads, fp32 AdamW on tinyshakespeare:
+//! - `mini`: d_model 256, 4 layers, seq 128, micro-batch 8 per rank (PyTorch FSDP2 5,500
+//!   tokens/s, best single process 7,540);
+//! - `base`: d_model 768, 6 layers, seq 256, micro-batch 4 per rank (620 and 777).
+//!
+//! Per workload: world size 2 under full shard, shard-grad-op and DDP (no-shard), and one
+//! process with the same global batch (micro-batch x 2) on the same cores. Printed per row: step time, tokens/s, the ratio to
+//! PyTorch FSDP2 and to PyTorch's single process, and the time per step the compute thread was
+//! blocked in collectives.
 //!
 //! Each configuration runs in a child process of this bench (candle sizes its CPU thread pools
 //! once per process from `RAYON_NUM_THREADS` / `CANDLE_NUM_THREADS`: `cores / W` per rank).
-//! Prints a table and one JSON line per configuration. Environment: `FSDP_BENCH_STEPS` (default
-//! 8, the first 2 are warm-up and not counted), `FSDP_BENCH_MODEL` (default `mini`).
+//! Prints a table and one JSON line per configuration. Environment: `FSDP_BENCH_MODEL` (`mini`,
+//! `base` or `all`, default `all`), `FSDP_BENCH_STEPS` (default 12 for mini, 6 for base; the
+//! first 2 are warm-up and not counted).
 
 use fsdp::train::{train, NoHooks, TrainOptions};
 use fsdp_planner::Strategy;
 use std::process::Command;
 
 const CHILD: &str = "FSDP_BENCH_CHILD";
+
+/// One workload of the guide: model preset, sequence length, micro-batch per rank at W=2, and
+/// PyTorch's figures on this machine (FSDP2 at W=2, best single process), in tokens/s.
+struct Workload {
+    model: &'static str,
+    seq_len: usize,
+    micro_batch: usize,
+    steps: u64,
+    pytorch_fsdp2: f64,
+    pytorch_single: f64,
+}
+
+const WORKLOADS: [Workload; 2] = [
+    Workload {
+        model: "mini",
+        seq_len: 128,
+        micro_batch: 8,
+        steps: 12,
+        pytorch_fsdp2: 5500.0,
+        pytorch_single: 7540.0,
+    },
+    Workload {
+        model: "base",
+        seq_len: 256,
+        micro_batch: 4,
+        steps: 6,
+        pytorch_fsdp2: 620.0,
+        pytorch_single: 777.0,
+    },
+];
 
 fn data() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tinyshakespeare.txt")
@@ -26,26 +66,25 @@ fn strategy(name: &str) -> Strategy {
     }
 }
 
-/// Runs one configuration in this process and prints its JSON line.
+/// Runs one configuration (`model,seq_len,W,strategy,micro_batch,steps`) in this process and
+/// prints its JSON line.
 fn child(spec: &str) {
-    let parts: Vec<&str> = spec.split(',').collect();
-    let (w, strat, mb): (usize, &str, usize) = (
-        parts[0].parse().unwrap(),
-        parts[1],
-        parts[2].parse().unwrap(),
+    let p: Vec<&str> = spec.split(',').collect();
+    let (model, seq_len, w, strat, mb, steps): (&str, usize, usize, &str, usize, u64) = (
+        p[0],
+        p[1].parse().expect("seq_len"),
+        p[2].parse().expect("world size"),
+        p[3],
+        p[4].parse().expect("micro-batch"),
+        p[5].parse().expect("steps"),
     );
-    let steps: u64 = std::env::var("FSDP_BENCH_STEPS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(8);
-    let model = std::env::var("FSDP_BENCH_MODEL").unwrap_or_else(|_| "mini".into());
     let opts = TrainOptions {
         data: Some(data()),
-        model: model.clone(),
+        model: model.to_string(),
         world_size: w,
         strategy: strategy(strat),
         micro_batch: mb,
-        seq_len: 128,
+        seq_len,
         steps,
         warmup: 2,
         eval_batches: 1,
@@ -63,6 +102,7 @@ fn child(spec: &str) {
         serde_json::json!({
             "bench": "train",
             "model": model,
+            "seq_len": seq_len,
             "world_size": w,
             "strategy": if w == 1 { "single-process".to_string() } else { strat.to_string() },
             "micro_batch_per_rank": mb,
@@ -81,48 +121,76 @@ fn main() {
         child(&spec);
         return;
     }
+    let which = std::env::var("FSDP_BENCH_MODEL").unwrap_or_else(|_| "all".into());
+    let steps_override: Option<u64> = std::env::var("FSDP_BENCH_STEPS")
+        .ok()
+        .and_then(|s| s.parse().ok());
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let configs = [
-        (1usize, "full-shard", 16usize),
-        (2, "full-shard", 8),
-        (2, "shard-grad-op", 8),
-        (2, "no-shard", 8),
-    ];
     let exe = std::env::current_exe().expect("bench executable");
-    let mut rows = Vec::new();
-    for (w, s, mb) in configs {
-        let threads = (cores / w).max(1).to_string();
-        let out = Command::new(&exe)
-            .env(CHILD, format!("{w},{s},{mb}"))
-            .env("RAYON_NUM_THREADS", &threads)
-            .env("CANDLE_NUM_THREADS", &threads)
-            .output()
-            .expect("child bench");
-        let text = String::from_utf8_lossy(&out.stdout);
-        let line = text
-            .lines()
-            .find(|l| l.starts_with('{'))
-            .unwrap_or_else(|| panic!("child failed: {}", String::from_utf8_lossy(&out.stderr)));
-        println!("{line}");
-        rows.push(serde_json::from_str::<serde_json::Value>(line).expect("json"));
-    }
-    let base = rows[0]["tokens_per_s"].as_f64().unwrap_or(1.0);
-    println!();
-    println!(
-        "{:<16} {:>3} {:>10} {:>12} {:>10} {:>14} {:>8}",
-        "strategy", "W", "step ms", "tokens/s", "vs W=1", "comm ms/step", "comm %"
-    );
-    for r in &rows {
-        let tps = r["tokens_per_s"].as_f64().unwrap_or(0.0);
+    for wl in WORKLOADS
+        .iter()
+        .filter(|wl| which == "all" || which == wl.model)
+    {
+        let steps = steps_override.unwrap_or(wl.steps).max(3);
+        let configs = [
+            (1usize, "full-shard", 2 * wl.micro_batch),
+            (2, "full-shard", wl.micro_batch),
+            (2, "shard-grad-op", wl.micro_batch),
+            (2, "no-shard", wl.micro_batch),
+        ];
+        let mut rows = Vec::new();
+        for (w, s, mb) in configs {
+            let threads = (cores / w).max(1).to_string();
+            let out = Command::new(&exe)
+                .env(
+                    CHILD,
+                    format!("{},{},{w},{s},{mb},{steps}", wl.model, wl.seq_len),
+                )
+                .env("RAYON_NUM_THREADS", &threads)
+                .env("CANDLE_NUM_THREADS", &threads)
+                .output()
+                .expect("child bench");
+            let text = String::from_utf8_lossy(&out.stdout);
+            let line = text
+                .lines()
+                .find(|l| l.starts_with('{'))
+                .unwrap_or_else(|| {
+                    panic!("child failed: {}", String::from_utf8_lossy(&out.stderr))
+                });
+            println!("{line}");
+            rows.push(serde_json::from_str::<serde_json::Value>(line).expect("json"));
+        }
+        println!();
         println!(
-            "{:<16} {:>3} {:>10.1} {:>12.0} {:>10.2} {:>14.1} {:>8.1}",
-            r["strategy"].as_str().unwrap_or(""),
-            r["world_size"],
-            r["step_ms"].as_f64().unwrap_or(0.0),
-            tps,
-            tps / base,
-            r["comm_ms_per_step"].as_f64().unwrap_or(0.0),
-            100.0 * r["comm_fraction"].as_f64().unwrap_or(0.0)
+            "{} (seq {}, micro-batch {} per rank at W=2, {} cores): PyTorch FSDP2 {:.0} tokens/s, \
+             PyTorch single process {:.0}",
+            wl.model, wl.seq_len, wl.micro_batch, cores, wl.pytorch_fsdp2, wl.pytorch_single
         );
+        println!(
+            "{:<16} {:>3} {:>10} {:>10} {:>9} {:>11} {:>13} {:>7}",
+            "strategy",
+            "W",
+            "step ms",
+            "tokens/s",
+            "vs FSDP2",
+            "vs single",
+            "comm ms/step",
+            "comm %"
+        );
+        for r in &rows {
+            let tps = r["tokens_per_s"].as_f64().unwrap_or(0.0);
+            println!(
+                "{:<16} {:>3} {:>10.1} {:>10.0} {:>9.2} {:>11.2} {:>13.1} {:>7.1}",
+                r["strategy"].as_str().unwrap_or(""),
+                r["world_size"],
+                r["step_ms"].as_f64().unwrap_or(0.0),
+                tps,
+                tps / wl.pytorch_fsdp2,
+                tps / wl.pytorch_single,
+                r["comm_ms_per_step"].as_f64().unwrap_or(0.0),
+                100.0 * r["comm_fraction"].as_f64().unwrap_or(0.0)
+            );
+        }
+        println!();
     }
 }
