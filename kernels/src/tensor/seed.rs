@@ -121,7 +121,11 @@ mod tests {
         // y = 3 x (+ 1): dL/dx = 3 g exactly for these small integers.
         let y = ((x.as_tensor() * 3.0).unwrap() + 1.0).unwrap();
         let g = Tensor::new(
-            &[[0.5f32, -1.0, 2.0, 0.25], [1.5, 0.0, -3.0, 4.0], [8.0, -0.5, 1.0, 2.5]],
+            &[
+                [0.5f32, -1.0, 2.0, 0.25],
+                [1.5, 0.0, -3.0, 4.0],
+                [8.0, -0.5, 1.0, 2.5],
+            ],
             &Device::Cpu,
         )
         .unwrap()
@@ -130,7 +134,10 @@ mod tests {
         let s = backward_seed(&y, &g).unwrap();
         assert_eq!(s.dims(), &[] as &[usize]);
         assert_eq!(s.dtype(), dtype);
-        assert_eq!(s.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap(), 0.0);
+        assert_eq!(
+            s.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap(),
+            0.0
+        );
         let grads = s.backward().unwrap();
         let gx = grads.get(x.as_tensor()).unwrap().clone();
         (gx, g)
