@@ -61,6 +61,9 @@ pub struct TrainOptions {
     pub eval_batches: usize,
     /// Units gathered ahead (prefetch depth).
     pub prefetch: u64,
+    /// Unit-level activation checkpointing (`fsdp train --activation-checkpointing`):
+    /// `None` is the strategy's default (`fsdp_planner::config::default_activation_checkpointing`).
+    pub activation_checkpointing: Option<bool>,
     /// dtype the units compute in and the all-gather moves (f32, bf16, f16); master weights,
     /// gradient shards and optimizer state stay f32. f16 turns on dynamic loss scaling.
     pub param_dtype: fsdp_types::DType,
@@ -99,6 +102,7 @@ impl Default for TrainOptions {
             eval_every: 0,
             eval_batches: 16,
             prefetch: 1,
+            activation_checkpointing: None,
             param_dtype: fsdp_types::DType::F32,
             reduce_dtype: fsdp_types::DType::F32,
             threads_per_rank: None,
@@ -194,6 +198,9 @@ pub struct TrainReport {
     pub shard_size: u64,
     /// Strategy executed.
     pub strategy: String,
+    /// Whether units recompute their forward in backward (unit-level activation checkpointing,
+    /// the plan's resolved setting).
+    pub activation_checkpointing: bool,
     /// Precision in use: compute (param_dtype), reduction dtype and its accumulation dtype,
     /// master weights, loss scaling.
     pub precision: String,
@@ -244,6 +251,7 @@ pub fn plan_config(o: &TrainOptions) -> PlanConfig {
     c.micro_batch = o.micro_batch as u64;
     c.seq_len = o.seq_len as u64;
     c.prefetch = o.prefetch;
+    c.activation_checkpointing = o.activation_checkpointing;
     c.param_dtype = o.param_dtype;
     c.reduce_dtype = o.reduce_dtype;
     // On CUDA the model computes through the composite ops (`OpsPath::Auto`), which keep
@@ -505,6 +513,7 @@ pub fn train_with(
         world_size: o.world_size,
         shard_size: plan.shard_size,
         strategy: plan.strategy.to_string(),
+        activation_checkpointing: plan.schedule.activation_checkpointing,
         precision: format!(
             "compute {}, reduce {} (accumulated in f32), master weights f32{}",
             plan.config.param_dtype,

@@ -112,3 +112,96 @@ fn train_cli_bad_flags_exit_2_with_a_message() {
         assert!(err.contains(needle), "{args:?}: {err}");
     }
 }
+
+/// `--activation-checkpointing on|off` on `fsdp train` and `fsdp plan`: the summary and the
+/// table name the setting, training without it gives bitwise the same losses, the ledger stays
+/// within the plan, a bad value exits 2, and the help says what it trades.
+#[test]
+fn activation_checkpointing_flag_on_train_and_plan() {
+    let train = |flag: Option<&str>| -> serde_json::Value {
+        let mut c = fsdp();
+        c.args(["train", "--data", &data(), "--model", "tiny"])
+            .args(["--world-size", "2", "--seq-len", "32", "--micro-batch", "2"])
+            .args([
+                "--steps",
+                "2",
+                "--warmup",
+                "1",
+                "--eval-batches",
+                "1",
+                "--json",
+            ]);
+        if let Some(f) = flag {
+            c.args(["--activation-checkpointing", f]);
+        }
+        let out = c.output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{flag:?}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let last = stdout.lines().last().unwrap();
+        serde_json::from_str(last).unwrap()
+    };
+    let default = train(None);
+    let off = train(Some("off"));
+    let on = train(Some("on"));
+    assert_eq!(
+        default["activation_checkpointing"], true,
+        "full shard default"
+    );
+    assert_eq!(on["activation_checkpointing"], true);
+    assert_eq!(off["activation_checkpointing"], false);
+    assert_eq!(on["fingerprint"], default["fingerprint"]);
+    assert_ne!(off["fingerprint"], default["fingerprint"]);
+    assert_eq!(
+        off["final_train_loss"].as_f64().unwrap().to_bits(),
+        on["final_train_loss"].as_f64().unwrap().to_bits()
+    );
+    for rank in off["memory"].as_array().unwrap() {
+        for c in rank.as_array().unwrap() {
+            assert!(c["measured"].as_u64() <= c["planned"].as_u64(), "{c}");
+        }
+    }
+    assert!(off["plan_peak_per_rank"].as_u64() > on["plan_peak_per_rank"].as_u64());
+
+    let out = fsdp()
+        .args(["plan", "--model", "mini", "--world-size", "2"])
+        .args([
+            "--strategy",
+            "shard-grad-op",
+            "--activation-checkpointing",
+            "on",
+        ])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{table}");
+    assert!(
+        table.contains("keep unsharded after forward; activation checkpointing"),
+        "{table}"
+    );
+
+    let out = fsdp()
+        .args([
+            "train",
+            "--activation-checkpointing",
+            "sometimes",
+            "--steps",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--activation-checkpointing"), "{err}");
+    for cmd in ["train", "plan"] {
+        let out = fsdp().args([cmd, "--help"]).output().unwrap();
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            help.contains("recompute its forward in backward"),
+            "{cmd}: {help}"
+        );
+    }
+}

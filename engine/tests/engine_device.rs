@@ -4,7 +4,10 @@
 //! ([`Placement::Host`]): bit for bit equal losses, gradient shards, final parameters,
 //! optimizer state and memory-ledger peaks, for every strategy, world sizes 1 to 4, mixed
 //! precision, gradient accumulation with sync on the last micro-batch, and checkpoint
-//! export/import across the two placements. This is the CPU test of the logic the CUDA
+//! export/import across the two placements; full shard and hybrid without activation
+//! checkpointing (kept graphs whose parameter storages are emptied at reshard and refilled by
+//! the backward all-gather) equal both the other placement and the checkpointed run. This is
+//! the CPU test of the logic the CUDA
 //! device runs (issue 7); tiny GPT on tinyshakespeare.
 
 use candle_core::Device;
@@ -33,6 +36,9 @@ struct Case {
     param: DType,
     reduce: DType,
     sgd: bool,
+    /// `PlanConfig::activation_checkpointing`.
+    ckpt: Option<bool>,
+    prefetch: u64,
 }
 
 impl Case {
@@ -45,6 +51,8 @@ impl Case {
             param: DType::F32,
             reduce: DType::F32,
             sgd: false,
+            ckpt: None,
+            prefetch: 1,
         }
     }
 }
@@ -111,6 +119,8 @@ fn run(c: Case, placement: Placement, resume: Option<&RankState>) -> (Run, RankS
     cfg.seq_len = T as u64;
     cfg.param_dtype = c.param;
     cfg.reduce_dtype = c.reduce;
+    cfg.activation_checkpointing = c.ckpt;
+    cfg.prefetch = c.prefetch;
     if c.sgd {
         cfg.optimizer = fsdp_planner::Optimizer::Sgd { momentum: 0.9 };
     }
@@ -292,5 +302,50 @@ fn checkpoint_state_moves_between_host_and_device() {
         let (b, _) = run(c, Placement::Device(Device::Cpu), Some(&dev_state));
         assert_eq!(a.losses, b.losses);
         assert_eq!(a.state, b.state);
+    }
+}
+
+/// Full shard / hybrid without activation checkpointing on both placements (host: one storage
+/// per parameter; device: views of the gathered flat buffer, one storage per flat parameter):
+/// bitwise equal to each other and to the checkpointed run (losses, grad norms, gradient
+/// shards, parameters, optimizer state, ledger peaks, loss scale), f32/bf16/f16, gradient
+/// accumulation with both sync modes, prefetch 0, 1 (all-gathers on the comm thread) and 2.
+#[test]
+fn no_activation_checkpointing_equals_checkpointing_on_both_placements() {
+    let mut cases = Vec::new();
+    for (strategy, w) in [
+        (Strategy::FullShard, 2),
+        (Strategy::FullShard, 4),
+        (Strategy::Hybrid { shard_size: 2 }, 4),
+        (Strategy::FullShard, 1),
+    ] {
+        cases.push(Case::new(strategy, w));
+    }
+    for (param, reduce) in [(DType::BF16, DType::BF16), (DType::F16, DType::F32)] {
+        let mut c = Case::new(Strategy::FullShard, 2);
+        c.param = param;
+        c.reduce = reduce;
+        cases.push(c);
+    }
+    let mut c = Case::new(Strategy::FullShard, 1);
+    c.param = DType::BF16;
+    cases.push(c);
+    for (sync, prefetch) in [
+        (GradSync::EveryMicroBatch, 0),
+        (GradSync::LastMicroBatch, 2),
+    ] {
+        let mut c = Case::new(Strategy::FullShard, 2);
+        c.kk = 2;
+        c.sync = sync;
+        c.prefetch = prefetch;
+        cases.push(c);
+    }
+    for mut c in cases {
+        c.ckpt = Some(false);
+        check(c);
+        let (off, _) = run(c, Placement::Device(Device::Cpu), None);
+        c.ckpt = Some(true);
+        let (on, _) = run(c, Placement::Device(Device::Cpu), None);
+        assert_eq!(off, on, "{c:?}: without vs with checkpointing (device)");
     }
 }

@@ -36,6 +36,8 @@ struct Cfg {
     t: usize,
     /// (param_dtype, reduce_dtype).
     dtypes: (DType, DType),
+    /// `PlanConfig::activation_checkpointing`.
+    ckpt: Option<bool>,
 }
 
 /// The `tiny` preset with one micro-batch of 1 x 16 tokens per rank.
@@ -57,6 +59,7 @@ fn tiny(
         b: 1,
         t: 16,
         dtypes,
+        ckpt: None,
     }
 }
 
@@ -71,6 +74,7 @@ fn make(c: &Cfg) -> (Gpt, ShardPlan) {
     pc.seq_len = c.t as u64;
     pc.param_dtype = c.dtypes.0;
     pc.reduce_dtype = c.dtypes.1;
+    pc.activation_checkpointing = c.ckpt;
     let p = plan(model.spec(), &pc).unwrap();
     (model, p)
 }
@@ -111,12 +115,13 @@ fn ledger_matches_plan(c: Cfg) {
                 assert_eq!(
                     peaks[i].max.get(cat),
                     planned.max.get(cat),
-                    "{} W={} K={} {:?} prefetch {}: rank {rank} {} {}",
+                    "{} W={} K={} {:?} prefetch {} checkpointing {:?}: rank {rank} {} {}",
                     c.strategy,
                     c.w,
                     c.k,
                     c.sync,
                     c.prefetch,
+                    c.ckpt,
                     ph.name(),
                     cat.name()
                 );
@@ -243,4 +248,116 @@ fn memory_ledger_equals_plan_mixed_precision_prefetch_0_1_2() {
         1,
         (DType::F16, DType::BF16),
     ));
+}
+
+/// Activation checkpointing independent of the strategy: full shard and hybrid without it
+/// (kept graphs, unsharded parameters still freed after forward and re-gathered for backward:
+/// the same `unsharded_params` as with it), prefetch 0-2, accumulation in both sync modes,
+/// bf16; shard-grad-op and DDP with it. The ledger equals the plan in every case, and the plan's
+/// ledger categories do not depend on the setting (only its activations do).
+#[test]
+fn memory_ledger_equals_plan_with_and_without_activation_checkpointing() {
+    let f32s = (DType::F32, DType::F32);
+    let mut cases = Vec::new();
+    for prefetch in [0, 1, 2] {
+        cases.push((
+            tiny(
+                2,
+                Strategy::FullShard,
+                1,
+                GradSync::EveryMicroBatch,
+                prefetch,
+                f32s,
+            ),
+            false,
+        ));
+    }
+    cases.push((
+        tiny(
+            4,
+            Strategy::Hybrid { shard_size: 2 },
+            1,
+            GradSync::EveryMicroBatch,
+            1,
+            f32s,
+        ),
+        false,
+    ));
+    cases.push((
+        tiny(
+            2,
+            Strategy::FullShard,
+            3,
+            GradSync::EveryMicroBatch,
+            1,
+            f32s,
+        ),
+        false,
+    ));
+    cases.push((
+        tiny(
+            2,
+            Strategy::FullShard,
+            2,
+            GradSync::LastMicroBatch,
+            1,
+            (DType::BF16, DType::BF16),
+        ),
+        false,
+    ));
+    cases.push((
+        tiny(
+            2,
+            Strategy::FullShard,
+            1,
+            GradSync::EveryMicroBatch,
+            1,
+            (DType::BF16, DType::F32),
+        ),
+        false,
+    ));
+    cases.push((
+        tiny(
+            3,
+            Strategy::ShardGradOp,
+            1,
+            GradSync::EveryMicroBatch,
+            1,
+            f32s,
+        ),
+        true,
+    ));
+    cases.push((
+        tiny(2, Strategy::NoShard, 2, GradSync::LastMicroBatch, 1, f32s),
+        true,
+    ));
+    cases.push((
+        tiny(
+            2,
+            Strategy::NoShard,
+            1,
+            GradSync::EveryMicroBatch,
+            1,
+            (DType::BF16, DType::BF16),
+        ),
+        true,
+    ));
+    for (mut c, ckpt) in cases {
+        c.ckpt = Some(ckpt);
+        let (_, with) = make(&c);
+        c.ckpt = Some(!ckpt);
+        let (_, without) = make(&c);
+        assert_eq!(with.schedule.activation_checkpointing, ckpt);
+        for (a, b) in with.memory.timeline.iter().zip(&without.memory.timeline) {
+            assert_eq!(
+                a.bytes.ledger_total(),
+                b.bytes.ledger_total(),
+                "{}: {}",
+                c.strategy,
+                a.label
+            );
+        }
+        c.ckpt = Some(ckpt);
+        ledger_matches_plan(c);
+    }
 }

@@ -1,7 +1,10 @@
 //! Parity: the engine at world sizes 1..4 under full shard, shard-grad-op, DDP (no-shard) and
 //! hybrid 2x2 equals the single-process reference that accumulates the same micro-batches in
 //! the engine's reduction order — bit for bit on the thread backend (losses and every final
-//! parameter), tiny GPT, 5 steps, on tinyshakespeare.
+//! parameter), tiny GPT, 5 steps, on tinyshakespeare. Full shard and hybrid with and without
+//! unit-level activation checkpointing (the kept graph with resharded, re-gathered parameters
+//! equals the recompute bit for bit, gradient shards included), and shard-grad-op / DDP with
+//! it.
 
 use fsdp::model::Gpt;
 use fsdp::optim::{AdamWConfig, Optimizer};
@@ -27,12 +30,26 @@ fn optimizer() -> Optimizer {
 struct Run {
     losses: Vec<f64>,
     params: Vec<Vec<Vec<f32>>>,
+    /// Engine runs: rank 0's gradient shards of one more accumulate after the last step.
+    grads: Vec<Vec<Vec<f32>>>,
 }
 
 fn run_engine(strategy: Strategy, w: usize, kk: usize, sync: GradSync, clip: Option<Clip>) -> Run {
+    run_engine_ckpt(strategy, w, kk, sync, clip, None)
+}
+
+fn run_engine_ckpt(
+    strategy: Strategy,
+    w: usize,
+    kk: usize,
+    sync: GradSync,
+    clip: Option<Clip>,
+    ckpt: Option<bool>,
+) -> Run {
     let model = Gpt::from_preset("tiny").unwrap();
     let mut cfg = PlanConfig::new(w as u64);
     cfg.strategy = strategy;
+    cfg.activation_checkpointing = ckpt;
     cfg.grad_accum = kk as u64;
     cfg.grad_sync = sync;
     cfg.micro_batch = B as u64;
@@ -58,8 +75,18 @@ fn run_engine(strategy: Strategy, w: usize, kk: usize, sync: GradSync, clip: Opt
             let st = e.train_step(&mbs, 3e-3).unwrap();
             losses.push(st.loss);
         }
+        let mbs: Vec<MicroBatch> = (0..kk)
+            .map(|k| micro_batch(&text, STEPS, k, e.rank(), w, kk))
+            .collect();
+        e.accumulate(&mbs).unwrap();
+        let grads = e.grad_shards().unwrap();
+        e.zero_grad().unwrap();
         let params = e.full_params().unwrap();
-        Run { losses, params }
+        Run {
+            losses,
+            params,
+            grads,
+        }
     });
     let mut runs: Vec<Run> = results.into_iter().map(|r| r.unwrap()).collect();
     for r in &runs[1..] {
@@ -90,6 +117,7 @@ fn run_reference(w: usize, shard: usize, kk: usize, sync: GradSync, clip: Option
     Run {
         losses,
         params: r.params().to_vec(),
+        grads: Vec::new(),
     }
 }
 
@@ -197,4 +225,52 @@ fn parity_with_global_norm_clipping_within_fp32_tolerance() {
         }
     }
     assert!(worst < 1e-4, "worst relative difference {worst}");
+}
+
+/// Full shard and hybrid without activation checkpointing (graphs kept, unsharded parameters
+/// freed after forward and re-gathered into the same tensors for backward) equal the reference
+/// and the checkpointed (recompute) run bit for bit: losses, final parameters and the gradient
+/// shards of one more step; with gradient accumulation in both sync modes too. Shard-grad-op
+/// and DDP with checkpointing (recompute while the unit stays unsharded) equal their default.
+#[test]
+fn parity_activation_checkpointing_on_and_off_bitwise() {
+    let cases = [
+        (Strategy::FullShard, 2, 1, GradSync::EveryMicroBatch),
+        (Strategy::FullShard, 3, 1, GradSync::EveryMicroBatch),
+        (Strategy::FullShard, 2, 3, GradSync::EveryMicroBatch),
+        (Strategy::FullShard, 2, 2, GradSync::LastMicroBatch),
+        (
+            Strategy::Hybrid { shard_size: 2 },
+            4,
+            1,
+            GradSync::EveryMicroBatch,
+        ),
+        (Strategy::ShardGradOp, 2, 1, GradSync::EveryMicroBatch),
+        (Strategy::NoShard, 2, 2, GradSync::LastMicroBatch),
+    ];
+    for (strategy, w, kk, sync) in cases {
+        let what = format!("{strategy} W={w} K={kk} {sync:?}");
+        let on = run_engine_ckpt(strategy, w, kk, sync, None, Some(true));
+        let off = run_engine_ckpt(strategy, w, kk, sync, None, Some(false));
+        let shard = strategy.shard_size(w as u64).unwrap() as usize;
+        let r = run_reference(w, shard, kk, sync, None);
+        assert_bitwise(&on, &r, &format!("{what} checkpointing on vs reference"));
+        assert_bitwise(&off, &r, &format!("{what} checkpointing off vs reference"));
+        assert_bitwise(&off, &on, &format!("{what} off vs on"));
+        assert_eq!(on.grads.len(), off.grads.len());
+        let mut nonzero = 0;
+        for (u, (a, b)) in on.grads.iter().zip(&off.grads).enumerate() {
+            for (f, (x, y)) in a.iter().zip(b).enumerate() {
+                assert_eq!(x.len(), y.len());
+                let diff = x
+                    .iter()
+                    .zip(y)
+                    .filter(|(p, q)| p.to_bits() != q.to_bits())
+                    .count();
+                assert_eq!(diff, 0, "{what}: unit {u} flat {f}: gradient shards differ");
+                nonzero += x.iter().filter(|g| **g != 0.0).count();
+            }
+        }
+        assert!(nonzero > 0, "{what}: gradients are not all zero");
+    }
 }

@@ -206,6 +206,13 @@ impl FromStr for ActivationModel {
     }
 }
 
+/// The activation-checkpointing default of a strategy when the config does not set it: on
+/// for the strategies that reshard after forward (full shard, hybrid), off otherwise, which is
+/// what every plan did before the setting existed (recompute was tied to resharding).
+pub fn default_activation_checkpointing(strategy: Strategy) -> bool {
+    strategy.reshard_after_forward()
+}
+
 /// Largest world size accepted (keeps every byte count far from `u64` overflow).
 pub const MAX_WORLD_SIZE: u64 = 1 << 24;
 /// Largest alignment accepted, in elements.
@@ -245,6 +252,18 @@ pub struct PlanConfig {
     /// of default configs keep their bytes and fingerprints.
     #[serde(default, skip_serializing_if = "ActivationModel::is_fused")]
     pub activations: ActivationModel,
+    /// Unit-level activation checkpointing (Chen et al. 2016, "Training Deep Nets with
+    /// Sublinear Memory Cost"; PyTorch's `checkpoint` wrapped around each FSDP unit): forward
+    /// keeps only each unit use's input, and backward recomputes the unit's forward before
+    /// back-propagating through it: one extra forward of compute for activation memory of
+    /// the inputs plus one unit's graph. `None` is the strategy's default
+    /// ([`PlanConfig::activation_checkpointing_for`]); independent of resharding after
+    /// forward, which frees the unsharded parameters whether or not the graph is kept
+    /// (Zhao et al. 2023, "PyTorch FSDP", sec. 3.2: FSDP2 keeps the graph and re-gathers the
+    /// parameters for backward). Left out of the serialized config (and the fingerprint)
+    /// when `None`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activation_checkpointing: Option<bool>,
 }
 
 impl PlanConfig {
@@ -266,7 +285,15 @@ impl PlanConfig {
             alignment: 1,
             device_memory: None,
             activations: ActivationModel::Fused,
+            activation_checkpointing: None,
         }
+    }
+
+    /// Whether units recompute their forward in backward under `strategy`: the explicit
+    /// [`PlanConfig::activation_checkpointing`], else [`default_activation_checkpointing`].
+    pub fn activation_checkpointing_for(&self, strategy: Strategy) -> bool {
+        self.activation_checkpointing
+            .unwrap_or_else(|| default_activation_checkpointing(strategy))
     }
 
     /// Checks the values that need no model: world size (1..=`MAX_WORLD_SIZE`), shard size,

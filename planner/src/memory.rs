@@ -551,7 +551,8 @@ struct UnitSums {
 /// engine holds them. `c_j` = `input_j` for the uses that take a gradient for their input
 /// (every use but the first: the engine makes the input a fresh autograd variable, a copy),
 /// else 0. Forward step `k`:
-/// - `reshard_after_forward` (unit-level recompute, no graph kept):
+/// - activation checkpointing (`Schedule::activation_checkpointing`: unit-level recompute, no
+///   graph kept; independent of `reshard_after_forward`, which only moves `unsharded_params`):
 ///   `sum_{j<=k} input_j + live_k`, plus `c_k` for the last use (the loss keeps its graph).
 /// - otherwise (whole graph kept): `input_0 + sum_{j<=k} (live_j + c_j)`.
 ///
@@ -636,8 +637,9 @@ pub fn memory_plan(
         in_sum.push(si);
         kept_sum.push(sk);
     }
+    let recompute = schedule.activation_checkpointing;
     let fwd_act = |k: usize| -> Bytes {
-        if schedule.reshard_after_forward {
+        if recompute {
             in_sum[k] + acts[k].live + if k + 1 == m { copy(k) } else { Bytes(0) }
         } else {
             kept_sum[k]
@@ -646,7 +648,7 @@ pub fn memory_plan(
     let bwd_act = |i: usize| -> Bytes {
         // Recompute: the engine re-creates the input as an autograd variable (a copy) and
         // drops the kept original before the backward runs, so the input counts once.
-        let graph = if schedule.reshard_after_forward {
+        let graph = if recompute {
             in_sum[i] + acts[i].live
         } else {
             kept_sum[i]

@@ -148,7 +148,38 @@ struct FingerprintInput<'a> {
     shard_size: u64,
     replicate_size: u64,
     units: &'a [UnitLayout],
-    schedule: &'a Schedule,
+    schedule: ScheduleFingerprint<'a>,
+}
+
+/// The schedule as the fingerprint hashes it: [`Schedule`]'s serialization with
+/// `activation_checkpointing` present only when it differs from `reshard_after_forward`, so
+/// plans equal to those made before the setting existed keep their fingerprints.
+#[derive(Serialize)]
+struct ScheduleFingerprint<'a> {
+    reshard_after_forward: bool,
+    prefetch: u64,
+    root_unit: Option<usize>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    replicated: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    activation_checkpointing: Option<bool>,
+    forward: &'a [crate::schedule::ScheduleStep],
+    backward: &'a [crate::schedule::ScheduleStep],
+}
+
+impl<'a> ScheduleFingerprint<'a> {
+    fn of(s: &'a Schedule) -> Self {
+        ScheduleFingerprint {
+            reshard_after_forward: s.reshard_after_forward,
+            prefetch: s.prefetch,
+            root_unit: s.root_unit,
+            replicated: s.replicated,
+            activation_checkpointing: (s.activation_checkpointing != s.reshard_after_forward)
+                .then_some(s.activation_checkpointing),
+            forward: &s.forward,
+            backward: &s.backward,
+        }
+    }
 }
 
 /// Plans `spec` under `cfg`: lays every unit out in flat parameters for the shard group, builds
@@ -235,11 +266,12 @@ fn plan_with(
     let w = cfg.world_size;
     let shard_size = strategy.shard_size(w).expect("resolved strategy");
     let units = layout_units(spec, shard_size, cfg.alignment)?;
-    let schedule = if strategy.replicated_params_and_grads() {
+    let mut schedule = if strategy.replicated_params_and_grads() {
         build_replicated_schedule(spec, &units)
     } else {
         build_schedule(spec, &units, strategy.reshard_after_forward(), cfg.prefetch)
     };
+    schedule.activation_checkpointing = cfg.activation_checkpointing_for(strategy);
     let memory = memory_plan(&spec.arch, &units, &schedule, cfg, shard_size);
     let per_unit: Vec<Numel> = units
         .iter()
@@ -256,16 +288,23 @@ fn plan_with(
         .map(|f| f.real_numel())
         .sum();
     let replicate_size = w / shard_size;
+    // The resolved activation checkpointing is in the schedule's part of the input; leaving the
+    // config's spelling of it out gives an explicit setting equal to the default the default's
+    // fingerprint.
+    let fp_config = PlanConfig {
+        activation_checkpointing: None,
+        ..cfg.clone()
+    };
     let input = FingerprintInput {
         domain: "fsdp-plan-fingerprint/1",
         model: &spec.name,
         arch: &spec.arch,
-        config: cfg,
+        config: &fp_config,
         strategy: &strategy,
         shard_size,
         replicate_size,
         units: &units,
-        schedule: &schedule,
+        schedule: ScheduleFingerprint::of(&schedule),
     };
     let bytes = serde_json::to_vec(&input).expect("plan types serialize");
     let fingerprint = hex(&Sha256::digest(&bytes));

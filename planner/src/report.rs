@@ -91,7 +91,7 @@ pub fn render_table(plan: &ShardPlan, fit: Option<&FitReport>) -> String {
     );
     let _ = writeln!(
         o,
-        "strategy   {}{}",
+        "strategy   {}{}{}",
         plan.strategy,
         if plan.schedule.replicated {
             "; params and grads replicated all step, optimizer state and master weights sharded"
@@ -99,6 +99,11 @@ pub fn render_table(plan: &ShardPlan, fit: Option<&FitReport>) -> String {
             "; reshard after forward"
         } else {
             "; keep unsharded after forward"
+        },
+        if plan.schedule.activation_checkpointing {
+            "; activation checkpointing (unit inputs kept, forward recomputed in backward)"
+        } else {
+            "; no activation checkpointing (graphs kept until backward)"
         }
     );
     if let Some(r) = &plan.auto_reason {
@@ -348,6 +353,7 @@ pub fn render_json(plan: &ShardPlan, fit: Option<&FitReport>) -> serde_json::Val
             "shard_size": plan.shard_size,
             "replicate_size": plan.replicate_size,
             "reshard_after_forward": plan.schedule.reshard_after_forward,
+            "activation_checkpointing": plan.schedule.activation_checkpointing,
         },
         "fingerprint": plan.fingerprint,
         "ranks": (plan.config.world_size <= MAX_LISTED_RANKS).then(|| plan.ranks()),

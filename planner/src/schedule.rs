@@ -12,6 +12,8 @@
 //! - backward, reshard after forward: backward uses `k..=k+p`;
 //! - backward, keep after forward: backward uses `k..m` (units not yet done with backward);
 //! - the root unit is alive from its first forward use until its last backward use;
+//! - activation checkpointing does not change the alive sets (parameters), only what the
+//!   engine keeps of each use's forward (the memory plan's activations);
 //! - replicated parameters and gradients (shard-optimizer, ZeRO-1): every unit is alive at
 //!   every step, forward and backward, no all-gather is issued (nothing to prefetch), and every
 //!   trainable unit's gradient buffer is alive at every backward step (see
@@ -69,13 +71,24 @@ pub struct Schedule {
     /// JSON (and from the fingerprint input) when false.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub replicated: bool,
+    /// Unit-level activation checkpointing ([`crate::PlanConfig::activation_checkpointing`],
+    /// resolved): forward keeps only each use's input and backward recomputes the use's
+    /// forward; otherwise every use's autograd graph is kept from forward to its backward.
+    /// Independent of `reshard_after_forward`: a resharded unit whose graph is kept has its
+    /// unsharded parameter memory freed after forward and re-gathered (into the same parameter
+    /// tensors the graph holds) before its backward. The fingerprint input leaves it out when
+    /// it equals `reshard_after_forward` (the rule of plans made before the setting existed).
+    #[serde(default)]
+    pub activation_checkpointing: bool,
     /// Forward steps.
     pub forward: Vec<ScheduleStep>,
     /// Backward steps (reverse of the forward uses).
     pub backward: Vec<ScheduleStep>,
 }
 
-/// Builds the schedule of `spec` (already laid out as `units`).
+/// Builds the schedule of `spec` (already laid out as `units`), with activation
+/// checkpointing set to `reshard_after_forward` (the strategy default; `plan` applies the
+/// config's setting).
 #[allow(clippy::needless_range_loop)]
 pub fn build_schedule(
     spec: &ModelSpec,
@@ -184,6 +197,7 @@ pub fn build_schedule(
         prefetch,
         root_unit: root,
         replicated: false,
+        activation_checkpointing: reshard_after_forward,
         forward,
         backward,
     }

@@ -79,6 +79,32 @@ pub enum ActivationsArg {
     Composite,
 }
 
+/// `--activation-checkpointing` values (shared by `fsdp plan` and `fsdp train`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CheckpointingArg {
+    /// Keep only each FSDP unit's input; recompute the unit's forward in backward.
+    #[value(alias = "true")]
+    On,
+    /// Keep every unit's autograd graph from forward to its backward.
+    #[value(alias = "false")]
+    Off,
+}
+
+impl CheckpointingArg {
+    /// The `PlanConfig::activation_checkpointing` value.
+    pub fn enabled(self) -> bool {
+        self == CheckpointingArg::On
+    }
+}
+
+/// Help text of `--activation-checkpointing` (the same for `fsdp plan` and `fsdp train`).
+pub const CHECKPOINTING_HELP: &str = "Unit-level activation checkpointing. `on`: keep only each \
+FSDP unit's input and recompute its forward in backward (activation memory of the unit inputs \
+plus one unit's graph, for one extra forward of compute). `off`: keep every unit's autograd \
+graph until its backward (more activation memory, no recompute). Independent of the strategy: \
+full-shard without it still frees the unsharded parameters after forward and all-gathers them \
+again for backward. Default: on for full-shard and hybrid, off for shard-grad-op and no-shard";
+
 /// Arguments of `fsdp plan`.
 #[derive(Debug, clap::Args)]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["model", "hf_config", "safetensors", "spec"])))]
@@ -107,6 +133,9 @@ pub struct PlanArgs {
     /// Shard-group size for --strategy hybrid (must divide the world size).
     #[arg(long)]
     pub shard_size: Option<u64>,
+    /// Unit-level activation checkpointing (`on`/`off`; default: the strategy's).
+    #[arg(long, value_enum, value_name = "on|off", help = CHECKPOINTING_HELP)]
+    pub activation_checkpointing: Option<CheckpointingArg>,
     /// dtype of unsharded params in forward/backward: f32, bf16, f16.
     #[arg(long, default_value = "f32")]
     pub param_dtype: String,
@@ -229,6 +258,7 @@ pub fn config_from_args(a: &PlanArgs) -> Result<PlanConfig, CliError> {
         alignment: a.alignment,
         device_memory,
         activations,
+        activation_checkpointing: a.activation_checkpointing.map(CheckpointingArg::enabled),
     };
     cfg.validate().map_err(usage)?;
     Ok(cfg)

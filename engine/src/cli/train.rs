@@ -153,6 +153,9 @@ pub struct TrainArgs {
     /// communication thread while the rank computes.
     #[arg(long, default_value_t = 1)]
     pub prefetch: u64,
+    /// Unit-level activation checkpointing (`on`/`off`; default: the strategy's).
+    #[arg(long, value_enum, value_name = "on|off", help = super::plan::CHECKPOINTING_HELP)]
+    pub activation_checkpointing: Option<super::plan::CheckpointingArg>,
     /// dtype the units compute in and the all-gather moves: f32, bf16 or f16 (mixed precision:
     /// master weights, gradient shards and optimizer state stay f32; f16 adds dynamic loss
     /// scaling).
@@ -222,6 +225,9 @@ impl TrainArgs {
             eval_every: self.eval_every,
             eval_batches: self.eval_batches,
             prefetch: self.prefetch,
+            activation_checkpointing: self
+                .activation_checkpointing
+                .map(super::plan::CheckpointingArg::enabled),
             param_dtype: self.param_dtype.dtype(),
             reduce_dtype: self.reduce_dtype.dtype(),
             threads_per_rank: self.threads_per_rank,
@@ -497,6 +503,7 @@ fn summary_json(r: &TrainReport) -> serde_json::Value {
         "world_size": r.world_size,
         "shard_size": r.shard_size,
         "strategy": r.strategy,
+        "activation_checkpointing": r.activation_checkpointing,
         "precision": r.precision,
         "comm_exposed_seconds": r.comm_exposed_seconds,
         "skipped_steps": r.skipped_steps,
@@ -526,8 +533,18 @@ fn print_summary(r: &TrainReport) {
 
 fn print_summary_lines(r: &TrainReport) {
     println!(
-        "trained {} ({} params) on {} | world {} ({}, shard group {})",
-        r.model, r.params, r.data, r.world_size, r.strategy, r.shard_size
+        "trained {} ({} params) on {} | world {} ({}, shard group {}, activation checkpointing {})",
+        r.model,
+        r.params,
+        r.data,
+        r.world_size,
+        r.strategy,
+        r.shard_size,
+        if r.activation_checkpointing {
+            "on"
+        } else {
+            "off"
+        }
     );
     println!(
         "train loss {:.4} (mean of last steps) | val loss {:.4} | {:.0} tokens/s | {:.1} s",

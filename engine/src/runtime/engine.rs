@@ -6,8 +6,11 @@
 //!    error naming the ranks (real-world case BC-10a), the global token count `N` is known.
 //! 2. Per micro-batch, forward: at each schedule position the plan's `alive` units are
 //!    unsharded (all-gathered) and the others resharded; a unit computes its stage. With
-//!    `reshard_after_forward` only the stage input is kept and the backward recomputes the
-//!    stage (unit-level activation checkpointing); otherwise the graph is kept.
+//!    activation checkpointing (`Schedule::activation_checkpointing`) only the stage input is
+//!    kept and the backward recomputes the stage; otherwise the graph is kept, and a unit
+//!    resharded after forward (full shard, hybrid) has its parameter storages emptied while
+//!    the graph keeps their tensors, which the backward's all-gather refills (FSDP2's
+//!    resize-to-zero; Zhao et al. 2023, sec. 3.2.2).
 //! 3. Backward in reverse order: gradients of the unit's parameters are copied into its
 //!    unsharded flat gradient; where the plan says `reduce_scatter` the flat gradient is
 //!    sum-reduce-scattered over the shard group, all-reduced over the replicate group and
@@ -792,7 +795,10 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         };
         let plan = self.plan;
         let sched = &plan.schedule;
-        let keep = !sched.reshard_after_forward;
+        // Without activation checkpointing every use keeps its graph (with or without resharding
+        // after forward: a resharded unit's parameter memory is freed and re-gathered into the
+        // same tensors before its backward, see `FsdpUnit::reshard`).
+        let keep = !sched.activation_checkpointing;
         let m = self.stage_units.len();
         self.ledger.enter(Phase::Forward);
         // Per stage: the input kept for backward, and (keep mode) the output with its graph.
@@ -800,6 +806,9 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         let mut outputs: Vec<Option<Tensor>> = vec![None; m];
         let mut x = mb.input.clone();
         let mut loss_value = 0f64;
+        for unit in self.units.iter_mut() {
+            unit.graph_uses = 0;
+        }
         for s in 0..m {
             let u = self.stage_units[s];
             self.transition_to(&sched.forward[s].alive, Some(u), &sched.forward[s].prefetch)?;
@@ -818,6 +827,9 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                     &unit.plain
                 };
                 let loss = self.model.loss(params, &x_in, mb)?;
+                if self.needs_backward[s] {
+                    self.units[u].graph_uses += 1;
+                }
                 loss_value = loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
                 inputs[s] = Some(x_in);
                 outputs[s] = Some(loss);
@@ -828,6 +840,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                     x.clone()
                 };
                 let y = self.model.forward(s, &unit.vars, &x_in)?;
+                self.units[u].graph_uses += 1;
                 x = y.detach();
                 inputs[s] = Some(x_in);
                 outputs[s] = Some(y);
@@ -882,6 +895,8 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                 let x_in = inputs[s].take().unwrap_or(x_in);
                 let mut grads = root.backward()?;
                 drop(root);
+                let unit = &mut self.units[u];
+                unit.graph_uses = unit.graph_uses.saturating_sub(1);
                 if self.needs_input_grad[s] {
                     g_out = Some(
                         grads
