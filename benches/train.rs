@@ -7,10 +7,11 @@
 //!   tokens/s, best single process 7,540);
 //! - `base`: d_model 768, 6 layers, seq 256, micro-batch 4 per rank (620 and 777).
 //!
-//! Per workload: world size 2 under full shard, shard-grad-op and DDP (no-shard), and one
-//! process with the same global batch (micro-batch x 2) on the same cores. Printed per row: step time, tokens/s, the ratio to
-//! PyTorch FSDP2 and to PyTorch's single process, and the time per step the compute thread was
-//! blocked in collectives.
+//! Per workload: world size 2 under full shard (with unit-level activation checkpointing, its
+//! default, and without: `full-shard-no-ac`), shard-grad-op and DDP (no-shard), and one process
+//! with the same global batch (micro-batch x 2) on the same cores. Printed per row: step time,
+//! tokens/s, the ratio to PyTorch FSDP2 and to PyTorch's single process, and the time per step
+//! the compute thread was blocked in collectives.
 //!
 //! Each configuration runs in a child process of this bench (candle sizes its CPU thread pools
 //! once per process from `RAYON_NUM_THREADS` / `CANDLE_NUM_THREADS`: `cores / W` per rank).
@@ -58,12 +59,15 @@ fn data() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tinyshakespeare.txt")
 }
 
-fn strategy(name: &str) -> Strategy {
-    match name {
-        "full-shard" => Strategy::FullShard,
+/// The strategy of a configuration name and whether it forces unit-level activation
+/// checkpointing off (`full-shard-no-ac`; `None`: the strategy's default).
+fn strategy(name: &str) -> (Strategy, Option<bool>) {
+    let s = match name {
+        "full-shard" | "full-shard-no-ac" => Strategy::FullShard,
         "shard-grad-op" => Strategy::ShardGradOp,
         _ => Strategy::NoShard,
-    }
+    };
+    (s, (name == "full-shard-no-ac").then_some(false))
 }
 
 /// Runs one configuration (`model,seq_len,W,strategy,micro_batch,steps`) in this process and
@@ -78,11 +82,13 @@ fn child(spec: &str) {
         p[4].parse().expect("micro-batch"),
         p[5].parse().expect("steps"),
     );
+    let (strategy, activation_checkpointing) = strategy(strat);
     let opts = TrainOptions {
         data: Some(data()),
         model: model.to_string(),
         world_size: w,
-        strategy: strategy(strat),
+        strategy,
+        activation_checkpointing,
         micro_batch: mb,
         seq_len,
         steps,
@@ -135,6 +141,7 @@ fn main() {
         let configs = [
             (1usize, "full-shard", 2 * wl.micro_batch),
             (2, "full-shard", wl.micro_batch),
+            (2, "full-shard-no-ac", wl.micro_batch),
             (2, "shard-grad-op", wl.micro_batch),
             (2, "no-shard", wl.micro_batch),
         ];
