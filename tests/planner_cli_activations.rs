@@ -18,6 +18,7 @@ fn args(device: PlanDeviceArg, activations: ActivationsArg) -> PlanArgs {
         world_size: 2,
         strategy: StrategyArg::FullShard,
         shard_size: None,
+        activation_checkpointing: None,
         param_dtype: "bf16".into(),
         reduce_dtype: "f32".into(),
         optimizer: OptimizerArg::Adamw,
