@@ -519,6 +519,13 @@ impl Tensor {
                         let grad = (grad / arg.sqr()?)?;
                         *sum_grad = sum_grad.sub(&grad)?
                     }
+                    // PATCH(fsdp-rs): a narrow's gradient is written into one zero-filled
+                    // gradient buffer of `arg` shared by all the disjoint narrows of `arg` along
+                    // the same dim (`GradStore::accumulate_narrow`), instead of each building a
+                    // zero-padded copy with `cat` and adding it; the upstream code below is the
+                    // fallback (overlapping narrows, another dim, gradients that track ops).
+                    &Op::Narrow(ref arg, dim, start_idx, len)
+                        if grads.accumulate_narrow(arg, &grad, dim, start_idx, len)? => {}
                     &Op::Narrow(ref arg, dim, start_idx, len) => {
                         let arg_dims = arg.dims();
                         let left_pad = if start_idx == 0 {
@@ -656,13 +663,32 @@ impl Tensor {
                 };
             }
         }
+        // PATCH(fsdp-rs): the narrow-scatter records only describe buffers during backward.
+        grads.narrow_fills.clear();
         Ok(grads)
     }
 }
 
 /// A store for gradients, associating a tensor id to the corresponding gradient tensor, used for back propagation.
+// PATCH(fsdp-rs): a named struct (was `GradStore(HashMap<TensorId, Tensor>)`, a private field
+// either way) with the narrow-scatter records of `accumulate_narrow` next to the gradients.
 #[derive(Default, Debug)]
-pub struct GradStore(HashMap<TensorId, Tensor>);
+pub struct GradStore {
+    grads: HashMap<TensorId, Tensor>,
+    narrow_fills: HashMap<TensorId, NarrowFill>,
+}
+
+// PATCH(fsdp-rs): what `GradStore::accumulate_narrow` knows about a gradient buffer it created:
+// the buffer (by id: any other update of the slot stores a new tensor, with another id, which
+// invalidates the record), the narrowed dim, and the `(start, len)` ranges of that dim written
+// so far. Every element outside those ranges is still the 0 the buffer was created with, and
+// only the gradient store holds the buffer, so a disjoint range may be written in place.
+#[derive(Debug)]
+struct NarrowFill {
+    buffer: TensorId,
+    dim: usize,
+    filled: Vec<(usize, usize)>,
+}
 
 impl GradStore {
     /// Create a new gradient store
@@ -672,27 +698,27 @@ impl GradStore {
 
     /// Get the gradient tensor corresponding to the given tensor id
     pub fn get_id(&self, id: TensorId) -> Option<&Tensor> {
-        self.0.get(&id)
+        self.grads.get(&id)
     }
 
     /// Get the gradient tensor associated with the given tensor
     pub fn get(&self, tensor: &Tensor) -> Option<&Tensor> {
-        self.0.get(&tensor.id())
+        self.grads.get(&tensor.id())
     }
 
     /// Remove the gradient tensor associated with the given tensor, returning it if it exists
     pub fn remove(&mut self, tensor: &Tensor) -> Option<Tensor> {
-        self.0.remove(&tensor.id())
+        self.grads.remove(&tensor.id())
     }
 
     /// Insert a gradient tensor associated with the given tensor, returning the previous gradient tensor if it existed
     pub fn insert(&mut self, tensor: &Tensor, grad: Tensor) -> Option<Tensor> {
-        self.0.insert(tensor.id(), grad)
+        self.grads.insert(tensor.id(), grad)
     }
 
     /// Insert a gradient tensor associated with the given tensor id, returning the previous gradient tensor if it existed
     pub fn insert_id(&mut self, id: TensorId, grad: Tensor) -> Option<Tensor> {
-        self.0.insert(id, grad)
+        self.grads.insert(id, grad)
     }
 
     // PATCH(fsdp-rs): `accumulate` replaces `let s = grads.or_insert(t)?; *s = s.add(&g)?;` at
@@ -705,7 +731,7 @@ impl GradStore {
     // `zeros_like(t).add(grad)`, which returns the same error as before.
     /// Add `grad` to the gradient of `tensor`, storing `grad` itself when there is none yet.
     fn accumulate(&mut self, tensor: &Tensor, grad: &Tensor) -> Result<()> {
-        match self.0.entry(tensor.id()) {
+        match self.grads.entry(tensor.id()) {
             Entry::Occupied(mut entry) => {
                 let sum = entry.get().add(grad)?;
                 *entry.get_mut() = sum;
@@ -726,10 +752,89 @@ impl GradStore {
         Ok(())
     }
 
+    // PATCH(fsdp-rs): the backward of `narrow(dim, start, len)` for a `grad` of the narrowed
+    // shape. Upstream built `cat([zeros(start), grad, zeros(rest)], dim)` and added it to the
+    // gradient of `arg`: for the q/k/v split of an attention block (three narrows of one tensor)
+    // that is three zero-padded copies of the whole tensor and two full adds. Here the first
+    // narrow allocates one zeroed buffer of `arg`'s shape and copies `grad` into its slice; a
+    // later narrow of the same `arg` along the same dim whose range is disjoint from the ranges
+    // written so far copies into its own slice in place. Values: inside the slice `grad`
+    // replaces `0 + grad`, outside it the sum is unchanged, so the result equals upstream's
+    // except for the sign of zeros (a -0.0 stays -0.0 instead of becoming `0 + -0.0 = +0.0`, as
+    // with `accumulate`). Returns `false`, touching nothing, when the fast path does not apply
+    // (a gradient that tracks ops, a shape/dtype/device mismatch, an existing gradient that is
+    // not such a buffer, another dim, an overlapping range); the caller then runs upstream's
+    // code.
+    fn accumulate_narrow(
+        &mut self,
+        arg: &Tensor,
+        grad: &Tensor,
+        dim: usize,
+        start: usize,
+        len: usize,
+    ) -> Result<bool> {
+        let arg_dims = arg.dims();
+        let fits = !grad.track_op()
+            && grad.dtype() == arg.dtype()
+            && grad.device().same_device(arg.device())
+            && dim < arg_dims.len()
+            && grad.rank() == arg_dims.len()
+            && grad.dims().iter().enumerate().all(|(i, &g)| {
+                if i == dim {
+                    g == len && start + len <= arg_dims[i]
+                } else {
+                    g == arg_dims[i]
+                }
+            });
+        if !fits {
+            self.narrow_fills.remove(&arg.id());
+            return Ok(false);
+        }
+        match self.grads.entry(arg.id()) {
+            Entry::Vacant(entry) => {
+                let buffer = Tensor::zeros(arg_dims, arg.dtype(), arg.device())?;
+                buffer.slice_set(&grad.contiguous()?, dim, start)?;
+                self.narrow_fills.insert(
+                    arg.id(),
+                    NarrowFill {
+                        buffer: buffer.id(),
+                        dim,
+                        filled: vec![(start, len)],
+                    },
+                );
+                entry.insert(buffer);
+                Ok(true)
+            }
+            Entry::Occupied(entry) => {
+                let buffer = entry.get();
+                let usable = match self.narrow_fills.get(&arg.id()) {
+                    Some(fill) => {
+                        fill.buffer == buffer.id()
+                            && fill.dim == dim
+                            && fill
+                                .filled
+                                .iter()
+                                .all(|&(s, l)| start + len <= s || s + l <= start)
+                    }
+                    None => false,
+                };
+                if !usable {
+                    self.narrow_fills.remove(&arg.id());
+                    return Ok(false);
+                }
+                buffer.slice_set(&grad.contiguous()?, dim, start)?;
+                if let Some(fill) = self.narrow_fills.get_mut(&arg.id()) {
+                    fill.filled.push((start, len));
+                }
+                Ok(true)
+            }
+        }
+    }
+
     /// Get the gradient tensor associated with the given tensor, or, if it does not exist,
     /// insert a tensor of zeroes, with the same shape and type as the given tensors and return it
     fn or_insert(&mut self, tensor: &Tensor) -> Result<&mut Tensor> {
-        let grad = match self.0.entry(tensor.id()) {
+        let grad = match self.grads.entry(tensor.id()) {
             Entry::Occupied(entry) => entry.into_mut(),
             Entry::Vacant(entry) => {
                 let grad = tensor.zeros_like()?;
@@ -743,8 +848,8 @@ impl GradStore {
     /// If an entry is already occupied, updates and ensures new tensor follows correct detach semantics.
     /// Otherwise simply inserts.
     pub fn extend(&mut self, other: Self) -> Result<()> {
-        for (id, grad) in other.0 {
-            match self.0.entry(id) {
+        for (id, grad) in other.grads {
+            match self.grads.entry(id) {
                 Entry::Occupied(mut entry) => {
                     let new_grad = entry.get().add(&grad)?;
 
@@ -767,6 +872,6 @@ impl GradStore {
 
     /// Get the tensor ids of the stored gradient tensors
     pub fn get_ids(&self) -> impl Iterator<Item = &TensorId> {
-        self.0.keys()
+        self.grads.keys()
     }
 }

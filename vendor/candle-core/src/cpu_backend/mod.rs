@@ -1478,7 +1478,17 @@ impl Map2 for MatMul {
         let dst_rs = dst_strides[0];
         let dst_cs = dst_strides[1];
 
-        let mut dst = vec![T::zero(); b * m * n];
+        // PATCH(fsdp-rs): the destination is allocated without the zero-fill of upstream's
+        // `vec![T::zero(); b * m * n]`. gemm is called with `read_dst = false` (and alpha 0),
+        // so it never reads dst, and the calls below write every element: dst is `[b, m, n]`
+        // contiguous (dst_rs = n, dst_cs = 1), step `s` writes the m x n block at `s * m * n`
+        // for every s in 0..b, or the folded (1, b * m, n, k) call writes all b * m rows; gemm
+        // writes zeros itself when k == 0 and returns early only when m or n is 0 (then the
+        // vector is empty). The length is set after the writes, so no uninitialised element
+        // is ever visible as a `T`.
+        let dst_len = b * m * n;
+        let mut dst: Vec<T> = Vec::with_capacity(dst_len);
+        let dst_ptr = dst.as_mut_ptr();
         let num_threads = crate::utils::get_num_threads();
         let parallelism = if num_threads > 1 {
             Parallelism::Rayon(num_threads)
@@ -1502,13 +1512,14 @@ impl Map2 for MatMul {
         for step in 0..b {
             let lhs_p = &lhs[step * a_skip..];
             let rhs_p = &rhs[step * b_skip..];
-            let dst_p = &mut dst[step * c_skip..];
+            // PATCH(fsdp-rs): a pointer into the reserved capacity (see above).
+            let dst_p = unsafe { dst_ptr.add(step * c_skip) };
             unsafe {
                 gemm(
                     /* m: usize = */ m,
                     /* n: usize = */ n,
                     /* k: usize = */ k,
-                    /* dst: *mut T = */ dst_p.as_mut_ptr(),
+                    /* dst: *mut T = */ dst_p,
                     /* dst_cs: isize = */ dst_cs as isize,
                     /* dst_rs: isize = */ dst_rs as isize,
                     /* read_dst: bool = */ false,
@@ -1527,6 +1538,8 @@ impl Map2 for MatMul {
                 )
             }
         }
+        // SAFETY (PATCH(fsdp-rs)): every one of the `dst_len` elements was written above.
+        unsafe { dst.set_len(dst_len) };
         Ok(dst)
     }
 
