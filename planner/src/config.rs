@@ -206,11 +206,13 @@ impl FromStr for ActivationModel {
     }
 }
 
-/// The activation-checkpointing default of a strategy when the config does not set it: on
-/// for the strategies that reshard after forward (full shard, hybrid), off otherwise, which is
-/// what every plan did before the setting existed (recompute was tied to resharding).
+/// The activation-checkpointing default of a strategy when the config does not set it: off
+/// for every strategy, as in PyTorch FSDP2, where resharding after forward frees parameters
+/// only and recompute is opt-in. (Before the setting existed, full shard and hybrid always
+/// recomputed; `Some(true)` plans those exactly, fingerprints included.)
 pub fn default_activation_checkpointing(strategy: Strategy) -> bool {
-    strategy.reshard_after_forward()
+    let _ = strategy;
+    false
 }
 
 /// Largest world size accepted (keeps every byte count far from `u64` overflow).

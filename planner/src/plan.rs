@@ -187,12 +187,14 @@ impl<'a> ScheduleFingerprint<'a> {
 /// I/O, no clock, no randomness; the same inputs give the same bytes on every rank.
 ///
 /// `Strategy::Auto` tries NoShard, ShardOptimizer, ShardGradOp, Hybrid (each shard-group size
-/// dividing `W`, smallest first) and FullShard, fastest first (ShardOptimizer and ShardGradOp
+/// dividing `W`, smallest first) and FullShard — without activation checkpointing first, then
+/// with it, unless the config sets it — fastest first (ShardOptimizer and ShardGradOp
 /// move the volume of DDP's all-reduce, Rajbhandari et al. 2020 sec. 7, but ShardOptimizer
 /// all-gathers once after the optimizer step while ShardGradOp all-gathers unit by unit in
 /// forward; FullShard gathers again in backward, 1.5x the volume), and
 /// keeps the first whose peak fits `device_memory`; if none fits it keeps FullShard (the least
-/// memory) and says so in `auto_reason`.
+/// memory: with checkpointing when the config leaves it open) and says so in `auto_reason`.
+/// The returned plan's config then carries the checkpointing auto chose.
 ///
 /// Errors: `ZeroWorldSize`, `ShardSizeNotDivisor`, `ZeroAlignment`, `InvalidConfig`
 /// (micro-batch, sequence length or accumulation 0; auto without a budget; a sequence longer
@@ -212,49 +214,69 @@ pub fn plan(spec: &ModelSpec, cfg: &PlanConfig) -> Result<ShardPlan, PlanError> 
     }
     let budget = cfg.device_memory.expect("validated: auto has a budget");
     let w = cfg.world_size;
-    let mut candidates = vec![Strategy::NoShard];
+    let mut strategies = vec![Strategy::NoShard];
     if w > 1 {
-        candidates.push(Strategy::ShardOptimizer);
-        candidates.push(Strategy::ShardGradOp);
-        candidates.extend(
+        strategies.push(Strategy::ShardOptimizer);
+        strategies.push(Strategy::ShardGradOp);
+        strategies.extend(
             (2..w)
                 .filter(|s| w.is_multiple_of(*s))
                 .map(|s| Strategy::Hybrid { shard_size: s }),
         );
-        candidates.push(Strategy::FullShard);
+        strategies.push(Strategy::FullShard);
     }
+    // Activation checkpointing as set, or, when left to the planner, every strategy without it
+    // first (no recompute), then every strategy with it (one extra forward per unit).
+    let settings: Vec<Option<bool>> = match cfg.activation_checkpointing {
+        Some(x) => vec![Some(x)],
+        None => vec![None, Some(true)],
+    };
+    let label = |s: Strategy, ckpt: Option<bool>| -> String {
+        if ckpt == Some(true) && cfg.activation_checkpointing.is_none() {
+            format!("{s} with activation checkpointing")
+        } else {
+            s.to_string()
+        }
+    };
     let mut rejected = Vec::new();
     let mut last = None;
-    for s in candidates {
-        let p = plan_with(spec, cfg, s, None)?;
-        if p.memory.peak <= budget {
-            let why = if rejected.is_empty() {
-                format!(
-                    "{s} is the fastest strategy and fits: peak {} of {budget} ({} free)",
-                    p.memory.peak,
-                    budget - p.memory.peak
-                )
-            } else {
-                format!(
-                    "{s} is the fastest strategy that fits: peak {} of {budget} ({} free); faster ones do not fit: {}",
-                    p.memory.peak,
-                    budget - p.memory.peak,
-                    rejected.join(", ")
-                )
-            };
-            return plan_with(spec, cfg, s, Some(why));
+    for ckpt in settings {
+        let c = PlanConfig {
+            activation_checkpointing: ckpt,
+            ..cfg.clone()
+        };
+        for &s in &strategies {
+            let p = plan_with(spec, &c, s, None)?;
+            let name = label(s, ckpt);
+            if p.memory.peak <= budget {
+                let why = if rejected.is_empty() {
+                    format!(
+                        "{name} is the fastest strategy and fits: peak {} of {budget} ({} free)",
+                        p.memory.peak,
+                        budget - p.memory.peak
+                    )
+                } else {
+                    format!(
+                        "{name} is the fastest strategy that fits: peak {} of {budget} ({} free); faster ones do not fit: {}",
+                        p.memory.peak,
+                        budget - p.memory.peak,
+                        rejected.join(", ")
+                    )
+                };
+                return plan_with(spec, &c, s, Some(why));
+            }
+            rejected.push(format!("{name} needs {}", p.memory.peak));
+            last = Some((p, c.clone()));
         }
-        rejected.push(format!("{s} needs {}", p.memory.peak));
-        last = Some(p);
     }
-    let p = last.expect("at least one candidate");
+    let (p, c) = last.expect("at least one candidate");
     let why = format!(
         "nothing fits in {budget}: {}; keeping {} (the least memory), over by {}",
         rejected.join(", "),
-        p.strategy,
+        label(p.strategy, c.activation_checkpointing),
         p.memory.peak - budget
     );
-    plan_with(spec, cfg, p.strategy, Some(why))
+    plan_with(spec, &c, p.strategy, Some(why))
 }
 
 fn plan_with(

@@ -87,7 +87,7 @@ pub struct Schedule {
 }
 
 /// Builds the schedule of `spec` (already laid out as `units`), with activation
-/// checkpointing set to `reshard_after_forward` (the strategy default; `plan` applies the
+/// checkpointing set to `reshard_after_forward` (the rule before the setting existed; `plan` applies the
 /// config's setting).
 #[allow(clippy::needless_range_loop)]
 pub fn build_schedule(

@@ -35,16 +35,22 @@ fn same_but_activations(a: &ShardPlan, b: &ShardPlan, what: &str) {
     assert_eq!(a.memory.model_states, b.memory.model_states, "{what}");
 }
 
+/// The default is FSDP2's: off for every strategy (resharding after forward frees parameters
+/// only; recompute is opt-in). `Some(true)` on full shard is the plan every full-shard plan was
+/// before the setting existed, fingerprint included (pinned below from commit 440001c's
+/// planner, whose full-shard default recomputed).
 #[test]
-fn defaults_follow_the_strategy() {
-    assert!(default_activation_checkpointing(Strategy::FullShard));
-    assert!(default_activation_checkpointing(Strategy::Hybrid {
-        shard_size: 2
-    }));
-    assert!(!default_activation_checkpointing(Strategy::ShardGradOp));
-    assert!(!default_activation_checkpointing(Strategy::NoShard));
+fn defaults_are_off_and_explicit_on_is_the_old_full_shard() {
+    for s in [
+        Strategy::FullShard,
+        Strategy::Hybrid { shard_size: 2 },
+        Strategy::ShardGradOp,
+        Strategy::NoShard,
+    ] {
+        assert!(!default_activation_checkpointing(s), "{s}");
+    }
     assert!(
-        mini(Strategy::FullShard, None)
+        !mini(Strategy::FullShard, None)
             .schedule
             .activation_checkpointing
     );
@@ -61,18 +67,31 @@ fn defaults_follow_the_strategy() {
     // An explicit setting equal to the default is the default plan, fingerprint included.
     for s in [Strategy::FullShard, Strategy::ShardGradOp] {
         let d = mini(s, None);
-        let e = mini(s, Some(d.schedule.activation_checkpointing));
+        let e = mini(s, Some(false));
         assert_eq!(d.fingerprint, e.fingerprint, "{s}");
         assert_eq!(d.memory, e.memory, "{s}");
     }
+    let mut c = PlanConfig::new(2);
+    c.micro_batch = 4;
+    c.seq_len = 128;
+    c.param_dtype = DType::BF16;
+    c.activation_checkpointing = Some(true);
+    let p = plan(&preset("mini").unwrap(), &c).unwrap();
+    assert_eq!(
+        p.fingerprint,
+        "f998eadc69f55a3a9c7d6e14ff431d6cec410df2fb92189b52a14375aa7d9a25"
+    );
+    c.activation_checkpointing = None;
+    let q = plan(&preset("mini").unwrap(), &c).unwrap();
+    assert_ne!(q.fingerprint, p.fingerprint);
 }
 
 /// Full shard without checkpointing: the unsharded parameters of full shard, the activations
 /// of shard-grad-op (every graph kept), point by point; a bigger peak; its own fingerprint.
 #[test]
 fn full_shard_without_checkpointing_keeps_graphs_not_parameters() {
-    let on = mini(Strategy::FullShard, None);
-    let off = mini(Strategy::FullShard, Some(false));
+    let on = mini(Strategy::FullShard, Some(true));
+    let off = mini(Strategy::FullShard, None);
     let sgo = mini(Strategy::ShardGradOp, None);
     assert!(!off.schedule.activation_checkpointing);
     assert!(off.schedule.reshard_after_forward);
@@ -93,7 +112,7 @@ fn full_shard_without_checkpointing_keeps_graphs_not_parameters() {
 /// Shard-grad-op and DDP with checkpointing: their parameters, full shard's activations.
 #[test]
 fn shard_grad_op_and_ddp_with_checkpointing_recompute() {
-    let fs = mini(Strategy::FullShard, None);
+    let fs = mini(Strategy::FullShard, Some(true));
     for s in [Strategy::ShardGradOp, Strategy::NoShard] {
         let off = mini(s, None);
         let on = mini(s, Some(true));
@@ -111,8 +130,8 @@ fn shard_grad_op_and_ddp_with_checkpointing_recompute() {
 /// given, in the config.
 #[test]
 fn table_and_json_name_the_setting() {
-    let on = mini(Strategy::FullShard, None);
-    let off = mini(Strategy::FullShard, Some(false));
+    let on = mini(Strategy::FullShard, Some(true));
+    let off = mini(Strategy::FullShard, None);
     let t_on = report::render_table(&on, None);
     let t_off = report::render_table(&off, None);
     assert!(
@@ -128,14 +147,15 @@ fn table_and_json_name_the_setting() {
     assert_eq!(j_on["strategy"]["activation_checkpointing"], true);
     assert_eq!(j_off["strategy"]["activation_checkpointing"], false);
     assert_eq!(j_off["schedule"]["activation_checkpointing"], false);
-    assert!(j_on["config"].get("activation_checkpointing").is_none());
-    assert_eq!(j_off["config"]["activation_checkpointing"], false);
+    assert!(j_off["config"].get("activation_checkpointing").is_none());
+    assert_eq!(j_on["config"]["activation_checkpointing"], true);
     // Mixed precision changes nothing of this: bf16 off vs on differ only in activations.
     let mut c = PlanConfig::new(4);
     c.param_dtype = DType::BF16;
     c.strategy = Strategy::Hybrid { shard_size: 2 };
+    c.activation_checkpointing = Some(true);
     let a = plan(&preset("mini").unwrap(), &c).unwrap();
-    c.activation_checkpointing = Some(false);
+    c.activation_checkpointing = None;
     let b = plan(&preset("mini").unwrap(), &c).unwrap();
     same_but_activations(&a, &b, "hybrid bf16");
     assert!(b.memory.peak > a.memory.peak);

@@ -218,6 +218,7 @@ fn activations_follow_the_documented_formulas() {
     let mut c = PlanConfig::new(1);
     c.seq_len = 64;
     c.micro_batch = 2;
+    c.activation_checkpointing = Some(true);
     let p = plan(&spec, &c).unwrap();
     let (s, b, h, a, v, e) = (64u64, 2u64, 128u64, 4u64, 256u64, 4u64);
     let n = s * b;
@@ -242,9 +243,14 @@ fn activations_follow_the_documented_formulas() {
     // Keep-after-forward keeps the whole graph: embedding out, per later use its input copy
     // and its graph.
     c.strategy = Strategy::ShardGradOp;
+    c.activation_checkpointing = None;
     let k = plan(&spec, &c).unwrap();
     let all = 4 * n + hidden + 4 * (hidden + block) + hidden + head_live;
     assert_eq!(k.memory.timeline[5].bytes.activations.0, all);
+    // So does full shard without activation checkpointing (its default).
+    c.strategy = Strategy::FullShard;
+    let f = plan(&spec, &c).unwrap();
+    assert_eq!(f.memory.timeline[5].bytes.activations.0, all);
 }
 
 #[test]
@@ -302,6 +308,7 @@ fn auto_picks_the_fastest_strategy_that_fits() {
     let why = p.auto_reason.as_deref().unwrap();
     assert!(why.contains("no-shard needs"), "{why}");
     assert!(why.contains("shard-optimizer needs"), "{why}");
+    assert!(!p.schedule.activation_checkpointing);
     c.device_memory = Some(fsdp_types::Bytes(30 << 30));
     let p = plan(&spec, &c).unwrap();
     assert!(matches!(
@@ -309,6 +316,19 @@ fn auto_picks_the_fastest_strategy_that_fits() {
         Strategy::Hybrid { .. } | Strategy::FullShard
     ));
     assert!(p.memory.peak.0 <= 30 << 30);
+    // 32 layers of kept graphs do not fit 30 GiB under any strategy: auto then adds
+    // activation checkpointing and says so.
+    assert!(p.schedule.activation_checkpointing);
+    let why = p.auto_reason.as_deref().unwrap();
+    assert!(why.contains("with activation checkpointing"), "{why}");
+    assert!(why.contains("full-shard needs"), "{why}");
+    // An explicit setting is kept: without checkpointing nothing fits 30 GiB.
+    c.activation_checkpointing = Some(false);
+    let p = plan(&spec, &c).unwrap();
+    assert_eq!(p.strategy, Strategy::FullShard);
+    assert!(!p.schedule.activation_checkpointing);
+    assert_eq!(p.fits(), Some(false));
+    c.activation_checkpointing = None;
     c.device_memory = Some(fsdp_types::Bytes(1 << 30));
     let p = plan(&spec, &c).unwrap();
     assert_eq!(p.strategy, Strategy::FullShard);

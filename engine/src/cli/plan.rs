@@ -103,7 +103,8 @@ FSDP unit's input and recompute its forward in backward (activation memory of th
 plus one unit's graph, for one extra forward of compute). `off`: keep every unit's autograd \
 graph until its backward (more activation memory, no recompute). Independent of the strategy: \
 full-shard without it still frees the unsharded parameters after forward and all-gathers them \
-again for backward. Default: on for full-shard and hybrid, off for shard-grad-op and no-shard";
+again for backward. Default: off (as PyTorch FSDP2: resharding frees parameters, \
+recompute is opt-in)";
 
 /// Arguments of `fsdp plan`.
 #[derive(Debug, clap::Args)]
