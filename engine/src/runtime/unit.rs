@@ -13,6 +13,14 @@
 //! which is cut into the parameter tensors and dropped. With a shard group of one rank the
 //! shard IS the unsharded parameter: the master weights are stored as those per-parameter
 //! tensors, no copy is made and `unsharded_params` stays 0 (MEMORY-CONTRACT.md).
+//!
+//! Resharding a unit whose parameters a kept forward graph still refers to (full shard or
+//! hybrid without activation checkpointing) frees their memory without dropping the tensors:
+//! each distinct storage behind them is swapped with an empty one (vendor patch 3,
+//! `Tensor::storage_mut_and_layout`), and the tensors are parked. The next unshard gathers as
+//! usual and swaps the gathered storages into the parked tensors, so the graph's backward reads
+//! the re-gathered values through the same tensor ids autograd returns gradients for
+//! (FSDP2 resizes the parameter storage to 0 and back; Zhao et al. 2023, sec. 3.2.2).
 
 use crate::error::{EngineError, Result};
 use crate::memory::{Category, MemoryLedger};
