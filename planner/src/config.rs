@@ -261,9 +261,9 @@ pub struct PlanConfig {
     /// the inputs plus one unit's graph. `None` is the strategy's default
     /// ([`PlanConfig::activation_checkpointing_for`]); independent of resharding after
     /// forward, which frees the unsharded parameters whether or not the graph is kept
-    /// (Zhao et al. 2023, "PyTorch FSDP", sec. 3.2: FSDP2 keeps the graph and re-gathers the
-    /// parameters for backward). Left out of the serialized config (and the fingerprint)
-    /// when `None`.
+    /// (PyTorch FSDP2's `fully_shard(reshard_after_forward=True)` keeps the graph and
+    /// re-gathers the parameters for backward; checkpointing is a separate opt-in). Left out
+    /// of the serialized config (and the fingerprint) when `None`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub activation_checkpointing: Option<bool>,
 }

@@ -9,8 +9,8 @@
 //!    activation checkpointing (`Schedule::activation_checkpointing`) only the stage input is
 //!    kept and the backward recomputes the stage; otherwise the graph is kept, and a unit
 //!    resharded after forward (full shard, hybrid) has its parameter storages emptied while
-//!    the graph keeps their tensors, which the backward's all-gather refills (FSDP2's
-//!    resize-to-zero; Zhao et al. 2023, sec. 3.2.2).
+//!    the graph keeps their tensors, which the backward's all-gather refills (as PyTorch
+//!    FSDP2's `fully_shard` resizes an unsharded parameter's storage to 0 and back).
 //! 3. Backward in reverse order: gradients of the unit's parameters are copied into its
 //!    unsharded flat gradient; where the plan says `reduce_scatter` the flat gradient is
 //!    sum-reduce-scattered over the shard group, all-reduced over the replicate group and

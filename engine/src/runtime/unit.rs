@@ -20,7 +20,7 @@
 //! `Tensor::storage_mut_and_layout`), and the tensors are parked. The next unshard gathers as
 //! usual and swaps the gathered storages into the parked tensors, so the graph's backward reads
 //! the re-gathered values through the same tensor ids autograd returns gradients for
-//! (FSDP2 resizes the parameter storage to 0 and back; Zhao et al. 2023, sec. 3.2.2).
+//! (PyTorch FSDP2's `fully_shard` resizes an unsharded parameter's storage to 0 and back).
 
 use crate::error::{EngineError, Result};
 use crate::memory::{Category, MemoryLedger};
@@ -508,8 +508,8 @@ pub struct FsdpUnit {
     pub(crate) graph_uses: usize,
     /// Parameter tensors (declaration order, as `vars`) whose storages were emptied by a
     /// reshard while a kept forward graph holds them; the next [`FsdpUnit::finish_unshard`]
-    /// moves the freshly gathered storages into them (FSDP2 resizes the parameter storage to
-    /// 0 and back; Zhao et al. 2023, "PyTorch FSDP", sec. 3.2.2).
+    /// moves the freshly gathered storages into them (as PyTorch FSDP2 resizes an unsharded
+    /// parameter's storage to 0 and back).
     parked: Vec<Tensor>,
 }
 
