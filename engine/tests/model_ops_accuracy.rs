@@ -232,6 +232,36 @@ fn causal_softmax_f32_within_stated_bound_of_f64() {
     assert!((y[3] as f64 - e / (1.0 + e)).abs() < 1e-7, "{y:?}");
 }
 
+/// `ops::exp_f64` against `f64::exp` over its range: relative error below `2^-50`; NaN stays
+/// NaN; the clamp edges.
+#[test]
+fn exp_f64_within_stated_bound() {
+    let mut worst = 0.0f64;
+    let mut r = Lcg(9);
+    for k in 0..400_000 {
+        let x = if k % 2 == 0 {
+            708.0 * r.unif()
+        } else {
+            2.0 * r.unif()
+        };
+        let (a, b) = (ops::exp_f64(x), x.exp());
+        worst = worst.max((a - b).abs() / b);
+    }
+    println!(
+        "exp_f64 worst relative error {worst:e} = {:.2} ulp",
+        worst / f64::EPSILON
+    );
+    assert!(
+        worst < 2f64.powi(-50),
+        "exp_f64 worst relative error {worst:e}"
+    );
+    assert!(ops::exp_f64(f64::NAN).is_nan());
+    assert_eq!(ops::exp_f64(0.0), 1.0);
+    assert_eq!(ops::exp_f64(-1000.0), ops::exp_f64(-708.0));
+    assert_eq!(ops::exp_f64(f64::INFINITY), ops::exp_f64(709.0));
+    assert!(ops::exp_f64(709.0).is_finite() && ops::exp_f64(-708.0) > 0.0);
+}
+
 type OpFn = dyn Fn(&[Tensor]) -> Tensor + Send + Sync;
 
 /// Forward output and every input gradient (upstream gradient `up`) of `op`, as bits.

@@ -314,6 +314,47 @@ pub fn exp_f32(x: f32) -> f32 {
     y * scale
 }
 
+/// `e^x` in f64 from IEEE-754 operations only (vectorisable, the same on every platform):
+/// `x = n ln 2 + r`, `n = round(x / ln 2)` (the 1.5 * 2^52 trick), `|r| <= ln 2 / 2` (Cody-Waite
+/// split of ln 2, fdlibm's constants), `e^r` by its Taylor polynomial to degree 13
+/// (truncation below `5e-18` relative), times `2^n` built in the exponent bits. Inputs are
+/// clamped to `[-708, 709]`: results below `e^-708 = 3.3e-308` are returned as that, `+inf`
+/// and overflow give `e^709 = 8.2e307`; NaN stays NaN. Relative error within the range: a
+/// few ulp of f64 (below `2^-50`; tested against `f64::exp` in model_ops_accuracy.rs). Used
+/// by the cross-entropy, whose log-sum-exp is accumulated in f64.
+#[inline(always)]
+pub fn exp_f64(x: f64) -> f64 {
+    let x = x.clamp(-708.0, 709.0);
+    const MAGIC: f64 = 6_755_399_441_055_744.0; // 1.5 * 2^52
+    let v = x * std::f64::consts::LOG2_E + MAGIC;
+    let n = v - MAGIC;
+    let ni = (v.to_bits() as i64).wrapping_sub(MAGIC.to_bits() as i64);
+    // fdlibm's ln 2 split: LN2_HI ends in 21 zero bits, so `n * LN2_HI` is exact (`|n| <= 1075`).
+    const LN2_HI: f64 = f64::from_bits(0x3fe6_2e42_fee0_0000);
+    const LN2_LO: f64 = f64::from_bits(0x3dea_39ef_3579_3c76);
+    let r = x - n * LN2_HI - n * LN2_LO;
+    // 1/k! for k = 13 down to 2.
+    let mut p = 1.0 / 6_227_020_800.0;
+    for c in [
+        1.0 / 479_001_600.0,
+        1.0 / 39_916_800.0,
+        1.0 / 3_628_800.0,
+        1.0 / 362_880.0,
+        1.0 / 40_320.0,
+        1.0 / 5_040.0,
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+    ] {
+        p = p * r + c;
+    }
+    let y = p * (r * r) + r + 1.0;
+    let scale = f64::from_bits((ni.wrapping_add(1023) as u64) << 52);
+    y * scale
+}
+
 /// Sum of `xs` with 8 independent accumulators (vectorisable, fixed order: deterministic, and
 /// the same bits for every vector width).
 #[inline(always)]
@@ -1318,11 +1359,42 @@ fn ce_fwd<E: Elem>(
     ))
 }
 
-/// `log sum_j exp(z_j)` with the max subtracted, accumulated in f64.
-#[inline]
-fn lse<T: Flt>(row: &[T]) -> f64 {
-    let m = row.iter().fold(f64::NEG_INFINITY, |m, v| m.max(v.f()));
-    m + row.iter().map(|v| (v.f() - m).exp()).sum::<f64>().ln()
+simd_kernel!(
+    /// `log sum_j e^(z_j)` in f64: `m + ln sum_j e^(z_j - m)`, `m = max z`, [`exp_f64`], the
+    /// sum over 8 fixed lanes.
+    fn lse = lse_impl(row: &[T]) -> f64
+);
+#[inline(always)]
+fn lse_impl<T: Flt>(row: &[T]) -> f64 {
+    let m = lane_extreme::<T, true>(row).f();
+    let mut acc = [0.0f64; 8];
+    let chunks = row.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for l in 0..8 {
+            acc[l] += exp_f64(c[l].f() - m);
+        }
+    }
+    let mut t = 0.0f64;
+    for &v in tail {
+        t += exp_f64(v.f() - m);
+    }
+    let a = (acc[0] + acc[4]) + (acc[1] + acc[5]);
+    let b = (acc[2] + acc[6]) + (acc[3] + acc[7]);
+    m + (a + b + t).ln()
+}
+
+simd_kernel!(
+    /// One cross-entropy gradient row: `dz_j = g (e^(z_j - l) - [j = tg])`, in f64, rounded to
+    /// the compute type once; `l` the row's log-sum-exp.
+    fn ce_bwd_row = ce_bwd_row_impl(row: &[T], l: f64, g: f64, tg: usize, dz: &mut [T])
+);
+#[inline(always)]
+fn ce_bwd_row_impl<T: Flt>(row: &[T], l: f64, g: f64, tg: usize, dz: &mut [T]) {
+    for (o, &x) in dz.iter_mut().zip(row) {
+        *o = T::of(g * exp_f64(x.f() - l));
+    }
+    dz[tg] = T::of(g * (exp_f64(row[tg].f() - l) - 1.0));
 }
 
 impl CustomOp2 for CrossEntropySum {
@@ -1375,13 +1447,7 @@ fn ce_bwd<E: Elem>(
     check_targets("cross_entropy_bwd", &t[..n], v)?;
     let dz = map_rows::<E, _>(n, v, 0, |r, s, dr| {
         let row = E::acc(&z[r * v..(r + 1) * v], &mut s.a);
-        let l = lse(row);
-        let tg = t[r] as usize;
-        for (j, (o, x)) in dr.iter_mut().zip(row).enumerate() {
-            let p = (x.f() - l).exp();
-            let d = if j == tg { p - 1.0 } else { p };
-            *o = <E::Acc as Flt>::of(g * d);
-        }
+        ce_bwd_row(row, lse(row), g, t[r] as usize, dr);
     });
     Ok((E::wrap(dz), l1.shape().clone()))
 }
@@ -1793,6 +1859,24 @@ mod tests {
                     },
                 }
                 o.extend(dwb);
+                o
+            });
+            check("lse/ce_bwd", &|l| {
+                let mut o = vec![0.0; n];
+                let lv = match l {
+                    0 => lse_impl(&x[k..]),
+                    3 => unsafe { lse::v3(&x[k..]) },
+                    _ => unsafe { lse::v4(&x[k..]) },
+                };
+                let row = &xf;
+                let tg = n / 2;
+                match l {
+                    0 => ce_bwd_row_impl(row, lse_impl(row), 0.7, tg, &mut o),
+                    3 => unsafe { ce_bwd_row::v3(row, lse::v3(row), 0.7, tg, &mut o) },
+                    _ => unsafe { ce_bwd_row::v4(row, lse::v4(row), 0.7, tg, &mut o) },
+                }
+                o.push(lv as f32);
+                o.push((lv - lv as f32 as f64) as f32);
                 o
             });
             check("bias_add/add_into", &|l| {
