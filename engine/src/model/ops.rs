@@ -9,12 +9,12 @@
 //! # Speed and determinism
 //!
 //! - **Vectorised kernels.** Each row kernel is plain branch-free element loops (polynomial
-//!   `exp` through the exponent bits, [`exp_f32`]; GELU through a sigmoid, see [`bias_gelu`])
-//!   that the compiler vectorises, compiled three times: for AVX-512 (16 f32 lanes), AVX2
+//!   `exp` through the exponent bits, [`exp_f32`], and [`exp_f64`] for the cross-entropy's
+//!   f64 log-sum-exp; GELU through a sigmoid, see [`bias_gelu`]) that the compiler vectorises, compiled three times: for AVX-512 (16 f32 lanes), AVX2
 //!   (8 lanes) and the baseline (SSE2), the widest the CPU has chosen at run time. Only IEEE-754
 //!   add, subtract, multiply, divide, square root, min/max, compares and bit operations are
 //!   used, never a fused multiply-add or an approximate reciprocal, and every reduction has a
-//!   fixed lane structure (8 accumulators, [`lane_sum`]), so the three builds give the same
+//!   fixed lane structure (8 accumulators), so the three builds give the same
 //!   bits (tested) and the results do not depend on the CPU.
 //! - **Rows in parallel, bits independent of the thread count.** When the current rayon pool
 //!   (the rank's pool: `cores / W` threads, the one candle's matmul uses) has more than one
@@ -24,11 +24,12 @@
 //!   in row order, then the block sums added in block order, with one thread or many.
 //!   Row-independent values that are summed (cross-entropy's per-row losses) are added in row
 //!   order after the parallel part. So an op gives the same bits for the same input whatever
-//!   the thread count, world size or batch split.
+//!   the thread count, world size or batch split. The embedding backward (a scatter-add in
+//!   token order into `[V + P, D]`) stays sequential.
 //! - **No zero-fill.** Outputs that every row writes in full are allocated without
 //!   initialisation: each row is computed into a reused (cache-resident) row buffer and then
 //!   stored into its place in the output's spare capacity, and the length is set after every
-//!   row has been stored ([`map_rows`]).
+//!   row has been stored.
 //!
 //! # Dtypes: f32, f64, and bf16 / f16 storage with f32 math
 //!
