@@ -83,10 +83,8 @@ pub enum ActivationsArg {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum CheckpointingArg {
     /// Keep only each FSDP unit's input; recompute the unit's forward in backward.
-    #[value(alias = "true")]
     On,
     /// Keep every unit's autograd graph from forward to its backward.
-    #[value(alias = "false")]
     Off,
 }
 
@@ -153,7 +151,7 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 1)]
     pub micro_batch: u64,
     /// Tokens per sequence (default: 1024, or the model's position table / maximum sequence
-    /// length if shorter; see [`default_seq_len`]).
+    /// length if shorter).
     #[arg(long)]
     pub seq_len: Option<u64>,
     /// Micro-batches per optimizer step.

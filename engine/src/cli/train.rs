@@ -2,6 +2,22 @@
 //! with `--world-size` rank threads under a sharding strategy, with a progress bar or JSON
 //! lines, and a summary of losses, speed and memory (measured against the plan).
 
+/// `println!` for the run's standard output that treats a closed reader (`fsdp train | head`)
+/// as the end of the run: the process exits quietly with 141 (128 + SIGPIPE, what a shell
+/// reports for a process killed by a broken pipe) instead of panicking mid-training. Other
+/// write errors are ignored, as `println!` would panic on them for no benefit.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let mut stdout = std::io::stdout().lock();
+        if let Err(e) = writeln!(stdout, $($arg)*) {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                std::process::exit(141);
+            }
+        }
+    }};
+}
+
 use super::CliError;
 use crate::error::EngineError;
 use crate::memory::CountingAllocator;
@@ -86,7 +102,8 @@ pub struct TrainArgs {
     /// documentation, embedded at build time.
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Model preset: tiny (0.89M params), mini (3.55M), small (11.2M), base (43.7M).
+    /// Model preset: tiny (0.89M params), mini (3.55M), small (11.2M), base (43.7M), gpt2
+    /// (124M), gpt2-medium, gpt2-large, gpt2-xl.
     #[arg(long, default_value = "tiny")]
     pub model: String,
     /// Number of ranks (threads on the in-process backend).
@@ -397,7 +414,7 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
             if args.json {
                 eprintln!("{msg}");
             } else {
-                println!("{msg}");
+                out!("{msg}");
             }
         }
         return Ok(());
@@ -425,7 +442,7 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
     let progress = |r: &StepReport| {
         if json {
             if let Ok(s) = serde_json::to_string(r) {
-                println!("{s}");
+                out!("{s}");
             }
             return;
         }
@@ -444,7 +461,7 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
                 .val_loss
                 .map(|v| format!(" | val loss {v:.4}"))
                 .unwrap_or_default();
-            println!(
+            out!(
                 "step {}/{total_steps} | train loss {:.4}{val} | {:.0} tokens/s | comm exposed {:.1} ms of {:.1} ms{scale}",
                 r.step,
                 r.loss,
@@ -487,7 +504,7 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
     if json {
         let s = serde_json::to_string(&summary_json(&report))
             .map_err(|e| CliError::Failed(e.to_string()))?;
-        println!("{s}");
+        out!("{s}");
     } else {
         print_summary(&report);
     }
@@ -522,7 +539,7 @@ fn summary_json(r: &TrainReport) -> serde_json::Value {
 fn print_summary(r: &TrainReport) {
     print_summary_lines(r);
     if let Some(d) = r.device_memory {
-        println!(
+        out!(
             "device memory: plan {} B, measured peak {} B ({:.4})",
             d.plan_bytes,
             d.measured_peak_bytes,
@@ -532,7 +549,7 @@ fn print_summary(r: &TrainReport) {
 }
 
 fn print_summary_lines(r: &TrainReport) {
-    println!(
+    out!(
         "trained {} ({} params) on {} | world {} ({}, shard group {}, activation checkpointing {})",
         r.model,
         r.params,
@@ -546,11 +563,14 @@ fn print_summary_lines(r: &TrainReport) {
             "off"
         }
     );
-    println!(
+    out!(
         "train loss {:.4} (mean of last steps) | val loss {:.4} | {:.0} tokens/s | {:.1} s",
-        r.final_train_loss, r.final_val_loss, r.tokens_per_s, r.seconds
+        r.final_train_loss,
+        r.final_val_loss,
+        r.tokens_per_s,
+        r.seconds
     );
-    println!(
+    out!(
         "precision: {}{} | communication exposed (rank 0): {:.2} s of {:.1} s",
         r.precision,
         if r.skipped_steps > 0 {
@@ -561,22 +581,30 @@ fn print_summary_lines(r: &TrainReport) {
         r.comm_exposed_seconds,
         r.seconds
     );
-    println!("memory per rank, engine-owned bytes: measured (ledger peak) / plan, per phase");
-    println!(
+    out!("memory per rank, engine-owned bytes: measured (ledger peak) / plan, per phase");
+    out!(
         "{:<6} {:<15} {:<28} {:>14} {:>14}",
-        "rank", "phase", "category", "measured B", "plan B"
+        "rank",
+        "phase",
+        "category",
+        "measured B",
+        "plan B"
     );
     for (rank, cats) in r.memory.iter().enumerate() {
         for c in cats.iter().filter(|c| c.planned > 0 || c.measured > 0) {
             let mark = if c.measured > c.planned { "  OVER" } else { "" };
-            println!(
+            out!(
                 "{:<6} {:<15} {:<28} {:>14} {:>14}{mark}",
-                rank, c.phase, c.category, c.measured, c.planned
+                rank,
+                c.phase,
+                c.category,
+                c.measured,
+                c.planned
             );
         }
     }
     match r.process_peak {
-        Some(p) => println!(
+        Some(p) => out!(
             "process heap peak during training {} (all {} ranks) vs plan peak {} per rank x {} = {}",
             mib(p),
             r.world_size,
@@ -584,7 +612,7 @@ fn print_summary_lines(r: &TrainReport) {
             r.world_size,
             mib(r.plan_peak_per_rank * r.world_size as u64)
         ),
-        None => println!("process heap: not measured (no counting allocator installed)"),
+        None => out!("process heap: not measured (no counting allocator installed)"),
     }
 }
 
