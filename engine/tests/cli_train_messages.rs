@@ -104,3 +104,8 @@ fn piped_run_prints_one_line_per_evaluation() {
     assert_eq!(code, 0, "{err}");
     assert!(out.lines().all(|l| l.starts_with('{')), "{out}");
 }
+
+/// `fsdp train | head -1` ends quietly (exit 141), in this binary to keep the number of test
+/// executables down.
+#[path = "cli_train_messages/broken_pipe.rs"]
+mod broken_pipe;

@@ -463,3 +463,8 @@ fn column_sums_follow_the_fixed_row_blocks() {
         }
     });
 }
+
+/// Per-op timings (ignored; `cargo test --release -p fsdp --test model_ops_accuracy bench --
+/// --ignored --nocapture`), in this binary to keep the number of test executables down.
+#[path = "model_ops_accuracy/bench.rs"]
+mod bench;

@@ -257,3 +257,8 @@ fn wrong_gradient_shape_or_dtype_is_still_an_error() {
         }
     }
 }
+
+/// The vendored matmul without zero-fill and the shared narrow backward (patches 5-6), in this
+/// binary to keep the number of test executables (and CI link time) down.
+#[path = "perf_candle_vendor/gemm.rs"]
+mod gemm;

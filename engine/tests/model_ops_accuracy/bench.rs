@@ -2,7 +2,7 @@
 //! (B 8, T 128, d 256, 4 heads) and `base` (B 4, T 256, d 768, 12 heads) presets, f32, in a
 //! rayon pool of 1 and of 2 threads. Prints a table and one JSON line per row; asserts nothing
 //! about speed. Run on an idle machine, optimised:
-//! `cargo test --release -p fsdp --test model_ops_bench -- --ignored --nocapture`
+//! `cargo test --release -p fsdp --test model_ops_accuracy bench -- --ignored --nocapture`
 //! (`OPS_BENCH_ITERS=N` sets the timed iterations per row, default 30; the median is printed).
 
 use candle_core::{DType, Device, Tensor, Var};
