@@ -15,6 +15,9 @@ use fsdp_planner::{plan, ActivationModel, PlanConfig, Strategy};
 use fsdp_types::DType as PDType;
 use std::time::Duration;
 
+#[path = "support/process_peak.rs"]
+mod process_peak;
+
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator::new();
 
@@ -191,26 +194,13 @@ fn measure(c: &Cfg) -> Measured {
                 Placement::Device(Device::Cpu),
             )
             .unwrap();
-            e.train_step(&mbs, 1e-3).unwrap();
-            e.check_batch_counts(1).unwrap();
-            let base = if e.rank() == 0 {
-                ALLOC.reset_peak();
-                Some(ALLOC.current())
-            } else {
-                None
-            };
-            e.check_batch_counts(1).unwrap();
-            e.train_step(&mbs, 1e-3).unwrap();
-            e.check_batch_counts(1).unwrap();
-            (base, ALLOC.peak(), e.ledger().live_total().0)
+            process_peak::second_step_sample(&mut e, &mbs, &ALLOC)
         },
     );
     let res: Vec<_> = res.into_iter().map(|r| r.unwrap()).collect();
-    let base = res[0].0.unwrap();
-    let peak = res.iter().map(|r| r.1).max().unwrap();
-    let persistent: u64 = res.iter().map(|r| r.2).sum();
+    let measured = process_peak::measured_bytes(&res);
     Measured {
-        measured: peak - (base - persistent),
+        measured,
         planned: plan.memory.peak.0 * c.w as u64,
         activations: plan
             .memory

@@ -11,6 +11,9 @@ use fsdp_comm::{run_threads, Topology};
 use fsdp_planner::{plan, PlanConfig, Strategy};
 use std::time::Duration;
 
+#[path = "support/process_peak.rs"]
+mod process_peak;
+
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator::new();
 
@@ -63,25 +66,11 @@ fn process_peak_ratio(c: &Cfg) -> f64 {
         Duration::from_secs(60),
         |comm| {
             let mut e = RankEngine::new(&model, &plan, &comm, ecfg(), &init).unwrap();
-            e.train_step(&mbs, 1e-3).unwrap();
-            e.check_batch_counts(1).unwrap();
-            let base = if e.rank() == 0 {
-                ALLOC.reset_peak();
-                Some(ALLOC.current())
-            } else {
-                None
-            };
-            e.check_batch_counts(1).unwrap();
-            e.train_step(&mbs, 1e-3).unwrap();
-            e.check_batch_counts(1).unwrap();
-            (base, ALLOC.peak(), e.ledger().live_total().0)
+            process_peak::second_step_sample(&mut e, &mbs, &ALLOC)
         },
     );
     let res: Vec<_> = res.into_iter().map(|r| r.unwrap()).collect();
-    let base = res[0].0.unwrap();
-    let peak = res.iter().map(|r| r.1).max().unwrap();
-    let persistent: u64 = res.iter().map(|r| r.2).sum();
-    let measured = peak - (base - persistent);
+    let measured = process_peak::measured_bytes(&res);
     let planned = plan.memory.peak.0 * c.w as u64;
     let ratio = measured as f64 / planned as f64;
     println!(
