@@ -75,8 +75,9 @@ pub fn write_full(path: &Path, tensors: &[FullTensor], extra: &[(&str, String)])
             },
         )
     });
-    let bytes = safetensors::serialize(views, Some(md))
+    let mut bytes = safetensors::serialize(views, Some(md))
         .map_err(|e| bad_file(path, format!("cannot serialize safetensors: {e}")))?;
+    crate::header::canonicalize_bytes(&mut bytes, path)?;
     write_atomic(path, &bytes)?;
     Ok(bytes.len() as u64)
 }

@@ -47,6 +47,7 @@
 
 pub mod error;
 pub mod full;
+mod header;
 pub mod layout;
 pub mod load;
 pub mod manifest;

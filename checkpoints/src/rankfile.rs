@@ -294,6 +294,8 @@ pub(crate) fn write_rank_file(
     let part = PathBuf::from(part);
     safetensors::serialize_to_file(tensors, Some(md), &part)
         .map_err(|e| bad_file(&part, format!("cannot write safetensors: {e}")))?;
+    // Same state, same bytes: the metadata map's order would otherwise vary per save.
+    crate::header::canonicalize_file(&part)?;
     let (bytes, sha256) = sync_and_hash(&part)?;
     std::fs::rename(&part, path).map_err(io_err(path, "rename into place"))?;
     Ok(FileRecord {
