@@ -18,6 +18,7 @@ use crate::runtime::{
 use candle_core::Device;
 use fsdp_comm::{run_threads, CommError, Communicator, Topology, DEFAULT_TIMEOUT};
 use fsdp_planner::{plan, GradSync, PlanConfig, ShardPlan, Strategy};
+use fsdp_types::Bytes;
 use serde::Serialize;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -262,6 +263,136 @@ pub fn plan_config(o: &TrainOptions) -> PlanConfig {
     c
 }
 
+/// What `fsdp train --strategy auto` resolved to for a per-rank memory budget.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AutoChoice {
+    /// The strategy to run (never `Auto` or `ShardOptimizer`).
+    pub strategy: Strategy,
+    /// The `TrainOptions::activation_checkpointing` to run it with: the options' own setting
+    /// when given, else `None` (the strategy's default, off) for the first pass and
+    /// `Some(true)` for the second.
+    pub activation_checkpointing: Option<bool>,
+    /// The chosen plan's peak bytes per rank.
+    pub peak: Bytes,
+    /// The budget searched against, bytes per rank.
+    pub budget: Bytes,
+    /// Whether `peak <= budget`. When nothing fits, the choice is the last candidate (full
+    /// shard, with activation checkpointing when the options leave it open: the least memory)
+    /// and this is `false`; the caller must refuse the run.
+    pub fits: bool,
+    /// Why: the chosen candidate's peak against the budget, the faster candidates that did not
+    /// fit and their peaks, and shard-optimizer (ZeRO-1) when it would have fit.
+    pub reason: String,
+}
+
+/// Resolves `Strategy::Auto` for the engine: the fastest strategy this engine executes whose
+/// per-rank plan peak fits `budget` bytes. The search is `fsdp_planner::plan`'s for
+/// `Strategy::Auto` (the same candidates, order and plans, so it picks what `fsdp plan
+/// --strategy auto --device-memory B` picks for the same flags): no-shard, shard-grad-op,
+/// hybrid (shard-group sizes dividing `W`, smallest first), full shard — every one without
+/// activation checkpointing first, then every one with it, unless `o.activation_checkpointing`
+/// is set. The one difference is shard-optimizer (ZeRO-1), which the planner tries between
+/// no-shard and shard-grad-op but this engine does not execute: it is skipped, and named in
+/// the reason when it would have fit. Ranking after Rajbhandari et al. 2020 (ZeRO), sec. 7:
+/// replicated parameters move the least, full shard gathers again in backward (1.5x).
+///
+/// `o.strategy` is ignored (normally `Auto`). Pure and deterministic: the same options and
+/// budget give the same choice on every rank.
+///
+/// Errors: [`EngineError::Config`] for an unknown model; [`EngineError::Plan`] for options
+/// the planner refuses (sequence longer than the model's positions, zero sizes).
+pub fn resolve_auto(o: &TrainOptions, budget: Bytes) -> Result<AutoChoice> {
+    let model = Gpt::from_preset(&o.model).map_err(|e| EngineError::Config(e.to_string()))?;
+    let w = o.world_size as u64;
+    let mut strategies = vec![Strategy::NoShard];
+    if w > 1 {
+        strategies.push(Strategy::ShardOptimizer);
+        strategies.push(Strategy::ShardGradOp);
+        strategies.extend(
+            (2..w)
+                .filter(|s| w.is_multiple_of(*s))
+                .map(|s| Strategy::Hybrid { shard_size: s }),
+        );
+        strategies.push(Strategy::FullShard);
+    }
+    let settings: Vec<Option<bool>> = match o.activation_checkpointing {
+        Some(x) => vec![Some(x)],
+        None => vec![None, Some(true)],
+    };
+    let label = |s: Strategy, ckpt: Option<bool>| -> String {
+        if ckpt == Some(true) && o.activation_checkpointing.is_none() {
+            format!("{s} with activation checkpointing")
+        } else {
+            s.to_string()
+        }
+    };
+    let mut rejected: Vec<String> = Vec::new();
+    let mut skipped: Option<String> = None;
+    let mut last = None;
+    for ckpt in settings {
+        for &s in &strategies {
+            let mut c = plan_config(o);
+            c.strategy = s;
+            c.activation_checkpointing = ckpt;
+            c.device_memory = None;
+            let peak = plan(&model.spec, &c)?.memory.peak;
+            let name = label(s, ckpt);
+            if s == Strategy::ShardOptimizer {
+                // Listed like any candidate when it does not fit (the planner's reason reads
+                // the same); named once when it would have fit.
+                if peak > budget {
+                    rejected.push(format!("{name} needs {peak}"));
+                } else if skipped.is_none() {
+                    skipped = Some(format!(
+                        "; {name} would fit (peak {peak}) but fsdp train does not execute it (plan only)"
+                    ));
+                }
+                continue;
+            }
+            if peak <= budget {
+                let head = if rejected.is_empty() {
+                    format!("{name} is the fastest strategy and fits")
+                } else {
+                    format!("{name} is the fastest strategy that fits")
+                };
+                let faster = if rejected.is_empty() {
+                    String::new()
+                } else {
+                    format!("; faster ones do not fit: {}", rejected.join(", "))
+                };
+                return Ok(AutoChoice {
+                    strategy: s,
+                    activation_checkpointing: ckpt,
+                    peak,
+                    budget,
+                    fits: true,
+                    reason: format!(
+                        "{head}: peak {peak} of {budget} ({} free){faster}{}",
+                        budget - peak,
+                        skipped.unwrap_or_default()
+                    ),
+                });
+            }
+            rejected.push(format!("{name} needs {peak}"));
+            last = Some((s, ckpt, peak, name));
+        }
+    }
+    let (strategy, ckpt, peak, name) = last.expect("full shard is always a candidate");
+    Ok(AutoChoice {
+        strategy,
+        activation_checkpointing: ckpt,
+        peak,
+        budget,
+        fits: false,
+        reason: format!(
+            "nothing fits in {budget}: {}; keeping {name} (the least memory), over by {}{}",
+            rejected.join(", "),
+            peak - budget,
+            skipped.unwrap_or_default()
+        ),
+    })
+}
+
 fn to_micro_batch(b: &Batch) -> Result<MicroBatch> {
     let (input, target) = b.to_tensors(&Device::Cpu)?;
     Ok(MicroBatch {
@@ -303,7 +434,7 @@ pub fn validate(o: &TrainOptions) -> Result<()> {
         }
     }
     if o.strategy == Strategy::Auto {
-        return bad("--strategy auto needs a memory budget; pick full-shard, shard-grad-op, no-shard or hybrid".into());
+        return bad("--strategy auto needs a memory budget: resolve it first (`resolve_auto`, as `fsdp train --strategy auto` does) or pick full-shard, shard-grad-op, no-shard or hybrid".into());
     }
     if o.threads_per_rank == Some(0) {
         return bad("--threads-per-rank must be at least 1".into());

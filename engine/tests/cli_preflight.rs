@@ -1,7 +1,11 @@
 //! `fsdp train` pre-flight checks on the thread backend: the world-size cap and the memory check
-//! (W x plan peak + margin against MemAvailable), both exit 2 before any rank starts.
+//! (W x plan peak + margin against MemAvailable), both exit 2 before any rank starts; the MPI
+//! backend's pre-flight decision and auto's default budget as plain functions (module `mpi`).
 
 use std::process::Command;
+
+#[path = "cli_preflight/mpi.rs"]
+mod mpi;
 
 fn fsdp(args: &[&str]) -> (i32, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_fsdp"))

@@ -2,9 +2,13 @@
 //! correctly: gradients reduced in f16 (the sum over ranks overflows before the division by the
 //! token count), a process started by a launcher with the in-process thread backend (it would
 //! train its own copy of the model), checkpoint flags without a checkpoint directory, a CUDA
-//! device or the NCCL backend where they cannot run.
+//! device or the NCCL backend where they cannot run; `--strategy auto` / `--device-memory`
+//! misuse and budgets nothing fits (module `auto`).
 
 use std::process::Command;
+
+#[path = "cli_train_refusals/auto.rs"]
+mod auto;
 
 fn fsdp(args: &[&str], env: &[(&str, &str)]) -> (i32, String) {
     let mut c = Command::new(env!("CARGO_BIN_EXE_fsdp"));

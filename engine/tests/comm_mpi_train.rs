@@ -9,6 +9,9 @@
 //! computes the clip norm in a different order (that case is tolerance-checked by the thread
 //! backend's own parity tests).
 //!
+//! Module `preflight`: the MPI memory pre-flight (a run that does not fit refused by every
+//! rank with exit 2) and `--strategy auto` resolved alike on every rank.
+//!
 //! Each test skips visibly ("SKIPPED: mpirun not found") without Open MPI's launcher.
 
 use candle_core::Device;
@@ -22,6 +25,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+#[path = "comm_mpi_train/preflight.rs"]
+mod preflight;
 
 static JOBS: Mutex<()> = Mutex::new(());
 

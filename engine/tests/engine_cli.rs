@@ -1,7 +1,11 @@
 //! `fsdp train` end to end through the binary: JSON lines per step and a summary whose
-//! measured memory never exceeds the plan; bad flags exit with code 2 and a message.
+//! measured memory never exceeds the plan; bad flags exit with code 2 and a message;
+//! `--strategy auto` against `fsdp plan --strategy auto` (module `auto`).
 
 use std::process::Command;
+
+#[path = "engine_cli/auto.rs"]
+mod auto;
 
 fn fsdp() -> Command {
     Command::new(env!("CARGO_BIN_EXE_fsdp"))

@@ -184,6 +184,16 @@ pub struct PlanArgs {
     pub output: Option<PathBuf>,
 }
 
+/// Parses a `--device-memory` value (shared by `fsdp plan` and `fsdp train`): bytes per
+/// device (per rank), as `80GiB`, `80 GiB`, `40GB` (10^9), `512MiB`, `1.5TiB` or a plain byte
+/// count (see `fsdp_types::Bytes`'s `FromStr`).
+///
+/// Errors: [`CliError::Usage`] (exit 2) naming the flag and the value.
+pub fn parse_device_memory(s: &str) -> Result<Bytes, CliError> {
+    s.parse::<Bytes>()
+        .map_err(|e| CliError::Usage(format!("--device-memory: {e}")))
+}
+
 fn usage(e: PlanError) -> CliError {
     CliError::Usage(e.to_string())
 }
@@ -217,10 +227,7 @@ pub fn config_from_args(a: &PlanArgs) -> Result<PlanConfig, CliError> {
     let device_memory = a
         .device_memory
         .as_deref()
-        .map(|s| {
-            s.parse::<Bytes>()
-                .map_err(|e| CliError::Usage(format!("--device-memory: {e}")))
-        })
+        .map(parse_device_memory)
         .transpose()?;
     let activations =
         match (a.activations, a.device) {

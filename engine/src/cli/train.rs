@@ -38,6 +38,10 @@ pub enum StrategyArg {
     NoShard,
     /// Full shard inside groups of `--shard-size` ranks, replicated across groups (HSDP).
     Hybrid,
+    /// The fastest strategy whose per-rank plan peak fits `--device-memory` (default: this
+    /// node's available memory per rank on the CPU), without activation checkpointing first,
+    /// then with it; the choice and why are printed before training.
+    Auto,
 }
 
 /// Which transport runs the ranks.
@@ -126,6 +130,12 @@ pub struct TrainArgs {
     /// Shard-group size for `--strategy hybrid` (must divide the world size).
     #[arg(long)]
     pub shard_size: Option<u64>,
+    /// Memory budget per rank, e.g. 80GiB, 40GB, 512MiB (as `fsdp plan --device-memory`). With
+    /// `--strategy auto` the budget auto fits (default on the CPU: available memory / ranks on
+    /// this node, less a 25% margin; required with `--device cuda`). With another strategy the
+    /// run is refused (exit 2) when the plan's per-rank peak exceeds it.
+    #[arg(long, value_name = "BYTES")]
+    pub device_memory: Option<String>,
     /// Sequences per micro-batch per rank.
     #[arg(long, default_value_t = 8)]
     pub micro_batch: usize,
@@ -200,6 +210,12 @@ impl TrainArgs {
     pub fn options(&self) -> Result<TrainOptions, CliError> {
         let strategy = match (self.strategy, self.shard_size) {
             (StrategyArg::Hybrid, Some(s)) => Strategy::Hybrid { shard_size: s },
+            (StrategyArg::Auto, Some(s)) => {
+                return Err(CliError::Usage(format!(
+                    "--shard-size {s} does not apply to --strategy auto: auto chooses hybrid \
+                     shard-group sizes itself (use --strategy hybrid --shard-size {s} to fix one)"
+                )))
+            }
             (StrategyArg::Hybrid, None) => {
                 return Err(CliError::Usage(
                     "--strategy hybrid needs --shard-size S (S divides --world-size)".into(),
@@ -213,6 +229,8 @@ impl TrainArgs {
             (StrategyArg::FullShard, None) => Strategy::FullShard,
             (StrategyArg::ShardGradOp, None) => Strategy::ShardGradOp,
             (StrategyArg::NoShard, None) => Strategy::NoShard,
+            // Resolved by `run` once the world size and the memory budget are known.
+            (StrategyArg::Auto, None) => Strategy::Auto,
         };
         if self.clip < 0.0 || !self.clip.is_finite() {
             return Err(CliError::Usage(format!(
@@ -326,19 +344,9 @@ pub fn preflight_threads(opts: &TrainOptions, available: Option<u64>) -> Result<
     let Some(available) = available else {
         return Ok(());
     };
-    let model =
-        crate::model::Gpt::from_preset(&opts.model).map_err(|e| CliError::Usage(e.to_string()))?;
-    let plan = fsdp_planner::plan(&model.spec, &crate::train::plan_config(opts))
-        .map_err(|e| cli_error(e.into()))?;
-    // The step loop also holds all `--grad-accum` micro-batches of token ids at once (input
-    // and target, u32: 8 bytes per token), which the plan does not count.
-    let ids = (opts.grad_accum as u64)
-        .saturating_mul(opts.micro_batch as u64)
-        .saturating_mul(opts.seq_len as u64)
-        .saturating_mul(8);
-    let per_rank = plan.memory.peak.0.saturating_add(ids);
+    let per_rank = plan_peak(opts)?.saturating_add(token_id_bytes(opts));
     let total = per_rank.saturating_mul(w as u64);
-    let needed = total.saturating_add(total / 100 * MEMORY_MARGIN_PERCENT);
+    let needed = with_margin(total);
     if needed > available {
         return Err(CliError::Usage(format!(
             "not enough memory: {w} rank thread(s) x peak {} per rank (plan + token ids; --micro-batch {}, \
@@ -355,6 +363,327 @@ pub fn preflight_threads(opts: &TrainOptions, available: Option<u64>) -> Result<
         )));
     }
     Ok(())
+}
+
+/// The plan's peak bytes per rank for `opts` (a resolved strategy, not `Auto`).
+///
+/// Errors: [`CliError::Usage`] for an unknown model or options the planner refuses.
+pub fn plan_peak(opts: &TrainOptions) -> Result<u64, CliError> {
+    let model =
+        crate::model::Gpt::from_preset(&opts.model).map_err(|e| CliError::Usage(e.to_string()))?;
+    let plan = fsdp_planner::plan(&model.spec, &crate::train::plan_config(opts))
+        .map_err(|e| cli_error(e.into()))?;
+    Ok(plan.memory.peak.0)
+}
+
+/// Bytes of token ids a rank holds during a step, which the plan does not count: all
+/// `--grad-accum` micro-batches at once, input and target, u32 (8 bytes per token). Saturates.
+pub fn token_id_bytes(opts: &TrainOptions) -> u64 {
+    (opts.grad_accum as u64)
+        .saturating_mul(opts.micro_batch as u64)
+        .saturating_mul(opts.seq_len as u64)
+        .saturating_mul(8)
+}
+
+/// `total` plus [`MEMORY_MARGIN_PERCENT`] of it (of `total / 100`, rounded down), saturating:
+/// what the pre-flight checks need available.
+pub fn with_margin(total: u64) -> u64 {
+    total.saturating_add(total / 100 * MEMORY_MARGIN_PERCENT)
+}
+
+/// The per-rank memory budget of a host share: `available` bytes shared by `ranks` ranks,
+/// less the pre-flight's [`MEMORY_MARGIN_PERCENT`] margin and the token ids
+/// (`ids_per_rank`, [`token_id_bytes`]) each rank holds besides its plan:
+/// `floor(floor(available / ranks) x 100 / (100 + margin)) - ids_per_rank` (0 when the ids
+/// alone do not fit). A plan whose peak is at most this budget passes the pre-flight check
+/// ([`preflight_threads`], [`preflight_mpi`]) for the same `available` and `ranks`:
+/// `ranks x (budget + ids) x (1 + margin) <= available`. `ranks` 0 counts as 1.
+pub fn host_budget_per_rank(available: u64, ranks: u64, ids_per_rank: u64) -> u64 {
+    let share = available / ranks.max(1);
+    let budget = (share as u128 * 100 / (100 + MEMORY_MARGIN_PERCENT) as u128) as u64;
+    budget.saturating_sub(ids_per_rank)
+}
+
+/// What one MPI process read about its node before training, gathered from every rank so
+/// that every rank takes the same pre-flight decision on the same numbers
+/// ([`preflight_mpi`], [`mpi_auto_budget`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankHost {
+    /// Bytes the kernel says new allocations can get on the rank's node
+    /// ([`available_memory`]); `None` where unreadable.
+    pub available: Option<u64>,
+    /// The rank's node: a 53-bit FNV-1a hash of its host name (ranks with equal values share a
+    /// node); `None` where the host name is unreadable.
+    pub node: Option<u64>,
+    /// Ranks on the node as the launcher says (`OMPI_COMM_WORLD_LOCAL_SIZE` of Open MPI,
+    /// `MPI_LOCALNRANKS` of MPICH's Hydra); `None` when neither is set.
+    pub launcher_local_ranks: Option<u64>,
+}
+
+impl RankHost {
+    /// This process's view: [`available_memory`], the host name
+    /// (`/proc/sys/kernel/hostname`, else `$HOSTNAME`) and the launcher's local size.
+    pub fn this_process() -> RankHost {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .map(|h| h.trim().to_string())
+            .filter(|h| !h.is_empty())
+            .or_else(|| std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty()));
+        RankHost {
+            available: available_memory(),
+            node: host.map(|h| node_id(&h)),
+            launcher_local_ranks: launcher_local_ranks(|k| std::env::var(k).ok()),
+        }
+    }
+
+    /// The three values as f64 (exact: all below 2^53; `None` as -1), one row of the table
+    /// the ranks all-reduce (sum over rows that are zero except the rank's own).
+    pub fn encode(&self) -> [f64; 3] {
+        let f = |v: Option<u64>| v.map_or(-1.0, |x| x.min(MAX_EXACT) as f64);
+        [
+            f(self.available),
+            f(self.node),
+            f(self.launcher_local_ranks),
+        ]
+    }
+
+    /// The inverse of [`RankHost::encode`] (negative values and NaN are `None`).
+    pub fn decode(row: [f64; 3]) -> RankHost {
+        let f = |v: f64| (v >= 0.0).then_some(v as u64);
+        RankHost {
+            available: f(row[0]),
+            node: f(row[1]),
+            launcher_local_ranks: f(row[2]),
+        }
+    }
+}
+
+/// Largest integer every f64 holds exactly below it (2^53 - 1).
+const MAX_EXACT: u64 = (1 << 53) - 1;
+
+/// The 53-bit FNV-1a hash of a host name (Fowler, Noll, Vo; 64-bit offset basis and prime),
+/// equal in every process for the same name.
+pub fn node_id(host: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in host.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h & MAX_EXACT
+}
+
+/// Ranks on this node as the MPI launcher reports it through `env` (a variable lookup):
+/// `OMPI_COMM_WORLD_LOCAL_SIZE` (Open MPI), then `MPI_LOCALNRANKS` (MPICH / Intel MPI Hydra);
+/// `None` when neither holds a positive integer.
+pub fn launcher_local_ranks(env: impl Fn(&str) -> Option<String>) -> Option<u64> {
+    ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
+        .iter()
+        .find_map(|k| env(k)?.trim().parse::<u64>().ok().filter(|&n| n > 0))
+}
+
+/// Ranks sharing rank `r`'s node: the launcher's count when it gives one, else the ranks
+/// whose host-name hash equals `r`'s; `None` when neither is known.
+pub fn local_ranks(hosts: &[RankHost], r: usize) -> Option<u64> {
+    let me = hosts.get(r)?;
+    me.launcher_local_ranks.or_else(|| {
+        me.node
+            .map(|n| hosts.iter().filter(|h| h.node == Some(n)).count() as u64)
+    })
+}
+
+/// The MPI backend's pre-flight check, the counterpart of [`preflight_threads`]: for every
+/// rank `r` of `hosts` (one entry per rank, in rank order, the same table on every rank),
+/// the ranks on `r`'s node ([`local_ranks`]) x (`plan_peak` + [`token_id_bytes`]) plus
+/// [`MEMORY_MARGIN_PERCENT`] must fit in what `r` read as available. A rank whose numbers are
+/// unknown is not checked. Every rank evaluates the same table, so every rank takes the same
+/// decision and refuses with the same message (naming the first short rank) before training:
+/// no rank is left waiting for a peer that quit.
+///
+/// Errors: [`CliError::Usage`] (exit 2) with the node's numbers and the flags to lower.
+pub fn preflight_mpi(
+    opts: &TrainOptions,
+    plan_peak: u64,
+    hosts: &[RankHost],
+) -> Result<(), CliError> {
+    let per_rank = plan_peak.saturating_add(token_id_bytes(opts));
+    let short: Vec<(usize, u64, u64, u64, u64)> = (0..hosts.len())
+        .filter_map(|r| {
+            let available = hosts[r].available?;
+            let local = local_ranks(hosts, r)?;
+            let total = per_rank.saturating_mul(local);
+            let needed = with_margin(total);
+            (needed > available).then_some((r, local, total, needed, available))
+        })
+        .collect();
+    let Some(&(r, local, total, needed, available)) = short.first() else {
+        return Ok(());
+    };
+    Err(CliError::Usage(format!(
+        "not enough memory on the node of MPI rank {r} ({} of {} ranks are short): {local} \
+         rank(s) on the node x peak {} per rank (plan {} + token ids; --micro-batch {}, \
+         --seq-len {}, --grad-accum {}) = {} + {MEMORY_MARGIN_PERCENT}% margin = {} > {} \
+         available (MemAvailable); use a smaller --micro-batch, --seq-len or --grad-accum, \
+         fewer ranks per node, or --strategy auto",
+        short.len(),
+        hosts.len(),
+        mib(per_rank),
+        mib(plan_peak),
+        opts.micro_batch,
+        opts.seq_len,
+        opts.grad_accum,
+        mib(total),
+        mib(needed),
+        mib(available)
+    )))
+}
+
+/// `--strategy auto`'s default budget under `--backend mpi`: the smallest
+/// [`host_budget_per_rank`] over the ranks of `hosts` (each rank's available memory shared by
+/// the ranks on its node), with a description of where it comes from; `None` when any
+/// rank's available memory or node is unknown. The same on every rank (the same table).
+pub fn mpi_auto_budget(opts: &TrainOptions, hosts: &[RankHost]) -> Option<(u64, String)> {
+    let ids = token_id_bytes(opts);
+    let mut best: Option<(u64, String)> = None;
+    for (r, h) in hosts.iter().enumerate() {
+        let available = h.available?;
+        let local = local_ranks(hosts, r)?;
+        let b = host_budget_per_rank(available, local, ids);
+        if best.as_ref().is_none_or(|(x, _)| b < *x) {
+            best = Some((
+                b,
+                format!(
+                    "the smallest share of the MPI ranks' nodes: MemAvailable {} on rank {r}'s node \
+                     / {local} rank(s) there, less the {MEMORY_MARGIN_PERCENT}% margin and {} of \
+                     token ids",
+                    fsdp_types::Bytes(available),
+                    fsdp_types::Bytes(ids)
+                ),
+            ));
+        }
+    }
+    best
+}
+
+/// `--strategy auto`'s default budget on the thread backend: [`host_budget_per_rank`] of
+/// `available` bytes over the `--world-size` rank threads of this process, with its
+/// description; `None` without `available`.
+pub fn threads_auto_budget(opts: &TrainOptions, available: Option<u64>) -> Option<(u64, String)> {
+    let available = available?;
+    let ids = token_id_bytes(opts);
+    let w = opts.world_size as u64;
+    Some((
+        host_budget_per_rank(available, w, ids),
+        format!(
+            "MemAvailable {} / {w} rank thread(s), less the {MEMORY_MARGIN_PERCENT}% margin and \
+             {} of token ids",
+            fsdp_types::Bytes(available),
+            fsdp_types::Bytes(ids)
+        ),
+    ))
+}
+
+/// `--strategy auto` resolved for a run: the choice and where its budget came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AutoResolution {
+    /// The strategy, activation checkpointing, peak, budget and reason.
+    pub choice: crate::train::AutoChoice,
+    /// Where the budget came from (`--device-memory 512MiB`, or the host share it was
+    /// computed from).
+    pub source: String,
+}
+
+/// Resolves `--strategy auto` in `opts` (sets `strategy` and `activation_checkpointing` to the
+/// choice of [`crate::train::resolve_auto`]) for a budget per rank: `device_memory` (the raw
+/// `--device-memory` value) when given; else on the CPU the host share of `backend`
+/// ([`threads_auto_budget`] of `available` for the thread backend, [`mpi_auto_budget`] of
+/// `hosts` for MPI). With an explicit strategy and `device_memory`, checks the plan's peak
+/// per rank against it instead. `opts.world_size` must be the run's (after MPI init).
+///
+/// Returns `Some` for auto, `None` for an explicit strategy.
+///
+/// Errors: [`CliError::Usage`] (exit 2) for a bad `--device-memory`; auto on `--device cuda`
+/// or `--backend nccl` without `--device-memory` (no GPU query here); auto without a known
+/// host share; a budget nothing fits (naming the least-memory candidate's peak and the
+/// budget); an explicit strategy whose peak exceeds `--device-memory`; planning errors.
+pub fn resolve_strategy(
+    opts: &mut TrainOptions,
+    device_memory: Option<&str>,
+    backend: BackendArg,
+    hosts: Option<&[RankHost]>,
+    available: Option<u64>,
+) -> Result<Option<AutoResolution>, CliError> {
+    let flag = device_memory
+        .map(|raw| super::plan::parse_device_memory(raw).map(|b| (b.0, raw)))
+        .transpose()?;
+    if opts.strategy != Strategy::Auto {
+        if let Some((budget, raw)) = flag {
+            let peak = plan_peak(opts)?;
+            if peak > budget {
+                return Err(CliError::Usage(format!(
+                    "--strategy {}: the plan's peak {} per rank exceeds --device-memory {raw} = {}; \
+                     use --strategy auto, a sharded strategy, --activation-checkpointing on, or a \
+                     smaller --micro-batch or --seq-len",
+                    opts.strategy.cli_name(),
+                    bytes_exact(peak),
+                    bytes_exact(budget)
+                )));
+            }
+        }
+        return Ok(None);
+    }
+    let (budget, source) = match flag {
+        Some((b, raw)) => (b, format!("--device-memory {raw}")),
+        None if opts.placement.device().is_cuda() || backend == BackendArg::Nccl => {
+            return Err(CliError::Usage(
+                "--strategy auto on a GPU needs --device-memory BYTES (the memory of one GPU, \
+                 e.g. 80GiB): fsdp train does not query the device"
+                    .into(),
+            ))
+        }
+        None => {
+            let found = match backend {
+                BackendArg::Mpi => hosts.and_then(|h| mpi_auto_budget(opts, h)),
+                _ => threads_auto_budget(opts, available),
+            };
+            found.ok_or_else(|| {
+                CliError::Usage(
+                    "--strategy auto: this host's available memory per rank is unknown (no \
+                     /proc/meminfo, or the ranks' nodes cannot be told apart); give the budget \
+                     with --device-memory BYTES"
+                        .into(),
+                )
+            })?
+        }
+    };
+    let choice = crate::train::resolve_auto(opts, fsdp_types::Bytes(budget)).map_err(cli_error)?;
+    if !choice.fits {
+        return Err(CliError::Usage(format!(
+            "--strategy auto: nothing fits the memory budget of {} per rank ({source}): the \
+             least memory is {}{}, peak {} per rank; {}; use a smaller --micro-batch, --seq-len \
+             or --grad-accum, more ranks, or a larger --device-memory",
+            bytes_exact(budget),
+            choice.strategy,
+            if choice.activation_checkpointing == Some(true) {
+                " with activation checkpointing"
+            } else {
+                ""
+            },
+            bytes_exact(choice.peak.0),
+            choice.reason
+        )));
+    }
+    opts.strategy = choice.strategy;
+    opts.activation_checkpointing = choice.activation_checkpointing;
+    Ok(Some(AutoResolution { choice, source }))
+}
+
+/// A byte count as `1,234,567 B (1.18 MiB)`.
+fn bytes_exact(b: u64) -> String {
+    format!(
+        "{} B ({})",
+        fsdp_types::group_thousands(b),
+        fsdp_types::Bytes(b)
+    )
 }
 
 fn mib(b: u64) -> String {
@@ -396,9 +725,36 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
     };
     let root =
         mpi.as_ref().is_none_or(|m| m.rank() == 0) && nccl.as_ref().is_none_or(|n| n.rank == 0);
+    // Flags first (any strategy stands in for auto, which `validate` leaves to this function).
+    let mut probe = opts.clone();
+    if probe.strategy == Strategy::Auto {
+        probe.strategy = Strategy::FullShard;
+    }
+    crate::train::validate(&probe).map_err(cli_error)?;
+    let host = !opts.placement.device().is_cuda();
+    // Every MPI rank's node memory, gathered once, so that every rank resolves auto and
+    // decides the pre-flight on the same numbers.
+    let hosts = match &mpi {
+        Some(m) if host => Some(m.gather_hosts(RankHost::this_process())?),
+        _ => None,
+    };
+    let auto = resolve_strategy(
+        &mut opts,
+        args.device_memory.as_deref(),
+        args.backend,
+        hosts.as_deref(),
+        if mpi.is_none() && nccl.is_none() && host {
+            available_memory()
+        } else {
+            None
+        },
+    )?;
     crate::train::validate(&opts).map_err(cli_error)?;
-    if mpi.is_none() && nccl.is_none() && !opts.placement.device().is_cuda() {
+    if mpi.is_none() && nccl.is_none() && host {
         preflight_threads(&opts, available_memory())?;
+    }
+    if let Some(h) = &hosts {
+        preflight_mpi(&opts, plan_peak(&opts)?, h)?;
     }
     super::ckpt::apply_init_from(&args.ckpt, &mut opts)?;
     let hooks = super::ckpt::CheckpointHooks::new(&args.ckpt, &opts)?;
@@ -432,6 +788,20 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         Some(b)
     };
     let json = args.json;
+    if let (Some(a), true, false) = (&auto, root, json) {
+        out!(
+            "strategy auto: {}, activation checkpointing {} (budget {} per rank: {}); {}",
+            a.choice.strategy,
+            if a.choice.activation_checkpointing == Some(true) {
+                "on"
+            } else {
+                "off"
+            },
+            a.choice.budget,
+            a.source,
+            a.choice.reason
+        );
+    }
     // Without a terminal the bar is hidden (or would litter a log with redraws): print one
     // plain line per evaluated step (every --eval-every steps and the last) instead.
     let plain = {
@@ -502,7 +872,7 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         b.finish();
     }
     if json {
-        let s = serde_json::to_string(&summary_json(&report))
+        let s = serde_json::to_string(&summary_json(&report, auto.as_ref()))
             .map_err(|e| CliError::Failed(e.to_string()))?;
         out!("{s}");
     } else {
@@ -511,8 +881,12 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
     Ok(())
 }
 
-fn summary_json(r: &TrainReport) -> serde_json::Value {
+fn summary_json(r: &TrainReport, auto: Option<&AutoResolution>) -> serde_json::Value {
     serde_json::json!({
+        "strategy_requested": if auto.is_some() { "auto".to_string() } else { r.strategy.clone() },
+        "auto_reason": auto.map(|a| a.choice.reason.clone()),
+        "memory_budget_per_rank": auto.map(|a| a.choice.budget.0),
+        "memory_budget_source": auto.map(|a| a.source.clone()),
         "summary": true,
         "model": r.model,
         "params": r.params,
@@ -691,7 +1065,7 @@ fn comm_timeout_arg(comm_timeout: f64) -> Result<std::time::Duration, CliError> 
 
 /// `--backend mpi`: this process as one rank of an MPI job.
 mod mpi_backend {
-    use super::CliError;
+    use super::{CliError, RankHost};
     use crate::memory::CountingAllocator;
     use crate::train::{StepReport, TrainHooks, TrainOptions, TrainReport};
 
@@ -748,6 +1122,42 @@ mod mpi_backend {
         /// This process's MPI rank.
         pub(super) fn rank(&self) -> usize {
             self.rank
+        }
+
+        /// Every rank's [`RankHost`] in rank order, the same table on every rank: one
+        /// all-reduce (sum, f64, rank order) over a world communicator built for it and
+        /// dropped before training, of rows that are zero except the caller's own. Collective:
+        /// every process calls it.
+        ///
+        /// Errors: [`CliError::Failed`] when the collective fails (a peer exited or timed out;
+        /// the peers get the error too).
+        #[cfg(feature = "mpi")]
+        pub(super) fn gather_hosts(&self, mine: RankHost) -> Result<Vec<RankHost>, CliError> {
+            use fsdp_comm::{mpi::MpiComm, Communicator, Group, ReduceOp, Topology};
+            let n = self.universe.size();
+            let failed = |e: fsdp_comm::CommError| {
+                CliError::Failed(format!(
+                    "--backend mpi: rank {}: gathering the ranks' node memory for the pre-flight check: {e}",
+                    self.rank
+                ))
+            };
+            let topo = Topology::new(n, 1).map_err(failed)?;
+            let comm = MpiComm::world(&self.universe, topo, self.timeout).map_err(failed)?;
+            let mut table = vec![0f64; 3 * n];
+            table[3 * self.rank..3 * self.rank + 3].copy_from_slice(&mine.encode());
+            comm.all_reduce(Group::World, ReduceOp::Sum, (&mut table[..]).into())
+                .map_err(failed)?;
+            drop(comm);
+            Ok(table
+                .chunks_exact(3)
+                .map(|c| RankHost::decode([c[0], c[1], c[2]]))
+                .collect())
+        }
+
+        /// Without the `mpi` feature no MPI process exists ([`MpiProcess::init`] fails).
+        #[cfg(not(feature = "mpi"))]
+        pub(super) fn gather_hosts(&self, mine: RankHost) -> Result<Vec<RankHost>, CliError> {
+            Ok(vec![mine])
         }
 
         /// Trains as this rank. A failed rank aborts the whole MPI job (`MPI_Abort`, exit
