@@ -32,7 +32,8 @@ pub struct TrainOptions {
     pub model: String,
     /// Number of ranks (threads).
     pub world_size: usize,
-    /// Sharding strategy (not `Auto`).
+    /// Sharding strategy (not `Auto`: [`resolve_auto`] turns it into the strategy to run for a
+    /// memory budget, as `fsdp train --strategy auto` does).
     pub strategy: Strategy,
     /// Sequences per micro-batch per rank.
     pub micro_batch: usize,

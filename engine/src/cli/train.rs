@@ -40,7 +40,8 @@ pub enum StrategyArg {
     Hybrid,
     /// The fastest strategy whose per-rank plan peak fits `--device-memory` (default: this
     /// node's available memory per rank on the CPU), without activation checkpointing first,
-    /// then with it; the choice and why are printed before training.
+    /// then with it, as `fsdp plan --strategy auto` (shard-optimizer, plan only, is skipped);
+    /// the choice and why are printed before training.
     Auto,
 }
 
