@@ -14,7 +14,10 @@
 //!
 //! The hot elementwise parts (token + position embedding, LayerNorm, causal softmax, bias add,
 //! bias + GELU, cross-entropy) have two implementations, chosen by [`OpsPath`]: on the CPU they
-//! run as fused candle custom ops with hand-written backward passes ([`ops`], CPU only); on a
+//! run as fused candle custom ops with hand-written backward passes ([`ops`], CPU only; there
+//! the whole causal self-attention, from the qkv projection's output to the heads' output, is
+//! one op, [`ops::causal_attention`], while the composite path splits q, k, v and runs two
+//! batched matmuls around its softmax); on a
 //! CUDA device the same math is composed from candle primitives that have CUDA kernels and
 //! differentiated by candle autograd ([`composite`]). The default, [`OpsPath::Auto`], picks by
 //! the device of the tensors; [`Gpt::with_ops_path`] forces one path (the composite path runs
@@ -93,9 +96,10 @@ pub enum Stage {
     Head,
 }
 
-/// Which implementation computes the model's embedding, LayerNorm, causal softmax, bias add,
-/// bias + GELU and cross-entropy (matrix products and residual adds are plain candle ops on
-/// both paths).
+/// Which implementation computes the model's embedding, LayerNorm, causal attention (fused:
+/// one op with its own GEMMs; composite: q/k/v copies, candle matmuls around the causal
+/// softmax), bias add, bias + GELU and cross-entropy (the linear layers' matrix products and
+/// the residual adds are plain candle ops on both paths).
 ///
 /// Both paths have one contract ([`ops`] and [`composite`] module docs): same shapes, errors
 /// and dtypes, and in bf16/f16 the same "widen to f32, compute, round once" semantics. They are
@@ -103,8 +107,8 @@ pub enum Stage {
 /// measured differences).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum OpsPath {
-    /// Chosen by the device of the tensors: [`OpsPath::Fused`] on the CPU (bit for bit what the
-    /// model computed before the composite path existed), [`OpsPath::Composite`] on any other
+    /// Chosen by the device of the tensors: [`OpsPath::Fused`] on the CPU,
+    /// [`OpsPath::Composite`] on any other
     /// device (CUDA). The default of [`Gpt::new`] and [`Gpt::from_preset`].
     #[default]
     Auto,
@@ -633,19 +637,20 @@ impl Gpt {
         // Attention sub-block.
         let a = layer_norm(fz, &x2, &p[ix.ln_1.w], ix.ln_1.b.map(|i| &p[i]))?;
         let qkv = linear(fz, &a, &p[ix.c_attn.w], ix.c_attn.b.map(|i| &p[i]))?; // [BT, 3D]
-        let qkv = qkv.reshape((b, t, 3, h, hd))?.permute((2, 0, 3, 1, 4))?; // [3, B, H, T, hd]
-        let q = qkv.get(0)?.contiguous()?;
-        let k = qkv.get(1)?.contiguous()?;
-        let v = qkv.get(2)?.contiguous()?;
-        let scores = q.matmul(&k.t()?)?; // [B, H, T, T]
-        let scale = 1.0 / (hd as f64).sqrt();
-        let att = if fz {
-            ops::causal_softmax(&scores, scale)?
+        let y = if fz {
+            // One fused op: strided GEMMs on the qkv rows, output already [BT, D].
+            ops::causal_attention(&qkv, b, t, h)?
         } else {
-            composite::causal_softmax(&scores, scale)?
+            let qkv = qkv.reshape((b, t, 3, h, hd))?.permute((2, 0, 3, 1, 4))?; // [3, B, H, T, hd]
+            let q = qkv.get(0)?.contiguous()?;
+            let k = qkv.get(1)?.contiguous()?;
+            let v = qkv.get(2)?.contiguous()?;
+            let scores = q.matmul(&k.t()?)?; // [B, H, T, T]
+            let scale = 1.0 / (hd as f64).sqrt();
+            let att = composite::causal_softmax(&scores, scale)?;
+            let y = att.matmul(&v)?; // [B, H, T, hd]
+            y.transpose(1, 2)?.reshape((b * t, d))?
         };
-        let y = att.matmul(&v)?; // [B, H, T, hd]
-        let y = y.transpose(1, 2)?.reshape((b * t, d))?;
         let y = linear(fz, &y, &p[ix.attn_proj.w], ix.attn_proj.b.map(|i| &p[i]))?;
         let x2 = (x2 + y)?;
         // MLP sub-block.

@@ -468,3 +468,6 @@ fn column_sums_follow_the_fixed_row_blocks() {
 /// --ignored --nocapture`), in this binary to keep the number of test executables down.
 #[path = "model_ops_accuracy/bench.rs"]
 mod bench;
+
+#[path = "model_ops_accuracy/attention.rs"]
+mod attention;

@@ -289,14 +289,19 @@ impl MemoryPlan {
 /// `P` = the parameter elements the use touches.
 ///
 /// **GPT-2 forward, kept by the graph** (candle keeps every op's output until the graph is
-/// dropped; no dropout; no fused attention):
+/// dropped; no dropout; attention fused into one op, `fsdp::model::ops::causal_attention`):
 /// - Embedding: `h*N` (one fused gather + position add); input: token ids `4*N` bytes.
-/// - Block: `N*(27h + 2a*s)`: LN1 `h`; qkv matmul `3h` and its bias add `3h`; contiguous
-///   q, k, v `3h`; scores `a*s` and causal softmax `a*s` (per token); probs @ v `h`; the
-///   head transpose copy `h`; out projection matmul `h` + bias `h`; residual `h`; LN2 `h`;
-///   fc matmul `4h` + fused bias-GELU `4h`; MLP projection matmul `h` + bias `h`; residual
-///   `h`. Input `h*N`. (Korthikanti count `16h + a*s` without dropout; the extra `11h + a*s`
-///   are the un-fused bias adds, the q/k/v and transpose copies, and the softmax input.)
+/// - Block: `N*(23h + a*s)`: LN1 `h`; qkv matmul `3h` and its bias add `3h`; the fused
+///   attention's output `h` (already `[N, h]`: no q/k/v or head-transpose copies) and the
+///   attention probabilities it keeps for backward `a*s` per token (`[b, a, s, s]`, the
+///   scores are never materialised outside a per-thread row block); out projection matmul
+///   `h` + bias `h`; residual `h`; LN2 `h`; fc matmul `4h` + fused bias-GELU `4h`; MLP
+///   projection matmul `h` + bias `h`; residual `h`. Input `h*N`. (Korthikanti count
+///   `16h + a*s` without dropout; the difference is what candle's graph keeps that a
+///   hand-fused layer does not, chiefly the matmul outputs under the separate bias adds.)
+///   Measured with `cargo run -p fsdp --example activation_bytes`: 0.997-1.000 of the
+///   engine's kept bytes. (Before the fused attention: `N*(27h + 2a*s)`, with the q, k, v
+///   copies `3h`, the head-transpose copy `h` and the unnormalised scores `a*s`.)
 /// - Head: `N*(h + V)`: final LN and logits (the fused cross-entropy keeps no log-softmax).
 ///   Input `h*N`, output the loss (4 bytes).
 ///
@@ -305,22 +310,25 @@ impl MemoryPlan {
 /// and that are not processed yet — the first gradient of a node is stored as is, later ones
 /// summed into it (the vendored candle-core, `vendor/README.md`) — plus every parameter
 /// gradient until the engine copies it into the flat gradient):
-/// - Embedding: `h*N + P`; Block: `18h*N + a*s*N + P`; Head: `2h*N + V*N + 2P`.
+/// - Embedding: `h*N + P`; Block: `13h*N + P`; Head: `2h*N + V*N + 2P`.
 ///   The per-token terms are the gradient frontier at its widest (the MLP's `4h` gradients
-///   and the residual stream's; the `a*s` attention-probability gradient); `P` the parameter
-///   gradients (the head's weight-gradient matmul transient doubles its `P`). These
-///   coefficients are the least-squares fit, rounded up, of the peaks measured on the CPU
+///   and the residual stream's; the fused attention's backward holds no `a*s` tensor, only
+///   its `[N, 3h]` qkv gradient and a per-thread `[s, s]` f32 scratch, not counted);
+///   `P` the parameter gradients (the head's weight-gradient matmul transient doubles its
+///   `P`). These coefficients are the least-squares fit of the peaks measured on the CPU
 ///   with the counting allocator by `cargo run -p fsdp --example activation_bytes` over
-///   `tiny`/`mini`/`small` and (b, s) in {(2, 64), (8, 128), (4, 256)} (fit 17.4, 1.1, 0.8
-///   for the block, estimate / measured 0.98-1.16; 1.9, 1.0, 1.6 for the head; 1.0 and
-///   0.96 P for the embedding), with the backward seeded by
+///   `tiny`/`mini`/`small` and (b, s) in {(2, 64), (8, 128), (4, 256)} (block: 13.00 hN,
+///   0.001 a*s*N, 1.00 P, so `13h*N + P`, estimate / measured 0.996-1.000; head 1.9, 1.0,
+///   1.6, rounded up; 1.0 and 0.96 P for the embedding), with the backward seeded by
 ///   `fsdp::model::ops::backward_seed` as the engine does; the forward counts above match
-///   those measurements to 0.2%.
+///   those measurements to 0.3%. (Before the fused attention the block's fit was 17.4 hN,
+///   1.1 a*s*N, 0.8 P: `18h*N + a*s*N + P`.)
 ///
 /// **Llama** (not run by this engine; same method, unmeasured): block forward
 /// `N*((6 + 2*kv/a)*h + 4f + a*s)` (norm outs, Q, K and V at `kv/a` of `h`, softmax,
 /// attention out, residual, gate, up, SiLU, product, output), backward
-/// `18h*N + a*s*N + P` by analogy; embedding `h*N` / `h*N + P`; head as GPT-2.
+/// `18h*N + a*s*N + P` by analogy with GPT-2 before its fused attention (an attention with
+/// separate scores and probabilities); embedding `h*N` / `h*N + P`; head as GPT-2.
 ///
 /// `Generic` architectures have no estimate (0).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -347,8 +355,9 @@ pub fn use_activations(arch: &Architecture, role: UseRole, cfg: &PlanConfig) -> 
     let e = cfg.param_dtype.size_bytes();
     let (s, b) = (cfg.seq_len, cfg.micro_batch);
     let n = s * b;
-    // (d_model, vocab, block forward elements, block params, embed params, head params)
-    let (h, vocab, block_elems, block_p, embed_p, head_p, heads) = match arch {
+    // (d_model, vocab, block forward elements, block params, embed params, head params,
+    // block backward per-token elements)
+    let (h, vocab, block_elems, block_p, embed_p, head_p, block_bwd_tok) = match arch {
         Architecture::Generic => return UseActivations::default(),
         Architecture::Gpt2(c) => {
             let d = c.d_model;
@@ -356,11 +365,11 @@ pub fn use_activations(arch: &Architecture, role: UseRole, cfg: &PlanConfig) -> 
             (
                 d,
                 c.vocab_size,
-                n * (27 * d + 2 * c.n_head * s),
+                n * (23 * d + c.n_head * s),
                 12 * d * d + small,
                 (c.vocab_size + c.n_positions) * d,
                 (if c.bias { 2 * d } else { d }) + c.vocab_size * d,
-                c.n_head,
+                13 * d,
             )
         }
         Architecture::Llama(c) => {
@@ -374,7 +383,7 @@ pub fn use_activations(arch: &Architecture, role: UseRole, cfg: &PlanConfig) -> 
                 2 * d * d + 2 * d * kv + 3 * d * c.ffn_hidden + 2 * d + bias,
                 c.vocab_size * d,
                 d + c.vocab_size * d,
-                c.n_head,
+                18 * d + c.n_head * s,
             )
         }
     };
@@ -390,7 +399,7 @@ pub fn use_activations(arch: &Architecture, role: UseRole, cfg: &PlanConfig) -> 
             input: hidden,
             live: Bytes(e * block_elems),
             output: hidden,
-            backward: Bytes(e * (18 * n * h + heads * s * n + block_p)),
+            backward: Bytes(e * (n * block_bwd_tok + block_p)),
         },
         UseRole::Head => UseActivations {
             input: hidden,
@@ -435,8 +444,8 @@ pub fn use_activations(arch: &Architecture, role: UseRole, cfg: &PlanConfig) -> 
 ///   product `3h`, the
 ///   contiguous q, k, v `3h`, `probs @ v` `h`, the head-transpose copy `h`, the projection
 ///   products `h + 4h + h`, two residuals `2h`; the scores `e a s` per token.
-///   For mini (h 256, a 4) at B 4 x T 256: 63.35 MiB f32, 75.86 MiB bf16 (fused: 35 MiB,
-///   17.5 MiB).
+///   For mini (h 256, a 4) at B 4 x T 256: 63.35 MiB f32, 75.86 MiB bf16 (fused: 27 MiB,
+///   13.5 MiB).
 /// - Head: `N (LN + e V + f V (w + 2) + 6 f) + f`: final LayerNorm, logits, for the
 ///   cross-entropy the widened logits (bf16/f16), `logits - max` and its `exp` (`f V`
 ///   each), per row max, sum, log, `+ max`, the picked logit and the difference; the loss.

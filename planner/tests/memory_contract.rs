@@ -223,10 +223,10 @@ fn activations_follow_the_documented_formulas() {
     let (s, b, h, a, v, e) = (64u64, 2u64, 128u64, 4u64, 256u64, 4u64);
     let n = s * b;
     let hidden = e * n * h;
-    // Block forward kept by the graph: N*(27h + 2a*s) elements.
-    let block = e * n * (27 * h + 2 * a * s);
-    // Block backward on top: 18hN + a*s*N + P, P = 12h^2 + 13h (with biases).
-    let block_bwd = e * (18 * n * h + a * s * n + (12 * h * h + 13 * h));
+    // Block forward kept by the graph (fused attention): N*(23h + a*s) elements.
+    let block = e * n * (23 * h + a * s);
+    // Block backward on top: 13hN + P, P = 12h^2 + 13h (with biases).
+    let block_bwd = e * (13 * n * h + (12 * h * h + 13 * h));
     let head_live = e * n * (h + v);
     let t = &p.memory.timeline;
     // Forward step 1 (h.0) under recompute: inputs of embed (ids) and h.0 kept + h.0 live.

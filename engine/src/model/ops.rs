@@ -1,6 +1,8 @@
 //! Fused CPU custom ops for the GPT hot path, each with a hand-written backward pass that
-//! candle's autograd calls: LayerNorm, causal softmax, bias + GELU, summed cross-entropy,
-//! token + position embedding, bias add (with its column-sum backward) and the backward seed.
+//! candle's autograd calls: LayerNorm, causal self-attention ([`causal_attention`]: qkv rows
+//! to the attention output through strided GEMMs, its own module), causal softmax, bias +
+//! GELU, summed cross-entropy, token + position embedding, bias add (with its column-sum
+//! backward) and the backward seed.
 //!
 //! Composed from candle primitives, each of these is 5-10 full passes over memory and as many
 //! temporaries in the autograd graph; fused, it is one pass forward and one backward. Inputs
@@ -198,6 +200,17 @@ trait Elem: Copy + Send + Sync + 'static {
     fn from_acc(v: Vec<Self::Acc>) -> Vec<Self>;
     /// Appends `src` (compute precision) to `v`, narrowed for 16-bit storage.
     fn extend_from_acc(v: &mut Vec<Self>, src: &[Self::Acc]);
+    /// The `rows x cols` matrix whose row `r` is `src[r * stride..r * stride + cols]`, in
+    /// compute precision, as a pointer and a row stride (elements) for a GEMM: `src` itself
+    /// (stride `stride`), or widened row by row into `buf` (stride `cols`). Panics when `src`
+    /// is shorter than the matrix; the pointer is valid while `src` and `buf` are.
+    fn mat(
+        src: &[Self],
+        rows: usize,
+        cols: usize,
+        stride: usize,
+        buf: &mut Vec<Self::Acc>,
+    ) -> (*const Self::Acc, usize);
 }
 
 macro_rules! impl_elem_full {
@@ -230,6 +243,19 @@ macro_rules! impl_elem_full {
             }
             fn extend_from_acc(v: &mut Vec<Self>, src: &[Self]) {
                 v.extend_from_slice(src);
+            }
+            fn mat(
+                src: &[Self],
+                rows: usize,
+                cols: usize,
+                stride: usize,
+                _buf: &mut Vec<Self>,
+            ) -> (*const Self, usize) {
+                assert!(
+                    rows == 0 || src.len() >= (rows - 1) * stride + cols,
+                    "mat: source too short"
+                );
+                (src.as_ptr(), stride)
             }
         }
     };
@@ -278,6 +304,20 @@ macro_rules! impl_elem_half {
             }
             fn extend_from_acc(v: &mut Vec<Self>, src: &[f32]) {
                 v.extend_from_slice(&Self::from_acc(src.to_vec()));
+            }
+            fn mat(
+                src: &[Self],
+                rows: usize,
+                cols: usize,
+                stride: usize,
+                buf: &mut Vec<f32>,
+            ) -> (*const f32, usize) {
+                buf.clear();
+                buf.resize(rows * cols, 0.0);
+                for (r, dst) in buf.chunks_exact_mut(cols.max(1)).enumerate().take(rows) {
+                    src[r * stride..r * stride + cols].convert_to_f32_slice(dst);
+                }
+                (buf.as_ptr(), cols)
             }
         }
     };
@@ -1719,6 +1759,12 @@ pub fn bias_add(x: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     same_dtype("bias_add", &[("x", x), ("bias", b)])?;
     x.contiguous()?.apply_op2(&b.contiguous()?, BiasAdd)
 }
+
+// ---------------------------------------------------------------------------------------------
+// Fused causal self-attention (its own file: GEMMs on strided head views of the qkv rows).
+
+mod attention;
+pub use attention::{causal_attention, ATTN_BLOCK_ROWS};
 
 // ---------------------------------------------------------------------------------------------
 // Backward seed: a scalar whose gradient with respect to `y` is exactly `g`.

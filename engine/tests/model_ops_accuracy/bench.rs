@@ -1,7 +1,8 @@
 //! Per-op timing of the fused CPU ops (engine/src/model/ops.rs) at the shapes of the `mini`
 //! (B 8, T 128, d 256, 4 heads) and `base` (B 4, T 256, d 768, 12 heads) presets, f32, in a
-//! rayon pool of 1 and of 2 threads. Prints a table and one JSON line per row; asserts nothing
-//! about speed. Run on an idle machine, optimised:
+//! rayon pool of 1 and of 2 threads, with the fused attention next to the unfused sequence the
+//! fused path ran before it (q/k/v copies, matmuls, fused softmax, transpose copy). Prints a
+//! table and one JSON line per row; asserts nothing about speed. Run on an idle machine, optimised:
 //! `cargo test --release -p fsdp --test model_ops_accuracy bench -- --ignored --nocapture`
 //! (`OPS_BENCH_ITERS=N` sets the timed iterations per row, default 30; the median is printed).
 
@@ -104,6 +105,7 @@ fn bench_fused_ops() {
         )
         .unwrap();
         let scale = 1.0 / ((d / h) as f64).sqrt();
+        let t_len = t;
         type Case<'a> = (
             &'a str,
             Vec<Tensor>,
@@ -119,6 +121,35 @@ fn bench_fused_ops() {
                 "causal_softmax",
                 vec![s.clone()],
                 Box::new(move |t: &[Tensor]| ops::causal_softmax(&t[0], scale).unwrap()),
+            ),
+            (
+                "causal_attention",
+                vec![qkv.clone()],
+                Box::new(move |t: &[Tensor]| ops::causal_attention(&t[0], b, t_len, h).unwrap()),
+            ),
+            (
+                "attention unfused",
+                vec![qkv.clone()],
+                // The fused path before `ops::causal_attention`: q/k/v copies, candle
+                // matmuls, the fused causal softmax, the head-transpose copy.
+                Box::new(move |t: &[Tensor]| {
+                    let x = t[0]
+                        .reshape((b, t_len, 3, h, d / h))
+                        .unwrap()
+                        .permute((2, 0, 3, 1, 4))
+                        .unwrap();
+                    let q = x.get(0).unwrap().contiguous().unwrap();
+                    let k = x.get(1).unwrap().contiguous().unwrap();
+                    let v = x.get(2).unwrap().contiguous().unwrap();
+                    let s = q.matmul(&k.t().unwrap()).unwrap();
+                    let a = ops::causal_softmax(&s, scale).unwrap();
+                    a.matmul(&v)
+                        .unwrap()
+                        .transpose(1, 2)
+                        .unwrap()
+                        .reshape((b * t_len, d))
+                        .unwrap()
+                }),
             ),
             (
                 "layer_norm [N,d]",
