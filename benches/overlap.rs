@@ -15,7 +15,8 @@
 use fsdp::train::{train, NoHooks, TrainOptions};
 use fsdp_planner::Strategy;
 use fsdp_types::DType;
-use std::process::Command;
+#[path = "support/child.rs"]
+mod child;
 
 const CHILD: &str = "FSDP_BENCH_CHILD";
 
@@ -96,23 +97,13 @@ fn main() {
         }
     }
     configs.push((2, 1, "bf16"));
-    let exe = std::env::current_exe().expect("bench executable");
     let mut rows: Vec<serde_json::Value> = Vec::new();
     for (w, p, dt) in configs {
-        let threads = (cores / w).max(1).to_string();
-        let out = Command::new(&exe)
-            .env(CHILD, format!("{w},{p},{dt}"))
-            .env("RAYON_NUM_THREADS", &threads)
-            .env("CANDLE_NUM_THREADS", &threads)
-            .output()
-            .expect("child bench");
-        let text = String::from_utf8_lossy(&out.stdout);
-        let line = text
-            .lines()
-            .find(|l| l.starts_with('{'))
-            .unwrap_or_else(|| panic!("child failed: {}", String::from_utf8_lossy(&out.stderr)));
-        println!("{line}");
-        rows.push(serde_json::from_str(line).expect("json"));
+        rows.push(child::run(
+            CHILD,
+            &format!("{w},{p},{dt}"),
+            (cores / w).max(1),
+        ));
     }
     let f = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap_or(f64::NAN);
     println!();

@@ -21,7 +21,8 @@
 
 use fsdp::train::{train, NoHooks, TrainOptions};
 use fsdp_planner::Strategy;
-use std::process::Command;
+#[path = "support/child.rs"]
+mod child;
 
 const CHILD: &str = "FSDP_BENCH_CHILD";
 
@@ -132,7 +133,6 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok());
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let exe = std::env::current_exe().expect("bench executable");
     for wl in WORKLOADS
         .iter()
         .filter(|wl| which == "all" || which == wl.model)
@@ -147,25 +147,11 @@ fn main() {
         ];
         let mut rows = Vec::new();
         for (w, s, mb) in configs {
-            let threads = (cores / w).max(1).to_string();
-            let out = Command::new(&exe)
-                .env(
-                    CHILD,
-                    format!("{},{},{w},{s},{mb},{steps}", wl.model, wl.seq_len),
-                )
-                .env("RAYON_NUM_THREADS", &threads)
-                .env("CANDLE_NUM_THREADS", &threads)
-                .output()
-                .expect("child bench");
-            let text = String::from_utf8_lossy(&out.stdout);
-            let line = text
-                .lines()
-                .find(|l| l.starts_with('{'))
-                .unwrap_or_else(|| {
-                    panic!("child failed: {}", String::from_utf8_lossy(&out.stderr))
-                });
-            println!("{line}");
-            rows.push(serde_json::from_str::<serde_json::Value>(line).expect("json"));
+            rows.push(child::run(
+                CHILD,
+                &format!("{},{},{w},{s},{mb},{steps}", wl.model, wl.seq_len),
+                (cores / w).max(1),
+            ));
         }
         println!();
         println!(
