@@ -50,8 +50,12 @@
 //!   So a 16-bit op's output is `round16(f32 op(widen(inputs)))` exactly: each element is
 //!   within one rounding (relative `2^-8` for bf16, `2^-11` for f16, or half an f16 subnormal
 //!   step, `2^-25`, below f16's normal range) of the f32 op on the same values.
-//!   The one backward that reads a 16-bit forward OUTPUT is the causal softmax's (it saves `y`,
-//!   already rounded), so its gradient carries that rounding through one dot product too.
+//!   The backward passes that read a 16-bit forward result are the causal softmax's (it saves
+//!   `y`, already rounded) and the causal attention's (it saves the probabilities `P`, rounded
+//!   to the storage dtype; its forward used them unrounded), so their gradients carry that
+//!   rounding through their dot products too. The attention widens each (sequence, head)
+//!   pair's `[T, hd]` q/k/v (and in backward `dY` and `[T, T]` `P`) into per-task f32
+//!   scratch rather than row by row, since its GEMMs read whole matrices.
 //! - [`cross_entropy_sum`] returns an F32 scalar for bf16/f16 logits (f32 for f32, f64 for f64;
 //!   see [`compute_dtype`]): the loss is never rounded to 16 bits. Its backward takes the f32
 //!   upstream gradient unrounded and returns the logits gradient in the logits dtype.
