@@ -4,7 +4,9 @@
 //! - every op, forward and backward, f32 and bf16, gives the same bits in rayon pools of 1, 2
 //!   and 3 threads (rows split into parallel tasks; column sums in fixed row blocks);
 //! - column sums (bias and LayerNorm gradients) follow the documented partition: blocks of
-//!   `ops::SUM_BLOCK_ROWS` rows summed in row order, block sums added in block order.
+//!   `ops::SUM_BLOCK_ROWS` rows summed in row order, block sums added in block order;
+//! - the fused causal attention (module `attention`): f32 against f64 within its stated bound,
+//!   bits across thread counts and batch splits, bf16, against the composite path.
 
 use candle_core::{DType, Device, Tensor, Var};
 use fsdp::model::ops;
