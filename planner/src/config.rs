@@ -155,7 +155,8 @@ impl FromStr for GradSync {
 /// [`crate::memory::use_activations`]): the fused CPU ops keep about one tensor per op in
 /// `param_dtype`, the composite path (candle primitives differentiated by candle autograd, what
 /// a CUDA device runs) keeps every primitive's output, in f32 inside the ops for bf16/f16, so
-/// its activations are 1.6x (f32) to 4.4x (bf16) those of the fused path for a GPT-2 block.
+/// its activations are about 2.4x (f32) to 5.6x (bf16) those of the fused path for a GPT-2 block
+/// (the fused path runs the whole causal self-attention as one op).
 /// Only GPT-2 architectures differ; Llama (not run by this engine) and generic specs plan the
 /// same bytes under both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
