@@ -76,6 +76,12 @@ pub enum ParseError {
     /// The byte size could not be read (e.g. `80GiB`, `512MB`, `1000000`).
     #[error("cannot read byte size `{0}` (examples: 80GiB, 40GB, 512MiB, 1048576)")]
     Bytes(String),
+    /// The byte size is at least 2^64 bytes (16 EiB), more than a `u64` count holds.
+    #[error("byte size `{0}` is too large (at most 18446744073709551615 bytes, 16 EiB)")]
+    BytesTooLarge(String),
+    /// A plain byte count (no unit, or `B`) with a fractional part, e.g. `1.5`.
+    #[error("byte size `{0}` is a fraction of a byte (give whole bytes, or a unit: 1.5GiB)")]
+    FractionalBytes(String),
 }
 
 impl FromStr for DType {
@@ -195,6 +201,13 @@ impl FromStr for Bytes {
         if !b.is_finite() || b < 0.0 {
             return Err(ParseError::Bytes(s.to_string()));
         }
+        // 2^64 is exactly representable; every f64 below it converts without saturating.
+        if b >= 18_446_744_073_709_551_616.0 {
+            return Err(ParseError::BytesTooLarge(s.to_string()));
+        }
+        if mult == 1.0 && v.fract() != 0.0 {
+            return Err(ParseError::FractionalBytes(s.to_string()));
+        }
         Ok(Bytes(b.round() as u64))
     }
 }
@@ -219,6 +232,19 @@ mod tests {
     #[test]
     fn bytes_parse() {
         assert_eq!("80GiB".parse::<Bytes>().unwrap(), Bytes(80 << 30));
+        // Never saturates: 2^64 bytes and more are refused, just below is kept.
+        for big in ["18446744073709551616", "99999999999999999999GiB", "16777216TiB"] {
+            assert_eq!(
+                big.parse::<Bytes>(),
+                Err(ParseError::BytesTooLarge(big.to_string()))
+            );
+        }
+        assert_eq!("16777215TiB".parse::<Bytes>().unwrap(), Bytes(16_777_215 << 40));
+        assert_eq!(
+            "1.5".parse::<Bytes>(),
+            Err(ParseError::FractionalBytes("1.5".into()))
+        );
+        assert_eq!("1.5KiB".parse::<Bytes>().unwrap(), Bytes(1536));
         assert_eq!("40GB".parse::<Bytes>().unwrap(), Bytes(40_000_000_000));
         assert_eq!("1024".parse::<Bytes>().unwrap(), Bytes(1024));
         assert!("lots".parse::<Bytes>().is_err());
