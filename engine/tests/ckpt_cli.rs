@@ -356,3 +356,57 @@ fn bad_input_exits_2_naming_file_and_problem() {
     assert_eq!(code, 2);
     assert!(err.contains("no checkpoint found"), "{err}");
 }
+
+/// A `--ckpt-dir` that cannot take checkpoints (an existing file, a path under a file) is
+/// refused with exit 2 before any step runs, not after the run when the first save fails and
+/// the training is lost (found by QA: the error used to come after the last step, exit 1). A
+/// missing directory is created up front.
+#[test]
+fn unusable_ckpt_dir_is_refused_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("afile");
+    std::fs::write(&file, b"x").unwrap();
+    let under_file = file.join("sub");
+    let base = [
+        "train",
+        "--model",
+        "tiny",
+        "--steps",
+        "3",
+        "--micro-batch",
+        "1",
+        "--seq-len",
+        "16",
+        "--eval-batches",
+        "1",
+        "--json",
+        "--ckpt-dir",
+    ];
+    for (bad, want) in [
+        (&file, "exists and is not a directory"),
+        (&under_file, "cannot create the directory"),
+    ] {
+        let mut args = base.to_vec();
+        args.push(s(bad));
+        let (code, out, err) = fsdp(&args);
+        assert_eq!(code, 2, "{err}");
+        assert!(err.contains(want) && err.contains(s(bad)), "{err}");
+        assert!(!out.contains("\"step\""), "no step may run: {out}");
+    }
+    let fresh = dir.path().join("new/nested");
+    let mut args = base.to_vec();
+    args.push(s(&fresh));
+    let (code, _, err) = fsdp(&args);
+    assert_eq!(code, 0, "{err}");
+    assert!(fresh.join(fsdp_checkpoints::LATEST_FILE).is_file());
+    let leftovers: Vec<_> = std::fs::read_dir(&fresh)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(".fsdp-write-probe")
+        })
+        .collect();
+    assert!(leftovers.is_empty(), "the write probe is removed");
+}

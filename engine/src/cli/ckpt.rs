@@ -580,6 +580,9 @@ impl CheckpointHooks {
         let plan = fsdp_planner::plan(&model.spec, &crate::train::plan_config(o))
             .map_err(|e| CliError::Usage(e.to_string()))?;
         let layout = CheckpointLayout::from_plan(model.spec.clone(), &plan)?;
+        if let Some(root) = &a.ckpt_dir {
+            check_ckpt_dir(root)?;
+        }
         let mut resume_from = None;
         if a.resume {
             let root = a
@@ -676,6 +679,33 @@ impl CheckpointHooks {
             train,
         })
     }
+}
+
+/// Makes sure `--ckpt-dir` can take checkpoints before any rank starts, so a bad path is
+/// refused in a second rather than after the whole run, when the first save would fail and the
+/// training would be lost: creates the directory (and its parents) if missing, then creates and
+/// removes a probe file in it.
+///
+/// Errors: [`CliError::Usage`] (exit 2) when the path exists and is not a directory, cannot be
+/// created, or is not writable, naming the path and the OS error.
+fn check_ckpt_dir(root: &std::path::Path) -> Result<(), CliError> {
+    let bad = |what: &str, e: std::io::Error| {
+        CliError::Usage(format!(
+            "--ckpt-dir {}: {what} ({e}); no training was started",
+            root.display()
+        ))
+    };
+    if root.exists() && !root.is_dir() {
+        return Err(CliError::Usage(format!(
+            "--ckpt-dir {}: exists and is not a directory; no training was started",
+            root.display()
+        )));
+    }
+    std::fs::create_dir_all(root).map_err(|e| bad("cannot create the directory", e))?;
+    let probe = root.join(format!(".fsdp-write-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"").map_err(|e| bad("cannot write into the directory", e))?;
+    std::fs::remove_file(&probe).map_err(|e| bad("cannot remove a file from the directory", e))?;
+    Ok(())
 }
 
 impl CheckpointHooks {
