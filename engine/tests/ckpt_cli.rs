@@ -410,3 +410,46 @@ fn unusable_ckpt_dir_is_refused_before_training() {
         .collect();
     assert!(leftovers.is_empty(), "the write probe is removed");
 }
+
+/// `ckpt reshard -o` never writes into a root that already holds checkpoints, nor into the
+/// source itself: that replaced the same-step checkpoint and moved `latest` backwards past a
+/// newer one (found by QA). The occupied root is left byte for byte as it was; an empty
+/// existing directory is accepted.
+#[test]
+fn reshard_refuses_an_output_that_holds_checkpoints() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    make_ckpt(&src, 2);
+    let taken = t.path().join("taken");
+    make_ckpt(&taken, 4);
+    let latest = std::fs::read(taken.join(fsdp_checkpoints::LATEST_FILE)).unwrap();
+    let reshard = |out: &Path| {
+        fsdp(&[
+            "ckpt",
+            "reshard",
+            s(&src),
+            "--world-size",
+            "3",
+            "--strategy",
+            "full-shard",
+            "-o",
+            s(out),
+        ])
+    };
+    for (out, want) in [(&taken, "already holds checkpoints"), (&src, "")] {
+        let (code, _, err) = reshard(out);
+        assert_eq!(code, 2, "{err}");
+        assert!(err.contains(s(out)) && err.contains(want), "{err}");
+    }
+    let (code, _, err) = reshard(&src.join("step-00000003"));
+    assert_eq!(code, 2, "the source step directory itself: {err}");
+    assert_eq!(
+        std::fs::read(taken.join(fsdp_checkpoints::LATEST_FILE)).unwrap(),
+        latest
+    );
+    let empty = t.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let (code, _, err) = reshard(&empty);
+    assert_eq!(code, 0, "{err}");
+    assert!(empty.join(fsdp_checkpoints::LATEST_FILE).is_file());
+}

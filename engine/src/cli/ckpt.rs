@@ -10,7 +10,7 @@ use fsdp_checkpoints::{
 };
 use fsdp_planner::config::MAX_WORLD_SIZE;
 use fsdp_types::{Bytes, DType, Numel};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 impl From<CkptError> for CliError {
     /// Every checkpoint error is bad input (exit code 2).
@@ -73,6 +73,37 @@ pub enum CkptAction {
         #[arg(short, long)]
         output: PathBuf,
     },
+}
+
+/// Refuses a reshard output root `out` that already holds checkpoints (a `latest` pointer or a
+/// step directory) or is the source checkpoint `src_dir` itself: writing there would replace a
+/// checkpoint of the same step and move `latest` to the resharded one, possibly backwards past
+/// newer checkpoints (found by QA). A new or empty directory is fine.
+///
+/// Errors: [`CliError::Usage`] (exit 2) naming the directory.
+fn refuse_occupied_output(out: &Path, src_dir: &Path) -> Result<(), CliError> {
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    if same(out, src_dir) {
+        return Err(CliError::Usage(format!(
+            "-o {}: is the source checkpoint; reshard into a new or empty directory",
+            out.display()
+        )));
+    }
+    if out.is_dir() {
+        let held = fsdp_checkpoints::list_checkpoints(out)?;
+        if out.join(fsdp_checkpoints::LATEST_FILE).is_file() || !held.is_empty() {
+            return Err(CliError::Usage(format!(
+                "-o {}: already holds checkpoints ({} step directories); resharding into it \
+                 would replace them and move `latest`: choose a new or empty directory",
+                out.display(),
+                held.len()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Refuses a reshard whose shard-group size `shard_size` exceeds the element count of the
@@ -183,6 +214,7 @@ pub fn run(args: CkptArgs) -> Result<(), CliError> {
                 s,
                 alignment.unwrap_or(src.alignment),
             )?;
+            refuse_occupied_output(&output, ck.dir())?;
             let out = reshard(&ck, &target, &output)?;
             println!(
                 "resharded {} (world size {} = shard {} x replicate {}) -> {} (world size {} = shard {} x replicate {}), step {}",
