@@ -55,10 +55,17 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = PathBuf::from(tmp);
     {
         let mut f = fs::File::create(&tmp).map_err(io_err(&tmp, "create"))?;
-        f.write_all(bytes).map_err(io_err(&tmp, "write"))?;
-        f.sync_all().map_err(io_err(&tmp, "fsync"))?;
+        let written = f.write_all(bytes).and_then(|_| f.sync_all());
+        if let Err(e) = written {
+            let _ = fs::remove_file(&tmp);
+            return Err(io_err(&tmp, "write")(e));
+        }
     }
-    fs::rename(&tmp, path).map_err(io_err(path, "rename into place"))?;
+    if let Err(e) = fs::rename(&tmp, path) {
+        // E.g. `path` is a directory: leave nothing behind.
+        let _ = fs::remove_file(&tmp);
+        return Err(io_err(path, "rename into place")(e));
+    }
     if let Some(parent) = path.parent() {
         let parent = if parent.as_os_str().is_empty() {
             Path::new(".")

@@ -337,3 +337,24 @@ fn layout_from_plan_carries_the_plan_fingerprint() {
         );
     }
 }
+
+/// A consolidated file whose output path is a directory fails with the path named and leaves
+/// no `<path>.tmp` behind (found by QA: a 3.5 MB temporary file stayed).
+#[test]
+fn failed_consolidation_leaves_no_temporary_file() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, _) = saved(&t.path().join("ck"), 2);
+    let ck =
+        fsdp_checkpoints::Checkpoint::open(&root, fsdp_checkpoints::Verify::Checksums).unwrap();
+    let out = t.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    let e = fsdp_checkpoints::consolidate_to_file(&ck, &out)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(out.to_str().unwrap()), "{e}");
+    let names: Vec<String> = std::fs::read_dir(t.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(!names.iter().any(|n| n.ends_with(".tmp")), "{names:?}");
+}
