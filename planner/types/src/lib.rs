@@ -233,13 +233,20 @@ mod tests {
     fn bytes_parse() {
         assert_eq!("80GiB".parse::<Bytes>().unwrap(), Bytes(80 << 30));
         // Never saturates: 2^64 bytes and more are refused, just below is kept.
-        for big in ["18446744073709551616", "99999999999999999999GiB", "16777216TiB"] {
+        for big in [
+            "18446744073709551616",
+            "99999999999999999999GiB",
+            "16777216TiB",
+        ] {
             assert_eq!(
                 big.parse::<Bytes>(),
                 Err(ParseError::BytesTooLarge(big.to_string()))
             );
         }
-        assert_eq!("16777215TiB".parse::<Bytes>().unwrap(), Bytes(16_777_215 << 40));
+        assert_eq!(
+            "16777215TiB".parse::<Bytes>().unwrap(),
+            Bytes(16_777_215 << 40)
+        );
         assert_eq!(
             "1.5".parse::<Bytes>(),
             Err(ParseError::FractionalBytes("1.5".into()))
