@@ -304,18 +304,7 @@ pub struct AutoChoice {
 /// the planner refuses (sequence longer than the model's positions, zero sizes).
 pub fn resolve_auto(o: &TrainOptions, budget: Bytes) -> Result<AutoChoice> {
     let model = Gpt::from_preset(&o.model).map_err(|e| EngineError::Config(e.to_string()))?;
-    let w = o.world_size as u64;
-    let mut strategies = vec![Strategy::NoShard];
-    if w > 1 {
-        strategies.push(Strategy::ShardOptimizer);
-        strategies.push(Strategy::ShardGradOp);
-        strategies.extend(
-            (2..w)
-                .filter(|s| w.is_multiple_of(*s))
-                .map(|s| Strategy::Hybrid { shard_size: s }),
-        );
-        strategies.push(Strategy::FullShard);
-    }
+    let strategies = fsdp_planner::auto_candidates(o.world_size as u64);
     let settings: Vec<Option<bool>> = match o.activation_checkpointing {
         Some(x) => vec![Some(x)],
         None => vec![None, Some(true)],

@@ -25,7 +25,9 @@ pub use config::{ActivationModel, GradSync, Optimizer, PlanConfig, Strategy};
 pub use error::PlanError;
 pub use layout::{layout_units, FlatParamLayout, Segment, ShardSlice, ShardSpan, UnitLayout};
 pub use memory::{Category, CategoryBytes, MemoryPlan, Phase, PhaseMemory, TimelinePoint};
-pub use plan::{min_world_sizes, plan, MinWorld, PaddingReport, RankPlacement, ShardPlan};
+pub use plan::{
+    auto_candidates, min_world_sizes, plan, MinWorld, PaddingReport, RankPlacement, ShardPlan,
+};
 pub use presets::{preset, PRESET_NAMES};
 pub use schedule::{Schedule, ScheduleStep, UseRole};
 pub use spec::{Architecture, Gpt2Config, LlamaConfig, ModelSpec, ParamSpec, UnitSpec};

@@ -182,6 +182,24 @@ impl<'a> ScheduleFingerprint<'a> {
     }
 }
 
+/// The strategies `Strategy::Auto` tries at world size `w` (ranks), fastest first: NoShard,
+/// then for `w > 1` ShardOptimizer, ShardGradOp, Hybrid for every shard-group size dividing
+/// `w` (smallest first) and FullShard. See [`plan`] for why this order.
+pub fn auto_candidates(w: u64) -> Vec<Strategy> {
+    let mut strategies = vec![Strategy::NoShard];
+    if w > 1 {
+        strategies.push(Strategy::ShardOptimizer);
+        strategies.push(Strategy::ShardGradOp);
+        strategies.extend(
+            (2..w)
+                .filter(|s| w.is_multiple_of(*s))
+                .map(|s| Strategy::Hybrid { shard_size: s }),
+        );
+        strategies.push(Strategy::FullShard);
+    }
+    strategies
+}
+
 /// Plans `spec` under `cfg`: lays every unit out in flat parameters for the shard group, builds
 /// the schedule and the memory plan, and fingerprints the result. Pure and deterministic: no
 /// I/O, no clock, no randomness; the same inputs give the same bytes on every rank.
@@ -213,18 +231,7 @@ pub fn plan(spec: &ModelSpec, cfg: &PlanConfig) -> Result<ShardPlan, PlanError> 
         return plan_with(spec, cfg, cfg.strategy, None);
     }
     let budget = cfg.device_memory.expect("validated: auto has a budget");
-    let w = cfg.world_size;
-    let mut strategies = vec![Strategy::NoShard];
-    if w > 1 {
-        strategies.push(Strategy::ShardOptimizer);
-        strategies.push(Strategy::ShardGradOp);
-        strategies.extend(
-            (2..w)
-                .filter(|s| w.is_multiple_of(*s))
-                .map(|s| Strategy::Hybrid { shard_size: s }),
-        );
-        strategies.push(Strategy::FullShard);
-    }
+    let strategies = auto_candidates(cfg.world_size);
     // Activation checkpointing as set, or, when left to the planner, every strategy without it
     // first (no recompute), then every strategy with it (one extra forward per unit).
     let settings: Vec<Option<bool>> = match cfg.activation_checkpointing {
