@@ -156,6 +156,24 @@ struct Scratch<E: Elem> {
 }
 
 impl<E: Elem> Scratch<E> {
+    /// Q, K and V of head `hi` of sequence `bi` as `[T, hd]` matrices in compute precision,
+    /// each `(first element, row stride)`: strided views into `qkv` (`[B*T, 3D]` rows) for
+    /// f32/f64, widened copies in this scratch for 16-bit storage (`Elem::mat`).
+    fn head_qkv(
+        &mut self,
+        qkv: &[E],
+        bi: usize,
+        hi: usize,
+        (t, d, hd): (usize, usize, usize),
+    ) -> [(*const E::Acc, usize); 3] {
+        let rows = &qkv[bi * t * 3 * d..(bi + 1) * t * 3 * d];
+        [
+            E::mat(&rows[hi * hd..], t, hd, 3 * d, &mut self.q),
+            E::mat(&rows[d + hi * hd..], t, hd, 3 * d, &mut self.k),
+            E::mat(&rows[2 * d + hi * hd..], t, hd, 3 * d, &mut self.v),
+        ]
+    }
+
     fn new() -> Self {
         Scratch {
             q: Vec::new(),
@@ -249,10 +267,7 @@ fn attn_fwd<E: Elem>(
     let po = SharedOut(p.spare_capacity_mut().as_mut_ptr());
     for_pairs::<E, _>(b * h, |st, pair| {
         let (bi, hi) = (pair / h, pair % h);
-        let rows = &qkv[bi * t * 3 * d..(bi + 1) * t * 3 * d];
-        let (q, qs) = E::mat(&rows[hi * hd..], t, hd, 3 * d, &mut st.q);
-        let (k, ks) = E::mat(&rows[d + hi * hd..], t, hd, 3 * d, &mut st.k);
-        let (v, vs) = E::mat(&rows[2 * d + hi * hd..], t, hd, 3 * d, &mut st.v);
+        let [(q, qs), (k, ks), (v, vs)] = st.head_qkv(qkv, bi, hi, (t, d, hd));
         st.s.resize(ATTN_BLOCK_ROWS * t, zero);
         st.o.resize(ATTN_BLOCK_ROWS * hd, zero);
         for i0 in (0..t).step_by(ATTN_BLOCK_ROWS) {
@@ -397,10 +412,7 @@ fn attn_bwd<E: Elem>(
     let nb = ATTN_BLOCK_ROWS;
     for_pairs::<E, _>(b * h, |st, pair| {
         let (bi, hi) = (pair / h, pair % h);
-        let rows = &qkv[bi * t * 3 * d..(bi + 1) * t * 3 * d];
-        let (q, qs) = E::mat(&rows[hi * hd..], t, hd, 3 * d, &mut st.q);
-        let (k, ks) = E::mat(&rows[d + hi * hd..], t, hd, 3 * d, &mut st.k);
-        let (v, vs) = E::mat(&rows[2 * d + hi * hd..], t, hd, 3 * d, &mut st.v);
+        let [(q, qs), (k, ks), (v, vs)] = st.head_qkv(qkv, bi, hi, (t, d, hd));
         let (g, gs) = E::mat(&dy[bi * t * d + hi * hd..], t, hd, d, &mut st.g);
         let (pp, ps) = E::mat(&pv[pair * t * t..(pair + 1) * t * t], t, t, t, &mut st.p);
         st.s.resize(t * t, zero);
