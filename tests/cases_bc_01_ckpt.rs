@@ -105,6 +105,8 @@ fn bc_01_padding_checkpoint_load_save_consolidate_every_world_size() {
             clip: None,
             init_sync: InitSync::Verify,
             enforce_memory_plan: true,
+            nonfinite: fsdp::runtime::NonFinitePolicy::Auto,
+            max_consecutive_skips: None,
         };
         let topo = Topology::new(w as usize, 1).unwrap();
         let init = m.init_params(0);

@@ -42,6 +42,8 @@ fn bc_08_full_save_has_true_shapes_and_shard_files_are_refused() {
         clip: None,
         init_sync: InitSync::Verify,
         enforce_memory_plan: true,
+        nonfinite: fsdp::runtime::NonFinitePolicy::Auto,
+        max_consecutive_skips: None,
     };
     let init = m.init_params(7);
     let res = run_threads(

@@ -170,6 +170,21 @@ pub enum CkptError {
     /// a rank out of range, a wrong number of shards.
     #[error("{0}")]
     InvalidArgument(String),
+    /// A value to be saved is infinite or NaN: a checkpoint is never written from such a
+    /// state, so the newest complete checkpoint stays the one to resume from.
+    #[error("rank {rank}: {kind} of parameter {name} is {value} at element {index}: a checkpoint is never written from a non-finite state (the newest complete checkpoint is unchanged)")]
+    NonFinite {
+        /// The rank whose shard holds the value.
+        rank: u64,
+        /// The parameter's name.
+        name: String,
+        /// What holds it: `param`, `exp_avg` or `exp_avg_sq`.
+        kind: &'static str,
+        /// Element index inside the flattened parameter.
+        index: u64,
+        /// The value.
+        value: f32,
+    },
     /// The planner rejected the model spec or the sizes.
     #[error(transparent)]
     Plan(#[from] PlanError),

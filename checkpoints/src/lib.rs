@@ -71,4 +71,6 @@ pub use save::{
     begin_save, list_checkpoints, parse_step_dir, save_checkpoint, step_dir_name,
     PendingCheckpoint, LATEST_FILE,
 };
-pub use state::{FlatShard, FlatShardRef, FullTensor, RankState, StateKind};
+pub use state::{
+    find_nonfinite, FlatShard, FlatShardRef, FullTensor, NonFiniteValue, RankState, StateKind,
+};

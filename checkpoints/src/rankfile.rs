@@ -225,6 +225,15 @@ pub(crate) fn write_rank_file(
             layout.num_flat_params()
         )));
     }
+    if let Some(bad) = crate::state::find_nonfinite(layout, rank, shards) {
+        return Err(CkptError::NonFinite {
+            rank,
+            name: bad.name,
+            kind: bad.kind.suffix(),
+            index: bad.index,
+            value: bad.value,
+        });
+    }
     let mut metas = Vec::with_capacity(layout.num_flat_params());
     let mut tensors: Vec<(String, Packed<'_>)> = Vec::new();
     for (u, k, f) in layout.flat_params() {

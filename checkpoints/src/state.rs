@@ -110,3 +110,58 @@ pub struct FullTensor {
     /// Row-major data (`product(shape)` elements).
     pub data: Vec<f32>,
 }
+
+/// An infinite or NaN value found in a rank's shards (see [`find_nonfinite`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct NonFiniteValue {
+    /// Unit index.
+    pub unit: usize,
+    /// Index of the parameter among the unit's parameters (declaration order of the spec).
+    pub param_index: usize,
+    /// The parameter's name.
+    pub name: String,
+    /// The buffer that holds it.
+    pub kind: StateKind,
+    /// Element index inside the flattened parameter.
+    pub index: u64,
+    /// The value.
+    pub value: f32,
+}
+
+/// The first infinite or NaN value among the real elements (padding excluded) of rank
+/// `rank`'s shards, in unit, flat-parameter, state-kind and element order; `None` when all are
+/// finite. `shards` is `[unit][flat]` as for a save. Shards whose lengths do not match the
+/// layout are skipped (the save reports those itself).
+pub fn find_nonfinite(
+    layout: &crate::layout::CheckpointLayout,
+    rank: u64,
+    shards: &[Vec<FlatShardRef<'_>>],
+) -> Option<NonFiniteValue> {
+    let s = layout.shard_index(rank);
+    for (u, k, f) in layout.flat_params() {
+        let Some(sh) = shards.get(u).and_then(|v| v.get(k)) else {
+            continue;
+        };
+        for kind in StateKind::ALL {
+            let Some(buf) = sh.get(kind) else { continue };
+            for sl in f.shard_slices(s) {
+                let lo = sl.shard_offset.0 as usize;
+                let Some(part) = buf.get(lo..lo + sl.numel.0 as usize) else {
+                    continue;
+                };
+                if let Some(i) = part.iter().position(|v| !v.is_finite()) {
+                    let seg = &f.segments[sl.segment];
+                    return Some(NonFiniteValue {
+                        unit: u,
+                        param_index: seg.param_index,
+                        name: seg.name.clone(),
+                        kind,
+                        index: sl.param_offset.0 + i as u64,
+                        value: part[i],
+                    });
+                }
+            }
+        }
+    }
+    None
+}

@@ -358,3 +358,60 @@ fn failed_consolidation_leaves_no_temporary_file() {
         .collect();
     assert!(!names.iter().any(|n| n.ends_with(".tmp")), "{names:?}");
 }
+
+/// A state holding an infinite or NaN value (a parameter, or an Adam moment; on any rank) is
+/// never written: the save names the rank, the buffer, the parameter and the element, leaves
+/// no step directory and keeps `latest` on the previous checkpoint.
+#[test]
+fn a_nonfinite_state_is_never_saved() {
+    let dir = tempfile::tempdir().unwrap();
+    let (first, _) = saved(dir.path(), 2);
+    let spec = model();
+    let layout = CheckpointLayout::full_shard(spec.clone(), 2, 1).unwrap();
+    for (param, kind, value) in [
+        ("b.w", StateKind::Param, f32::NAN),
+        ("a.w", StateKind::ExpAvgSq, f32::INFINITY),
+        ("a.b", StateKind::ExpAvg, f32::NEG_INFINITY),
+    ] {
+        let mut r = Reference::new(&spec);
+        let map = match kind {
+            StateKind::Param => &mut r.param,
+            StateKind::ExpAvg => &mut r.exp_avg,
+            StateKind::ExpAvgSq => &mut r.exp_avg_sq,
+        };
+        let v = map.get_mut(param).unwrap();
+        let at = v.len() - 1;
+        v[at] = value;
+        let ranks = r.all_ranks(&layout);
+        let refs: Vec<_> = ranks.iter().map(|x| x.as_refs()).collect();
+        let train = TrainState {
+            step: 9,
+            ..TrainState::default()
+        };
+        let err =
+            fsdp_checkpoints::save_checkpoint(dir.path(), &layout, &refs, &train, 3).unwrap_err();
+        let CkptError::NonFinite {
+            name,
+            kind: k,
+            index,
+            ..
+        } = &err
+        else {
+            panic!("{param}: {err}");
+        };
+        assert_eq!(
+            (name.as_str(), *k, *index),
+            (param, kind.suffix(), at as u64)
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains(param) && msg.contains("never written"),
+            "{msg}"
+        );
+        assert!(!dir.path().join("step-00000009").exists());
+        assert_eq!(
+            fsdp_checkpoints::resolve_checkpoint_dir(dir.path()).unwrap(),
+            first
+        );
+    }
+}

@@ -36,13 +36,24 @@ pub enum EngineError {
         /// Per-rank values, e.g. `rank 2: 8 batches, others: 4`.
         detail: String,
     },
-    /// The loss became NaN or infinite.
-    #[error("step {step}: the loss is {loss} (not finite); stopping")]
-    NonFiniteLoss {
-        /// 1-based optimizer step.
+    /// A gradient element (some rank's contribution, or the sum of the ranks' contributions)
+    /// or the loss was infinite or NaN, under [`NonFinitePolicy::Error`]: no rank updated
+    /// anything, the gradients were zeroed and the step count is unchanged. The report names
+    /// the step, the parameters and the ranks whose contribution held the values.
+    ///
+    /// [`NonFinitePolicy::Error`]: crate::runtime::NonFinitePolicy::Error
+    #[error("{0}; nothing was updated")]
+    NonFinite(Box<crate::runtime::NonFiniteReport>),
+    /// `skipped` steps in a row were skipped for non-finite gradients or loss (the engine's
+    /// `max_consecutive_skips`): the run has diverged or its f16 loss scale cannot recover.
+    #[error("step {step}: {skipped} steps in a row were skipped for non-finite values (the limit); the last: {last}")]
+    TooManySkipped {
+        /// 1-based step of the last skipped step.
         step: u64,
-        /// The offending loss value.
-        loss: f64,
+        /// Consecutive skipped steps.
+        skipped: u64,
+        /// What the last one found.
+        last: String,
     },
     /// Engine-owned live bytes of one category exceeded what the plan allows.
     #[error("step {step}, phase {phase}: {category} live bytes {measured} exceed the plan's {planned} B on rank {rank}")]

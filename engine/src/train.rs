@@ -13,7 +13,8 @@ use crate::memory::{CountingAllocator, PhasePeak, PHASES};
 use crate::model::Gpt;
 use crate::optim::{AdamWConfig, LrSchedule, Optimizer};
 use crate::runtime::{
-    Clip, EngineConfig, InitSync, MicroBatch, NormType, Placement, RankEngine, RankState,
+    Clip, EngineConfig, InitSync, MicroBatch, NonFinitePolicy, NormType, Placement, RankEngine,
+    RankState,
 };
 use candle_core::Device;
 use fsdp_comm::{run_threads, CommError, Communicator, Topology, DEFAULT_TIMEOUT};
@@ -81,6 +82,12 @@ pub struct TrainOptions {
     /// or a device (CUDA: one process per GPU, `--backend nccl` when the world is larger
     /// than 1).
     pub placement: Placement,
+    /// What a step with a non-finite gradient or loss does (`fsdp train --nonfinite`):
+    /// `Auto` is skip under f16 loss scaling, error otherwise.
+    pub nonfinite: NonFinitePolicy,
+    /// Stop after this many skipped steps in a row (`fsdp train --max-skipped`; `None`: no
+    /// limit).
+    pub max_skipped: Option<u64>,
 }
 
 impl Default for TrainOptions {
@@ -110,9 +117,16 @@ impl Default for TrainOptions {
             threads_per_rank: None,
             init_params: None,
             placement: Placement::Host,
+            nonfinite: NonFinitePolicy::Auto,
+            max_skipped: Some(DEFAULT_MAX_SKIPPED),
         }
     }
 }
+
+/// Default of [`TrainOptions::max_skipped`]: 50 skipped steps in a row stop the run. f16 loss
+/// scaling recovers from an overflow in at most 24 (2^24 is the largest scale), so only a run
+/// whose gradients stay non-finite gets there.
+pub const DEFAULT_MAX_SKIPPED: u64 = 50;
 
 /// Hooks the checkpoint layer plugs into the training loop. Every method is called on every
 /// rank at the same point (so implementations may use collectives through the engine).
@@ -162,8 +176,11 @@ pub struct StepReport {
     pub comm_exposed_seconds: f64,
     /// f16 dynamic loss scale used in the step (`None` unless param_dtype is f16).
     pub loss_scale: Option<f64>,
-    /// The step was skipped (f16 loss scaling found a non-finite gradient).
+    /// The step was skipped: a gradient or the loss was not finite (f16 overflows
+    /// included); no update was made and the learning-rate schedule did not advance.
     pub skipped: bool,
+    /// What was not finite in a skipped step (parameters, ranks, loss), as one line.
+    pub nonfinite: Option<String>,
     /// Rank 0's engine-owned live bytes after the step.
     pub live_bytes: u64,
     /// Process heap bytes now (all ranks), if a counting allocator is installed.
@@ -208,7 +225,8 @@ pub struct TrainReport {
     pub precision: String,
     /// Rank 0's exposed communication time over all steps (seconds).
     pub comm_exposed_seconds: f64,
-    /// Steps skipped by f16 loss scaling in this run (non-finite gradients, no update).
+    /// Steps skipped in this run (non-finite gradients or loss, f16 overflows included; no
+    /// update).
     pub skipped_steps: u64,
     /// Every step's report (rank 0).
     pub steps: Vec<StepReport>,
@@ -429,6 +447,12 @@ pub fn validate(o: &TrainOptions) -> Result<()> {
     if o.threads_per_rank == Some(0) {
         return bad("--threads-per-rank must be at least 1".into());
     }
+    if o.nonfinite == NonFinitePolicy::Error && o.param_dtype == fsdp_types::DType::F16 {
+        return bad("--nonfinite error with --param-dtype f16: f16 loss scaling must skip the steps whose gradients overflow (it halves the scale and retries); use --nonfinite skip (the f16 default) and bound it with --max-skipped N".into());
+    }
+    if o.max_skipped == Some(0) {
+        return bad("--max-skipped must be at least 1 (0 would stop at the first skipped step: use --nonfinite error for that)".into());
+    }
     Ok(())
 }
 
@@ -516,6 +540,8 @@ pub fn train_with(
         }),
         init_sync: InitSync::Verify,
         enforce_memory_plan: true,
+        nonfinite: o.nonfinite,
+        max_consecutive_skips: o.max_skipped,
     };
     let sched = LrSchedule {
         peak: o.lr,
@@ -712,7 +738,9 @@ fn run_rank(
         let mbs: Vec<MicroBatch> = (0..o.grad_accum)
             .map(|k| to_micro_batch(&sampler.micro_batch(step, k, rank)))
             .collect::<Result<_>>()?;
-        let lr = sched.lr(step + 1);
+        // The schedule advances on applied updates only: a skipped step is retried at the
+        // same learning rate (DeepSpeed does the same on an f16 overflow).
+        let lr = sched.lr(e.updates_applied() + 1);
         let st = e.train_step(&mbs, lr)?;
         for (p, q) in peaks.iter_mut().zip(st.ledger.iter()) {
             if q.peak_total > p.peak_total {
@@ -745,6 +773,7 @@ fn run_rank(
             comm_exposed_seconds: st.comm_exposed_seconds,
             loss_scale: st.loss_scale,
             skipped: st.skipped,
+            nonfinite: st.nonfinite.as_ref().map(|r| r.to_string()),
             live_bytes: e.ledger().live_total().0,
             process_bytes: alloc.map(|a| a.current()),
             val_loss: v,

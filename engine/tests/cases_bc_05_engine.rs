@@ -29,6 +29,8 @@ fn mean_grad(w: usize, strategy: Strategy, param: DType, reduce: DType) -> Vec<f
         clip: None,
         init_sync: InitSync::Verify,
         enforce_memory_plan: true,
+        nonfinite: fsdp::runtime::NonFinitePolicy::Auto,
+        max_consecutive_skips: None,
     };
     let init = model.init_params(0);
     let res = run_threads(

@@ -43,6 +43,8 @@ fn cfg(optimizer: Optimizer, init_sync: InitSync) -> EngineConfig {
         clip: None,
         init_sync,
         enforce_memory_plan: true,
+        nonfinite: fsdp::runtime::NonFinitePolicy::Auto,
+        max_consecutive_skips: None,
     }
 }
 

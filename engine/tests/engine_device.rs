@@ -137,6 +137,8 @@ fn run(c: Case, placement: Placement, resume: Option<&RankState>) -> (Run, RankS
         }),
         init_sync: InitSync::Verify,
         enforce_memory_plan: true,
+        nonfinite: fsdp::runtime::NonFinitePolicy::Auto,
+        max_consecutive_skips: None,
     };
     let results = run_threads(topo, Duration::from_secs(120), |comm| {
         let mut e =

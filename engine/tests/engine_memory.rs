@@ -85,6 +85,8 @@ fn ecfg() -> EngineConfig {
         clip: None,
         init_sync: InitSync::Verify,
         enforce_memory_plan: true,
+        nonfinite: fsdp::runtime::NonFinitePolicy::Auto,
+        max_consecutive_skips: None,
     }
 }
 

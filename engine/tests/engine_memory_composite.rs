@@ -180,6 +180,8 @@ fn measure(c: &Cfg) -> Measured {
         clip: None,
         init_sync: InitSync::Verify,
         enforce_memory_plan: true,
+        nonfinite: fsdp::runtime::NonFinitePolicy::Auto,
+        max_consecutive_skips: None,
     };
     let res = run_threads(
         Topology::new(s, c.w / s).unwrap(),

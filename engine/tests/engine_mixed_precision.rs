@@ -99,6 +99,8 @@ fn dot_engine_cfg() -> EngineConfig {
         clip: None,
         init_sync: InitSync::Verify,
         enforce_memory_plan: true,
+        nonfinite: fsdp::runtime::NonFinitePolicy::Auto,
+        max_consecutive_skips: None,
     }
 }
 

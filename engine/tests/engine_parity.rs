@@ -64,6 +64,8 @@ fn run_engine_ckpt(
         clip,
         init_sync: InitSync::Verify,
         enforce_memory_plan: true,
+        nonfinite: fsdp::runtime::NonFinitePolicy::Auto,
+        max_consecutive_skips: None,
     };
     let results = run_threads(topo, Duration::from_secs(60), |comm| {
         let mut e = RankEngine::new(&model, &plan, &comm, ecfg, &init).unwrap();

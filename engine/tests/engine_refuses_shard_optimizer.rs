@@ -28,6 +28,8 @@ fn engine_refuses_a_shard_optimizer_plan_with_a_clear_error() {
                 clip: None,
                 init_sync: InitSync::Verify,
                 enforce_memory_plan: true,
+                nonfinite: fsdp::runtime::NonFinitePolicy::Auto,
+                max_consecutive_skips: None,
             };
             match RankEngine::new(&model, &p, &comm, cfg, &init) {
                 Ok(_) => None,

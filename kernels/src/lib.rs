@@ -39,7 +39,9 @@ pub use buffer::FlatBuffer;
 pub use elementwise::{accumulate, axpy, copy, div_scalar, scale, zero};
 pub use error::KernelError;
 pub use optim::{adamw_step, sgd_step, AdamWConfig, AdamWScalars, SgdConfig};
-pub use reduce::{max_abs, sum_squares};
+pub use reduce::{
+    first_nonfinite, first_nonfinite_bf16, first_nonfinite_f16, max_abs, sum_squares,
+};
 pub use span::{validate_spans, Span};
 
 /// Re-exported so callers name the same `bf16` / `f16` types as the kernels.

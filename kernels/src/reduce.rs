@@ -54,3 +54,42 @@ pub fn max_abs(x: &[f32], spans: &[Span]) -> Result<f32, KernelError> {
     }
     Ok(if nan { f32::NAN } else { best })
 }
+
+/// Index of the first element of `x` that is not finite (infinite or NaN), or `None` when
+/// every element is finite.
+///
+/// Shapes: any fp32 buffer. Reads the exponent bits (all ones = infinite or NaN) in blocks of
+/// 1,024 elements, so it vectorises and stops within one block of the first non-finite value.
+/// Used to attribute a non-finite gradient to the rank whose own contribution held it, before
+/// the contributions are summed.
+pub fn first_nonfinite(x: &[f32]) -> Option<usize> {
+    first_with_exponent_all_ones(x, |v| v.to_bits(), 0x7f80_0000)
+}
+
+/// As [`first_nonfinite`] for bf16 elements (exponent bits `0x7f80`).
+pub fn first_nonfinite_bf16(x: &[half::bf16]) -> Option<usize> {
+    first_with_exponent_all_ones(x, |v| v.to_bits() as u32, 0x7f80)
+}
+
+/// As [`first_nonfinite`] for f16 elements (exponent bits `0x7c00`).
+pub fn first_nonfinite_f16(x: &[half::f16]) -> Option<usize> {
+    first_with_exponent_all_ones(x, |v| v.to_bits() as u32, 0x7c00)
+}
+
+fn first_with_exponent_all_ones<T: Copy>(
+    x: &[T],
+    bits: impl Fn(T) -> u32 + Copy,
+    mask: u32,
+) -> Option<usize> {
+    const BLOCK: usize = 1024;
+    for (b, chunk) in x.chunks(BLOCK).enumerate() {
+        let any = chunk
+            .iter()
+            .fold(false, |acc, &v| acc | (bits(v) & mask == mask));
+        if any {
+            let i = chunk.iter().position(|&v| bits(v) & mask == mask)?;
+            return Some(b * BLOCK + i);
+        }
+    }
+    None
+}

@@ -391,3 +391,62 @@ fn flat_buffer_dtype_len_bytes_and_casts() {
     p.fill_zero();
     assert!(p.as_f16().unwrap().iter().all(|x| x.to_bits() == 0));
 }
+
+/// `first_nonfinite*` find the first infinite or NaN element in every dtype, in any block of
+/// the scan (first, middle, last, a block boundary), and nothing in finite buffers that hold
+/// the largest finite values and subnormals.
+#[test]
+fn first_nonfinite_finds_the_first_inf_or_nan_in_each_dtype() {
+    use fsdp_kernels::{first_nonfinite, first_nonfinite_bf16, first_nonfinite_f16};
+    let n = 3000;
+    let mut x = vec![0.5f32; n];
+    x[7] = f32::MAX;
+    x[8] = -f32::MAX;
+    x[9] = f32::from_bits(1); // smallest subnormal
+    assert_eq!(first_nonfinite(&x), None);
+    assert_eq!(first_nonfinite(&[]), None);
+    for (at, bad) in [
+        (0, f32::INFINITY),
+        (1023, f32::NEG_INFINITY),
+        (1024, f32::NAN),
+        (2999, -f32::NAN),
+    ] {
+        let mut y = x.clone();
+        y[at] = bad;
+        if at + 5 < n {
+            y[at + 5] = f32::NAN;
+        }
+        assert_eq!(first_nonfinite(&y), Some(at), "{bad} at {at}");
+        // f32::MAX rounds up to infinity in bf16: use the largest values bf16 holds.
+        let b: Vec<bf16> = y
+            .iter()
+            .map(|&v| {
+                if v.is_finite() {
+                    bf16::from_f32(v.clamp(-3.0e38, 3.0e38))
+                } else {
+                    bf16::from_f32(v)
+                }
+            })
+            .collect();
+        assert_eq!(first_nonfinite_bf16(&b), Some(at), "bf16 {bad} at {at}");
+        // f32::MAX is infinite in f16: use values f16 holds.
+        let h: Vec<f16> = y
+            .iter()
+            .map(|&v| {
+                if v.is_finite() {
+                    f16::from_f32(v.clamp(-65504.0, 65504.0))
+                } else {
+                    f16::from_f32(v)
+                }
+            })
+            .collect();
+        assert_eq!(first_nonfinite_f16(&h), Some(at), "f16 {bad} at {at}");
+    }
+    let b: Vec<bf16> = x
+        .iter()
+        .map(|&v| bf16::from_f32(v.clamp(-3.0e38, 3.0e38)))
+        .collect();
+    assert_eq!(first_nonfinite_bf16(&b), None);
+    let h = vec![f16::MAX, f16::MIN, f16::from_bits(1)];
+    assert_eq!(first_nonfinite_f16(&h), None);
+}

@@ -822,7 +822,45 @@ impl crate::train::TrainHooks for CheckpointHooks {
             Ok(None)
         };
         let mut local_err = exported.as_ref().err().or(begun.as_ref().err()).cloned();
-        let ok = engine.barrier_with_status(local_err.is_none() as u8 as f64)?;
+        // A state holding an infinite or NaN value is never saved. The status says which
+        // value (as -(1 + 3 * global parameter index + state kind)), so every rank can name
+        // the parameter, not only the one that holds it.
+        let bad = exported
+            .as_ref()
+            .ok()
+            .and_then(|st| fsdp_checkpoints::find_nonfinite(&self.layout, rank, &st.as_refs()));
+        let status = match &bad {
+            Some(b) => {
+                let before: usize = self.layout.spec.units[..b.unit]
+                    .iter()
+                    .map(|u| u.params.len())
+                    .sum();
+                let kind = fsdp_checkpoints::StateKind::ALL
+                    .iter()
+                    .position(|&k| k == b.kind)
+                    .unwrap_or(0);
+                -(1.0 + (3 * (before + b.param_index) + kind) as f64)
+            }
+            None => local_err.is_none() as u8 as f64,
+        };
+        let ok = engine.barrier_with_status(status)?;
+        if let Some((r, &code)) = ok.iter().enumerate().find(|(_, &x)| x < 0.0) {
+            let code = (-code - 1.0) as usize;
+            let (p, kind) = (code / 3, fsdp_checkpoints::StateKind::ALL[code % 3]);
+            let name = self
+                .layout
+                .spec
+                .units
+                .iter()
+                .flat_map(|u| &u.params)
+                .nth(p)
+                .map_or_else(|| format!("#{p}"), |x| x.name.clone());
+            return Err(crate::error::EngineError::State(format!(
+                "checkpoint of step {step} in {}: refused: the {} of parameter {name} on rank {r} is not finite, and a checkpoint is never written from a non-finite state; the newest complete checkpoint is unchanged",
+                root.display(),
+                kind.suffix()
+            )));
+        }
         if let Some(r) = ok.iter().position(|&x| x == 0.0) {
             return Err(fail(
                 "begin",

@@ -100,6 +100,15 @@ pub enum GradSyncArg {
     Last,
 }
 
+/// `--nonfinite`: what a step with a non-finite gradient or loss does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum NonFiniteArg {
+    /// Make no update, report the step as skipped and go on.
+    Skip,
+    /// Stop every rank before anything is updated, naming the step, parameters and ranks.
+    Error,
+}
+
 /// Arguments of `fsdp train`.
 #[derive(Debug, clap::Args)]
 pub struct TrainArgs {
@@ -196,6 +205,15 @@ pub struct TrainArgs {
     /// Compute threads per rank (default: cores / world size, at least 1).
     #[arg(long)]
     pub threads_per_rank: Option<usize>,
+    /// A step whose gradient (any rank's contribution or their sum) or loss is infinite or
+    /// NaN: `error` stops every rank before anything is updated, naming the step, the
+    /// parameters and the ranks (the last checkpoint stays intact for --resume); `skip` makes
+    /// no update and goes on. Default: error, or skip with --param-dtype f16 (loss scaling).
+    #[arg(long, value_enum, value_name = "skip|error")]
+    pub nonfinite: Option<NonFiniteArg>,
+    /// Stop after N skipped steps in a row (non-finite gradients or loss; f16 overflows).
+    #[arg(long, value_name = "N", default_value_t = crate::train::DEFAULT_MAX_SKIPPED)]
+    pub max_skipped: u64,
     /// One JSON line per step on stdout (and a JSON summary) instead of the progress bar.
     #[arg(long)]
     pub json: bool,
@@ -267,6 +285,12 @@ impl TrainArgs {
             param_dtype: self.param_dtype.dtype(),
             reduce_dtype: self.reduce_dtype.dtype(),
             threads_per_rank: self.threads_per_rank,
+            nonfinite: match self.nonfinite {
+                None => crate::runtime::NonFinitePolicy::Auto,
+                Some(NonFiniteArg::Skip) => crate::runtime::NonFinitePolicy::Skip,
+                Some(NonFiniteArg::Error) => crate::runtime::NonFinitePolicy::Error,
+            },
+            max_skipped: Some(self.max_skipped),
             init_params: None,
             placement: match self.device {
                 DeviceArg::Cpu => Placement::Host,
@@ -299,6 +323,15 @@ pub fn cli_error(e: EngineError) -> CliError {
         EngineError::Config(_) | EngineError::Plan(_) | EngineError::Data(_) => {
             CliError::Usage(e.to_string())
         }
+        EngineError::NonFinite(_) => CliError::Failed(format!(
+            "{e}. Every rank stopped before updating anything: the newest checkpoint (if \
+             --ckpt-dir was given) is intact and `--resume` restarts from it; lower --lr or \
+             --clip, or pass --nonfinite skip to skip such steps"
+        )),
+        EngineError::TooManySkipped { .. } => CliError::Failed(format!(
+            "{e}. The run has diverged: the newest checkpoint (if --ckpt-dir was given) holds \
+             the last applied update; lower --lr, or raise --max-skipped"
+        )),
         other => CliError::Failed(other.to_string()),
     }
 }
@@ -826,7 +859,15 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
                 )
             })
             .unwrap_or_default();
-        // Plain output: evaluated steps, and every step skipped by f16 loss scaling.
+        if let Some(why) = &r.nonfinite {
+            let line = format!("step {}/{total_steps} skipped, no update: {why}", r.step);
+            match &bar {
+                Some(b) => b.println(line),
+                None if root => out!("{line}"),
+                None => {}
+            }
+        }
+        // Plain output: evaluated steps, and every skipped step.
         if plain && (r.val_loss.is_some() || r.skipped) {
             let val = r
                 .val_loss
@@ -949,7 +990,10 @@ fn print_summary_lines(r: &TrainReport) {
         "precision: {}{} | communication exposed (rank 0): {:.2} s of {:.1} s",
         r.precision,
         if r.skipped_steps > 0 {
-            format!(" ({} steps skipped on overflow)", r.skipped_steps)
+            format!(
+                " ({} steps skipped: non-finite gradients or loss)",
+                r.skipped_steps
+            )
         } else {
             String::new()
         },

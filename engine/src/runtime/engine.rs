@@ -17,8 +17,11 @@
 //!    added into the fp32 gradient shard (every micro-batch, or only on the last one under
 //!    `grad_sync = last`, real-world case BC-04).
 //! 4. The gradient shards are divided by `N` exactly once (BC-03, BC-10b); the loss is the
-//!    world's loss sum over `N`. A non-finite loss or ledger bytes above the plan stop the run
-//!    on every rank.
+//!    world's loss sum over `N`. Ledger bytes above the plan stop the run on every rank. One
+//!    flag, all-reduced with the loss, says whether any gradient element (a rank's own
+//!    contribution, checked before each reduction, or a reduced shard, checked in the pass
+//!    that also yields the L2 norm) or the loss is not finite; then no rank updates anything
+//!    and the step is skipped or refused by [`NonFinitePolicy`].
 //! 5. Clipping by the global norm over the shard group, padding excluded (BC-02); the optimizer
 //!    on each flat shard with the plan's spans; gradients zeroed.
 //!
@@ -81,6 +84,105 @@ pub struct EngineConfig {
     pub init_sync: InitSync,
     /// Stop with [`EngineError::MemoryOverPlan`] when ledger bytes exceed the plan.
     pub enforce_memory_plan: bool,
+    /// What a step whose gradient or loss is not finite does (see [`NonFinitePolicy`]).
+    pub nonfinite: NonFinitePolicy,
+    /// Stop with [`EngineError::TooManySkipped`] once this many steps in a row were skipped
+    /// (`None`: never). A diverged run then ends instead of skipping forever.
+    pub max_consecutive_skips: Option<u64>,
+}
+
+/// What the engine does with a step in which some gradient element (after the reduction, or
+/// in one rank's own contribution before it) or the loss is infinite or NaN.
+///
+/// The decision is taken once per step from one flag all-reduced over the world with the loss,
+/// so every rank takes the same one. In both cases nothing is updated: parameters, master
+/// weights, optimizer state, AdamW's update count and the learning-rate schedule position (the
+/// driver advances it on applied updates only, as DeepSpeed does on overflow) stay as they
+/// were, and the gradient shards are zeroed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum NonFinitePolicy {
+    /// [`NonFinitePolicy::Skip`] when `param_dtype` is f16 (dynamic loss scaling: an overflow
+    /// halves the scale and skips the step), [`NonFinitePolicy::Error`] otherwise.
+    #[default]
+    Auto,
+    /// Skip the step: no update; the step counts for the data position and checkpoint
+    /// numbering, is reported as skipped ([`StepStats::skipped`], [`StepStats::nonfinite`])
+    /// and counted ([`RankEngine::skipped_steps`]).
+    Skip,
+    /// Return [`EngineError::NonFinite`] on every rank, naming the step and the parameters
+    /// whose gradients were not finite and whose rank's contribution held them; the engine is
+    /// left as before the step (usable for the next one). Not with f16 parameters, whose loss
+    /// scaler must skip overflowing steps.
+    Error,
+}
+
+/// One parameter whose reduced gradient held an infinite or NaN element.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NonFiniteParam {
+    /// The parameter's name in the model spec (its original, e.g. Hugging Face, name).
+    pub name: String,
+    /// Ranks whose own contribution (their local gradient, before the reduction summed the
+    /// ranks' contributions) held a non-finite element. Empty: every contribution was finite
+    /// and their sum overflowed.
+    pub ranks: Vec<usize>,
+}
+
+/// Why a step was skipped or refused: identical on every rank.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NonFiniteReport {
+    /// 1-based step.
+    pub step: u64,
+    /// The world's mean loss of the step (may itself be infinite or NaN).
+    pub loss: f64,
+    /// Ranks whose own loss sum was not finite, with that value.
+    pub rank_losses: Vec<(usize, f64)>,
+    /// Parameters with a non-finite reduced gradient, in unit and declaration order.
+    pub params: Vec<NonFiniteParam>,
+    /// Set when every gradient was finite but the global norm was so large that the clip
+    /// factor `max_norm / (norm + 1e-6)` rounds to zero in f32: (norm, max_norm).
+    pub clip: Option<(f64, f64)>,
+}
+
+impl std::fmt::Display for NonFiniteReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "step {}: ", self.step)?;
+        if let Some((norm, max_norm)) = self.clip {
+            return write!(
+                f,
+                "gradient norm {norm:e} makes the clip factor {max_norm} / {norm:e} round to 0 in f32"
+            );
+        }
+        const SHOWN: usize = 8;
+        if !self.params.is_empty() {
+            write!(f, "non-finite gradient in ")?;
+            for (i, p) in self.params.iter().take(SHOWN).enumerate() {
+                if i > 0 {
+                    write!(f, ", ")?;
+                }
+                if p.ranks.is_empty() {
+                    write!(f, "{} (finite on every rank; their sum overflowed)", p.name)?;
+                } else {
+                    let r: Vec<String> = p.ranks.iter().map(|r| r.to_string()).collect();
+                    let who = if p.ranks.len() == 1 { "rank" } else { "ranks" };
+                    write!(f, "{} (from {who} {})", p.name, r.join(", "))?;
+                }
+            }
+            if self.params.len() > SHOWN {
+                write!(f, " and {} more parameters", self.params.len() - SHOWN)?;
+            }
+            write!(f, "; ")?;
+        }
+        write!(f, "loss {}", self.loss)?;
+        if !self.rank_losses.is_empty() {
+            let r: Vec<String> = self
+                .rank_losses
+                .iter()
+                .map(|(r, l)| format!("rank {r}: {l}"))
+                .collect();
+            write!(f, " ({})", r.join(", "))?;
+        }
+        Ok(())
+    }
 }
 
 /// What one call of [`RankEngine::accumulate`] produced (identical on every rank).
@@ -93,8 +195,9 @@ pub struct Accumulated {
     pub tokens: u64,
     /// This rank's loss sum (before the world sum).
     pub local_loss_sum: f64,
-    /// f16 dynamic loss scaling found a non-finite gradient on some rank: the gradient shards
-    /// were zeroed and the optimizer step must be skipped (identical on every rank).
+    /// Some gradient element or the loss was not finite (on some rank) and the policy skips
+    /// such steps (f16 loss scaling among them): the gradient shards were zeroed and the
+    /// optimizer step must be skipped (identical on every rank).
     pub overflow: bool,
 }
 
@@ -194,8 +297,10 @@ pub struct StepStats {
     /// f16 loss scaling: the scale used in this step's backward (`None` unless param_dtype is
     /// f16).
     pub loss_scale: Option<f64>,
-    /// The step found a non-finite gradient (f16 loss scaling): no optimizer update was made.
+    /// The step found a non-finite gradient or loss and was skipped: no update was made.
     pub skipped: bool,
+    /// Why the step was skipped (identical on every rank).
+    pub nonfinite: Option<NonFiniteReport>,
     /// Ledger peaks per phase: forward, backward, optimizer step.
     pub ledger: [PhasePeak; 3],
 }
@@ -254,8 +359,10 @@ pub struct RankEngine<'a, M: StagedModel + ?Sized> {
     needs_backward: Vec<bool>,
     ledger: MemoryLedger,
     step: u64,
-    /// Steps skipped by f16 loss scaling (not counted as AdamW updates).
+    /// Steps skipped (non-finite gradients or loss; not counted as AdamW updates).
     skipped: u64,
+    /// The report of this step's non-finite values when the step is being skipped.
+    pending_nonfinite: Option<NonFiniteReport>,
     rank: usize,
     shard_index: usize,
     /// Reductions are started and finished one backward step later (the plan's
@@ -263,6 +370,17 @@ pub struct RankEngine<'a, M: StagedModel + ?Sized> {
     overlap: bool,
     /// f16 dynamic loss scaling.
     scaler: Option<LossScaler>,
+    /// Skipped steps in a row (reset by an applied update; not checkpointed).
+    consecutive_skips: u64,
+    /// Whether a non-finite step is skipped (else refused), [`EngineConfig::nonfinite`]
+    /// resolved for the plan's `param_dtype`.
+    skip_nonfinite: bool,
+    /// Per unit, per parameter (declaration order): this rank's own contribution to the
+    /// gradient held a non-finite element in this step (checked before each reduction).
+    contribution_nonfinite: Vec<Vec<bool>>,
+    /// This rank's sum of squares of its gradient shards, computed once per step with the
+    /// non-finite check and reused by the L2 norm; `None` once the gradients change.
+    local_sum_squares: Option<f64>,
     /// Where flat buffers live and units compute.
     placement: Placement,
     /// The device kernels under [`Placement::Device`].
@@ -339,6 +457,28 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                 plan.strategy
             )));
         }
+        let f16 = plan.config.param_dtype == DType::F16;
+        let skip_nonfinite = match cfg.nonfinite {
+            NonFinitePolicy::Auto => f16,
+            NonFinitePolicy::Skip => true,
+            NonFinitePolicy::Error if f16 => {
+                return Err(EngineError::Config(
+                    "non-finite policy `error` with param_dtype f16: dynamic loss scaling skips every step whose f16 gradients overflow (and halves the scale), so such steps must be skipped; use `skip` (or `auto`) and bound the skips with max_consecutive_skips".into(),
+                ))
+            }
+            NonFinitePolicy::Error => false,
+        };
+        if cfg.max_consecutive_skips == Some(0) {
+            return Err(EngineError::Config(
+                "max_consecutive_skips must be at least 1 (None: no limit)".into(),
+            ));
+        }
+        let contribution_nonfinite = model
+            .spec()
+            .units
+            .iter()
+            .map(|u| vec![false; u.params.len()])
+            .collect();
         let mut comm = Collectives::new(comm);
         let topo = comm.topology();
         let rank = comm.rank();
@@ -523,19 +663,31 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             ledger,
             step: 0,
             skipped: 0,
+            pending_nonfinite: None,
             rank,
             shard_index,
             overlap: plan.overlaps_reductions(),
-            scaler: (plan.config.param_dtype == DType::F16)
-                .then(|| LossScaler::initial(plan.config.micro_batch * plan.config.seq_len)),
+            scaler: f16.then(|| LossScaler::initial(plan.config.micro_batch * plan.config.seq_len)),
+            consecutive_skips: 0,
+            skip_nonfinite,
+            contribution_nonfinite,
+            local_sum_squares: None,
             placement,
             dev,
         })
     }
 
-    /// Steps skipped by f16 loss scaling so far (no optimizer update was made in them).
+    /// Steps skipped so far (non-finite gradients or loss, f16 overflows included; no update
+    /// was made in them).
     pub fn skipped_steps(&self) -> u64 {
         self.skipped
+    }
+
+    /// Optimizer updates applied so far: steps taken minus steps skipped. AdamW's bias
+    /// correction counts these, and the training driver's learning-rate schedule is indexed by
+    /// them, so a skipped step moves neither.
+    pub fn updates_applied(&self) -> u64 {
+        self.step - self.skipped
     }
 
     /// The f16 dynamic loss scaler's state (`None` unless param_dtype is f16).
@@ -678,6 +830,11 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             ));
         }
         self.ledger.reset_peaks();
+        self.pending_nonfinite = None;
+        self.local_sum_squares = None;
+        for flags in self.contribution_nonfinite.iter_mut() {
+            flags.fill(false);
+        }
         // Persistent unsharded gradients (sync on the last micro-batch) belong to the forward
         // phase of the first micro-batch.
         self.ledger.enter(Phase::Forward);
@@ -700,42 +857,42 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         for u in self.units.iter_mut() {
             u.free_flat_grads(&mut self.ledger);
         }
-        // f16 loss scaling: any non-finite gradient element on any rank skips the step.
-        let mut local_overflow = false;
-        if self.scaler.is_some() {
-            for f in self
-                .units
-                .iter()
-                .flat_map(|u| &u.flats)
-                .filter(|f| f.layout.trainable)
-            {
-                if !f.grad.max_abs(&f.spans)?.is_finite() {
-                    local_overflow = true;
-                }
-            }
-        }
         let divisor = tokens as f64 * self.scaler.map_or(1.0, |s| s.scale);
         for u in self.units.iter_mut() {
             for f in u.flats.iter_mut().filter(|f| f.layout.trainable) {
                 f.grad.div_scalar(divisor as f32)?;
             }
         }
+        // One pass over the gradient shards gives this rank's part of the L2 norm and the
+        // non-finite check: squares of finite f32 values summed in f64 cannot overflow (at most
+        // 2^40 terms of at most 2^256), so the sum is finite exactly when every element is.
+        let mut local_sum_squares = 0f64;
+        for f in self
+            .units
+            .iter()
+            .flat_map(|u| &u.flats)
+            .filter(|f| f.layout.trainable)
+        {
+            local_sum_squares += f.grad.sum_squares(&f.spans)?;
+        }
+        self.local_sum_squares = Some(local_sum_squares);
+        let local_nonfinite = !local_sum_squares.is_finite()
+            || !local_loss.is_finite()
+            || self.contribution_nonfinite.iter().flatten().any(|&b| b);
         let violation = self.memory_violation();
         let mut buf = [
             local_loss,
             violation.is_some() as u64 as f64,
-            local_overflow as u64 as f64,
+            local_nonfinite as u64 as f64,
         ];
         self.comm
             .all_reduce(Group::World, ReduceOp::Sum, BufMut::F64(&mut buf))?;
-        let overflow = buf[2] > 0.0;
-        if overflow {
-            self.zero_grad()?;
-        }
         if let Some(e) = violation {
+            self.discard_gradients()?;
             return Err(e);
         }
         if buf[1] > 0.0 {
+            self.discard_gradients()?;
             return Err(EngineError::MemoryOverPlan {
                 step: self.step + 1,
                 rank: self.rank,
@@ -746,17 +903,97 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             });
         }
         let loss = buf[0] / tokens as f64;
-        if !loss.is_finite() {
-            return Err(EngineError::NonFiniteLoss {
-                step: self.step + 1,
-                loss,
-            });
+        if buf[2] > 0.0 || !loss.is_finite() {
+            // Every rank got the same flag: all of them take this branch together.
+            let report = self.nonfinite_report(loss, local_loss)?;
+            self.discard_gradients()?;
+            if !self.skip_nonfinite {
+                return Err(EngineError::NonFinite(Box::new(report)));
+            }
+            self.pending_nonfinite = Some(report);
         }
         Ok(Accumulated {
             loss,
             tokens,
             local_loss_sum: local_loss,
-            overflow,
+            overflow: self.pending_nonfinite.is_some(),
+        })
+    }
+
+    /// Zeroes the gradient shards and forgets the step's non-finite bookkeeping: what an
+    /// unapplied step leaves behind.
+    fn discard_gradients(&mut self) -> Result<()> {
+        self.zero_grad()?;
+        for flags in self.contribution_nonfinite.iter_mut() {
+            flags.fill(false);
+        }
+        Ok(())
+    }
+
+    /// Names, on every rank alike, what was not finite in this step: one all-gather over the
+    /// world of each rank's loss sum, the parameters whose contribution from this rank held a
+    /// non-finite element (recorded before each reduction), and the parameters whose reduced
+    /// gradient shard here holds one. Collective; called only when the step's flag is set, so
+    /// every rank calls it.
+    fn nonfinite_report(&mut self, loss: f64, local_loss: f64) -> Result<NonFiniteReport> {
+        let spec = self.model.spec();
+        let counts: Vec<usize> = spec.units.iter().map(|u| u.params.len()).collect();
+        let total: usize = counts.iter().sum();
+        let mut reduced = vec![false; total];
+        let mut base = 0;
+        for (u, unit) in self.units.iter().enumerate() {
+            for f in unit.flats.iter().filter(|f| f.layout.trainable) {
+                let bad = f.grad.max_abs(&f.spans)?;
+                if bad.is_finite() {
+                    continue;
+                }
+                let g = f.grad.to_vec()?;
+                for sl in f.layout.shard_slices(f.shard_index) {
+                    let lo = sl.shard_offset.0 as usize;
+                    let hi = lo + sl.numel.0 as usize;
+                    if fsdp_kernels::first_nonfinite(&g[lo..hi]).is_some() {
+                        reduced[base + f.layout.segments[sl.segment].param_index] = true;
+                    }
+                }
+            }
+            base += counts[u];
+        }
+        let mut mine = Vec::with_capacity(1 + 2 * total);
+        mine.push(local_loss);
+        mine.extend(
+            self.contribution_nonfinite
+                .iter()
+                .flatten()
+                .map(|&b| b as u8 as f64),
+        );
+        mine.extend(reduced.iter().map(|&b| b as u8 as f64));
+        let all = self.comm.all_gather_f64(&mine)?;
+        let mut params = Vec::new();
+        let mut i = 0;
+        for unit in &spec.units {
+            for p in &unit.params {
+                let from: Vec<usize> = (0..all.len()).filter(|&r| all[r][1 + i] > 0.0).collect();
+                let summed = all.iter().any(|v| v[1 + total + i] > 0.0);
+                if summed || !from.is_empty() {
+                    params.push(NonFiniteParam {
+                        name: p.name.clone(),
+                        ranks: from,
+                    });
+                }
+                i += 1;
+            }
+        }
+        Ok(NonFiniteReport {
+            step: self.step + 1,
+            loss,
+            rank_losses: all
+                .iter()
+                .enumerate()
+                .filter(|(_, v)| !v[0].is_finite())
+                .map(|(r, v)| (r, v[0]))
+                .collect(),
+            params,
+            clip: None,
         })
     }
 
@@ -979,6 +1216,14 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                 let b = std::mem::replace(&mut unit.flat_grads[t], OwnedBuf::F32(Vec::new()));
                 (b, sync_last)
             };
+            // This rank's own contribution, before the reduction mixes it with the others': a
+            // non-finite element here is attributed to this rank in a non-finite report.
+            if !contribution_is_finite(&send, fs.dev.as_deref())? {
+                let flags = &mut self.contribution_nonfinite[u];
+                for p in nonfinite_segments(&send, &fs.layout, fs.dev.as_deref())? {
+                    flags[p] = true;
+                }
+            }
             let work = if s > 1 {
                 let n = fs.shard_numel();
                 self.ledger
@@ -1065,20 +1310,27 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
 
     /// The global gradient norm over every trainable real element of the model (padding
     /// excluded): local sums of squares (f64) summed over the shard group, or local max-abs
-    /// maxed over it. Collective over the shard group.
+    /// maxed over it. Collective over the shard group. The L2 norm reuses the sum of squares
+    /// that [`RankEngine::accumulate`] computed for its non-finite check while the gradients
+    /// are unchanged (same value, one pass fewer).
     pub fn grad_norm(&mut self, norm: NormType) -> Result<f64> {
         let mut local = 0f64;
-        for f in self
-            .units
-            .iter()
-            .flat_map(|u| &u.flats)
-            .filter(|f| f.layout.trainable)
-        {
-            match norm {
-                NormType::L2 => local += f.grad.sum_squares(&f.spans)?,
-                NormType::Inf => {
-                    let m = f.grad.max_abs(&f.spans)? as f64;
-                    local = if m.is_nan() || m > local { m } else { local };
+        match (norm, self.local_sum_squares) {
+            (NormType::L2, Some(v)) => local = v,
+            _ => {
+                for f in self
+                    .units
+                    .iter()
+                    .flat_map(|u| &u.flats)
+                    .filter(|f| f.layout.trainable)
+                {
+                    match norm {
+                        NormType::L2 => local += f.grad.sum_squares(&f.spans)?,
+                        NormType::Inf => {
+                            let m = f.grad.max_abs(&f.spans)? as f64;
+                            local = if m.is_nan() || m > local { m } else { local };
+                        }
+                    }
                 }
             }
         }
@@ -1095,25 +1347,64 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         })
     }
 
+    /// The factor clipping multiplies the gradients by for a global `norm`: `None` when no
+    /// clipping is needed (`max_norm / (norm + 1e-6) >= 1`), else the factor as f32, or an
+    /// error when it is not a positive finite f32 (a non-finite norm, or a norm so large that
+    /// the factor rounds to 0): clipping never multiplies by such a factor.
+    fn clip_factor(
+        &self,
+        clip: Clip,
+        norm: f64,
+    ) -> std::result::Result<Option<f32>, NonFiniteReport> {
+        let coef = clip.max_norm / (norm + 1e-6);
+        if coef >= 1.0 {
+            return Ok(None);
+        }
+        let c = coef as f32;
+        if norm.is_finite() && c.is_finite() && c > 0.0 {
+            Ok(Some(c))
+        } else {
+            Err(NonFiniteReport {
+                step: self.step + 1,
+                loss: f64::NAN,
+                rank_losses: Vec::new(),
+                params: Vec::new(),
+                clip: Some((norm, clip.max_norm)),
+            })
+        }
+    }
+
     /// Clips the gradient shards by the global norm (see [`Clip`]); returns the norm before
     /// clipping. Collective over the shard group.
+    ///
+    /// Errors: [`EngineError::Config`] for a `max_norm` that is not > 0;
+    /// [`EngineError::NonFinite`] when the norm is not finite or the clip factor rounds to
+    /// zero: the gradients are then left as they were (never multiplied by such a factor).
     pub fn clip_grad_norm(&mut self, clip: Clip) -> Result<f64> {
-        if clip.max_norm.is_nan() || clip.max_norm <= 0.0 {
-            return Err(EngineError::Config(format!(
-                "max_norm must be > 0, got {}",
-                clip.max_norm
-            )));
-        }
+        check_max_norm(clip)?;
         let norm = self.grad_norm(clip.norm)?;
-        let coef = clip.max_norm / (norm + 1e-6);
-        if coef < 1.0 {
-            for f in self.units.iter_mut().flat_map(|u| u.flats.iter_mut()) {
-                if f.layout.trainable {
-                    f.grad.scale(coef as f32)?;
+        match self.clip_factor(clip, norm) {
+            Ok(Some(c)) => self.scale_grads(c)?,
+            Ok(None) => {}
+            Err(mut report) => {
+                if !norm.is_finite() {
+                    report.clip = None;
+                    report.loss = norm;
                 }
+                return Err(EngineError::NonFinite(Box::new(report)));
             }
         }
         Ok(norm)
+    }
+
+    fn scale_grads(&mut self, c: f32) -> Result<()> {
+        self.local_sum_squares = None;
+        for f in self.units.iter_mut().flat_map(|u| u.flats.iter_mut()) {
+            if f.layout.trainable {
+                f.grad.scale(c)?;
+            }
+        }
+        Ok(())
     }
 
     /// One optimizer step with learning rate `lr` on every trainable flat shard (spans from
@@ -1123,7 +1414,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         self.ledger.enter(Phase::OptimizerStep);
         let opt = self.cfg.optimizer.with_lr(lr);
         let step = self.step + 1;
-        // AdamW's step counts updates made: steps skipped by loss scaling are not updates.
+        // AdamW's step counts updates made: skipped steps are not updates.
         let update = step - self.skipped;
         for f in self.units.iter_mut().flat_map(|u| u.flats.iter_mut()) {
             if f.layout.trainable {
@@ -1131,6 +1422,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             }
         }
         self.step = step;
+        self.consecutive_skips = 0;
         self.zero_grad()
     }
 
@@ -1138,6 +1430,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
     ///
     /// Errors: a device kernel failure.
     pub fn zero_grad(&mut self) -> Result<()> {
+        self.local_sum_squares = None;
         for f in self.units.iter_mut().flat_map(|u| u.flats.iter_mut()) {
             f.grad.zero()?;
         }
@@ -1146,29 +1439,67 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
 
     /// One full training step: [`RankEngine::accumulate`], clipping (if configured),
     /// [`RankEngine::optimizer_step`]. Collective.
+    ///
+    /// A step whose gradient (any element, on any rank, before or after the reduction) or
+    /// loss is not finite, or whose clip factor would round to zero, makes no update on any
+    /// rank: under [`NonFinitePolicy::Skip`] (and f16 loss scaling) it is skipped and reported
+    /// in [`StepStats::nonfinite`]; under [`NonFinitePolicy::Error`] it returns
+    /// [`EngineError::NonFinite`] and the engine is as before the call (gradients zeroed, step
+    /// count unchanged), so the caller may go on with the next step.
+    ///
+    /// Errors: as [`RankEngine::accumulate`]; [`EngineError::NonFinite`];
+    /// [`EngineError::TooManySkipped`] when this skip is the
+    /// [`EngineConfig::max_consecutive_skips`]-th in a row (the skip itself is recorded).
     pub fn train_step(&mut self, mbs: &[MicroBatch], lr: f64) -> Result<StepStats> {
         let t0 = Instant::now();
         self.comm.take_time();
         let loss_scale = self.scaler.map(|s| s.scale);
         let acc = self.accumulate(mbs)?;
-        if let Some(sc) = self.scaler.as_mut() {
-            sc.update(acc.overflow);
+        let mut grad_norm = None;
+        let mut nonfinite = self.pending_nonfinite.take();
+        if nonfinite.is_none() {
+            if let Some(c) = self.cfg.clip {
+                check_max_norm(c)?;
+                let norm = self.grad_norm(c.norm)?;
+                grad_norm = Some(norm);
+                match self.clip_factor(c, norm) {
+                    Ok(Some(f)) => self.scale_grads(f)?,
+                    Ok(None) => {}
+                    Err(mut report) => {
+                        // The norm is identical on every rank: all decide alike.
+                        report.loss = acc.loss;
+                        self.discard_gradients()?;
+                        if !self.skip_nonfinite {
+                            return Err(EngineError::NonFinite(Box::new(report)));
+                        }
+                        nonfinite = Some(report);
+                    }
+                }
+            }
         }
-        let grad_norm = if acc.overflow {
-            // Skipped: gradients were zeroed, no update; the step still counts for the data
-            // position and checkpoint numbering, not for AdamW's bias correction.
+        let skipped = nonfinite.is_some();
+        if let Some(sc) = self.scaler.as_mut() {
+            sc.update(skipped);
+        }
+        if skipped {
+            // No update: the step still counts for the data position and checkpoint
+            // numbering, not for AdamW's bias correction or the learning-rate schedule.
             self.ledger.enter(Phase::OptimizerStep);
             self.step += 1;
             self.skipped += 1;
-            None
+            self.consecutive_skips += 1;
+            if let Some(max) = self.cfg.max_consecutive_skips {
+                if self.consecutive_skips >= max {
+                    return Err(EngineError::TooManySkipped {
+                        step: self.step,
+                        skipped: self.consecutive_skips,
+                        last: nonfinite.map(|r| r.to_string()).unwrap_or_default(),
+                    });
+                }
+            }
         } else {
-            let g = match self.cfg.clip {
-                Some(c) => Some(self.clip_grad_norm(c)?),
-                None => None,
-            };
             self.optimizer_step(lr)?;
-            g
-        };
+        }
         // On a device the step is done when the device is: the clock reads after it.
         if let Some(k) = &self.dev {
             k.synchronize()?;
@@ -1184,7 +1515,8 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             comm_exposed_seconds: comm.as_secs_f64(),
             comm_calls: calls,
             loss_scale,
-            skipped: acc.overflow,
+            skipped,
+            nonfinite,
             ledger: [
                 self.ledger.peak(Phase::Forward),
                 self.ledger.peak(Phase::Backward),
@@ -1382,6 +1714,85 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         }
         Ok(())
     }
+}
+
+/// Whether every element of an unsharded gradient buffer (a rank's contribution to a
+/// reduction, padding included: padding is zero) is finite. On a device an f32 buffer is
+/// checked there (one scalar comes back); a 16-bit one is copied to the host first.
+fn contribution_is_finite(buf: &OwnedBuf, dev: Option<&TensorKernels>) -> Result<bool> {
+    Ok(match buf {
+        OwnedBuf::F32(v) => fsdp_kernels::first_nonfinite(v).is_none(),
+        OwnedBuf::BF16(v) => fsdp_kernels::first_nonfinite_bf16(v).is_none(),
+        OwnedBuf::F16(v) => fsdp_kernels::first_nonfinite_f16(v).is_none(),
+        OwnedBuf::F64(v) => v.iter().all(|x| x.is_finite()),
+        OwnedBuf::Tensor(t) => {
+            let k = dev.ok_or_else(|| {
+                EngineError::Config("a gradient tensor without the device's kernels".into())
+            })?;
+            if t.dtype() == candle_core::DType::F32 {
+                let n = t.elem_count();
+                k.max_abs(t, &[fsdp_kernels::Span::new(0, n, false)])?
+                    .is_finite()
+            } else {
+                fsdp_kernels::first_nonfinite(&k.to_f32(t)?).is_none()
+            }
+        }
+    })
+}
+
+/// The parameter indices (declaration order in the unit) of the segments of `layout` whose
+/// elements in the unsharded buffer `buf` are not all finite.
+fn nonfinite_segments(
+    buf: &OwnedBuf,
+    layout: &fsdp_planner::FlatParamLayout,
+    dev: Option<&TensorKernels>,
+) -> Result<Vec<usize>> {
+    if let OwnedBuf::F64(v) = buf {
+        return Ok(layout
+            .segments
+            .iter()
+            .filter(|seg| {
+                let r = seg.range();
+                !v[r.start as usize..r.end as usize]
+                    .iter()
+                    .all(|x| x.is_finite())
+            })
+            .map(|seg| seg.param_index)
+            .collect());
+    }
+    let values: Vec<f32> = match buf {
+        OwnedBuf::F32(v) => v.clone(),
+        OwnedBuf::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
+        OwnedBuf::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+        OwnedBuf::F64(_) => unreachable!("handled above"),
+        OwnedBuf::Tensor(t) => match dev {
+            Some(k) => k.to_f32(t)?,
+            None => {
+                return Err(EngineError::Config(
+                    "a gradient tensor without the device's kernels".into(),
+                ))
+            }
+        },
+    };
+    Ok(layout
+        .segments
+        .iter()
+        .filter(|seg| {
+            let r = seg.range();
+            fsdp_kernels::first_nonfinite(&values[r.start as usize..r.end as usize]).is_some()
+        })
+        .map(|seg| seg.param_index)
+        .collect())
+}
+
+fn check_max_norm(clip: Clip) -> Result<()> {
+    if clip.max_norm.is_nan() || clip.max_norm <= 0.0 || clip.max_norm.is_infinite() {
+        return Err(EngineError::Config(format!(
+            "max_norm must be a finite number > 0, got {}",
+            clip.max_norm
+        )));
+    }
+    Ok(())
 }
 
 fn check_counts(all: &[Vec<f64>], what: &'static str, unit: &str) -> Result<()> {

@@ -12,8 +12,8 @@ pub mod toy;
 pub mod unit;
 
 pub use engine::{
-    Accumulated, Clip, EngineConfig, FlatShardState, InitSync, LossScaler, NormType, RankEngine,
-    RankState, StepStats,
+    Accumulated, Clip, EngineConfig, FlatShardState, InitSync, LossScaler, NonFiniteParam,
+    NonFinitePolicy, NonFiniteReport, NormType, RankEngine, RankState, StepStats,
 };
 pub use staged::{MicroBatch, StagedModel};
 pub use unit::{FlatShard, FsdpUnit, Placement, UnitState};
