@@ -159,7 +159,7 @@ impl Llama {
             )));
         }
         let hd = cfg.d_model / cfg.n_head;
-        if hd % 2 != 0 {
+        if !hd.is_multiple_of(2) {
             return Err(invalid(format!(
                 "head dimension {hd} is odd; rotary embeddings rotate pairs of dimensions"
             )));
