@@ -35,6 +35,8 @@
 //! parameters, are an error (no silent cast). Mixed precision after Micikevicius et al. 2018.
 
 pub mod composite;
+pub mod decoder;
+pub mod llama;
 pub mod ops;
 
 use candle_core::{DType, Device, Tensor};
@@ -69,12 +71,24 @@ pub enum ModelError {
         /// The configuration field (`vocab_size`, `n_positions`, `d_model`, `n_layer`, `n_head`).
         field: &'static str,
     },
-    /// The preset name is not one of the known byte-level or OpenAI GPT-2 presets.
-    #[error("unknown model preset {name:?}; known: tiny, mini, small, base, gpt2, gpt2-medium, gpt2-large, gpt2-xl")]
+    /// The preset name is not one of the known presets.
+    #[error("unknown model preset {name:?}; known: tiny, mini, small, base, gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-tiny, llama-mini, llama2-7b, llama3-8b, llama3-70b")]
     UnknownPreset {
         /// The name asked for.
         name: String,
     },
+    /// A configuration the model cannot compute (e.g. query heads not a multiple of the
+    /// key/value heads, an odd rotary head dimension).
+    #[error("model {name}: {problem}")]
+    Invalid {
+        /// Model name.
+        name: String,
+        /// What is wrong, with the numbers.
+        problem: String,
+    },
+    /// A Hugging Face `config.json` that cannot be read or is not supported.
+    #[error(transparent)]
+    Config(#[from] fsdp_planner::PlanError),
     /// A tensor operation failed (e.g. while evaluating).
     #[error("tensor operation failed: {0}")]
     Candle(#[from] candle_core::Error),

@@ -10,11 +10,11 @@
 use crate::data::{Batch, Sampler, SamplerConfig, TextData};
 use crate::error::{EngineError, Result};
 use crate::memory::{CountingAllocator, PhasePeak, PHASES};
-use crate::model::Gpt;
+use crate::model::decoder::Decoder;
 use crate::optim::{AdamWConfig, LrSchedule, Optimizer};
 use crate::runtime::{
     Clip, EngineConfig, InitSync, MicroBatch, NonFinitePolicy, NormType, Placement, RankEngine,
-    RankState,
+    RankState, StagedModel,
 };
 use candle_core::Device;
 use fsdp_comm::{run_threads, CommError, Communicator, Topology, DEFAULT_TIMEOUT};
@@ -29,8 +29,12 @@ use std::time::Instant;
 pub struct TrainOptions {
     /// Text file to train on (bytes are tokens); `None`: the embedded project corpus.
     pub data: Option<PathBuf>,
-    /// Model preset (`tiny`, `mini`, `small`, `base`, ...).
+    /// Model preset (`tiny`, `mini`, `small`, `base`, `llama-tiny`, ...); ignored when
+    /// `hf_config` is set.
     pub model: String,
+    /// A Hugging Face `config.json` to build the model from instead of a preset (`fsdp train
+    /// --hf-config`): the spec `fsdp plan --hf-config` plans, with random weights.
+    pub hf_config: Option<PathBuf>,
     /// Number of ranks (threads).
     pub world_size: usize,
     /// Sharding strategy (not `Auto`: [`resolve_auto`] turns it into the strategy to run for a
@@ -95,6 +99,7 @@ impl Default for TrainOptions {
         TrainOptions {
             data: None,
             model: "tiny".into(),
+            hf_config: None,
             world_size: 1,
             strategy: Strategy::FullShard,
             micro_batch: 8,
@@ -143,7 +148,7 @@ pub trait TrainHooks: Sync {
         &self,
         _rank: usize,
         _step: u64,
-        _engine: &mut RankEngine<'_, Gpt>,
+        _engine: &mut RankEngine<'_, Decoder>,
     ) -> Result<()> {
         Ok(())
     }
@@ -262,6 +267,36 @@ pub struct DeviceMemoryReport {
     pub measured_peak_bytes: u64,
 }
 
+/// The smallest vocabulary that trains on bytes as tokens (every byte value is a token id).
+pub const BYTE_VOCAB: u64 = 256;
+
+/// The model `o` names (`o.hf_config`, else the preset `o.model`), checked against what the
+/// run feeds it: byte tokens need a vocabulary of at least [`BYTE_VOCAB`], and `o.seq_len` may
+/// not exceed a Llama's sliding window (Mistral), within which attention is exact.
+///
+/// Errors: [`EngineError::Config`] naming the model, the field and the fix.
+pub fn model_of(o: &TrainOptions) -> Result<Decoder> {
+    let model = Decoder::resolve(&o.model, o.hf_config.as_deref())
+        .map_err(|e| EngineError::Config(e.to_string()))?;
+    if model.vocab_size() < BYTE_VOCAB {
+        return Err(EngineError::Config(format!(
+            "model {}: vocab_size {} is smaller than {BYTE_VOCAB}: fsdp train feeds bytes as              token ids (0..=255); use a model with a vocabulary of at least {BYTE_VOCAB}",
+            model.name(),
+            model.vocab_size()
+        )));
+    }
+    if let (Decoder::Llama(_), Some((w, field))) = (&model, model.max_seq_len()) {
+        if o.seq_len as u64 > w {
+            return Err(EngineError::Config(format!(
+                "--seq-len {} exceeds model {}'s {field} {w}: attention is exact only within                  the window (sliding-window attention beyond it is not implemented); use                  --seq-len {w} or less",
+                o.seq_len,
+                model.name()
+            )));
+        }
+    }
+    Ok(model)
+}
+
 /// Builds the plan configuration of `o`.
 pub fn plan_config(o: &TrainOptions) -> PlanConfig {
     let mut c = PlanConfig::new(o.world_size as u64);
@@ -321,7 +356,7 @@ pub struct AutoChoice {
 /// Errors: [`EngineError::Config`] for an unknown model; [`EngineError::Plan`] for options
 /// the planner refuses (sequence longer than the model's positions, zero sizes).
 pub fn resolve_auto(o: &TrainOptions, budget: Bytes) -> Result<AutoChoice> {
-    let model = Gpt::from_preset(&o.model).map_err(|e| EngineError::Config(e.to_string()))?;
+    let model = model_of(o)?;
     let strategies = fsdp_planner::auto_candidates(o.world_size as u64);
     let settings: Vec<Option<bool>> = match o.activation_checkpointing {
         Some(x) => vec![Some(x)],
@@ -343,7 +378,7 @@ pub fn resolve_auto(o: &TrainOptions, budget: Bytes) -> Result<AutoChoice> {
             c.strategy = s;
             c.activation_checkpointing = ckpt;
             c.device_memory = None;
-            let peak = plan(&model.spec, &c)?.memory.peak;
+            let peak = plan(model.spec(), &c)?.memory.peak;
             let name = label(s, ckpt);
             if s == Strategy::ShardOptimizer {
                 // Listed like any candidate when it does not fit (the planner's reason reads
@@ -456,7 +491,7 @@ pub fn validate(o: &TrainOptions) -> Result<()> {
     Ok(())
 }
 
-/// Trains a GPT on `o.data` with `o.world_size` rank threads. `progress` receives every
+/// Trains the model of `o` ([`model_of`]: a GPT or a Llama-family decoder) on `o.data` with `o.world_size` rank threads. `progress` receives every
 /// step's report from rank 0 as it happens; `alloc` is the process's counting allocator, if
 /// installed; `hooks` lets checkpoints save and resume.
 ///
@@ -499,8 +534,8 @@ pub fn train_with(
             o.world_size, o.world_size
         )));
     }
-    let model = Gpt::from_preset(&o.model).map_err(|e| EngineError::Config(e.to_string()))?;
-    let plan: ShardPlan = plan(&model.spec, &plan_config(o))?;
+    let model = model_of(o)?;
+    let plan: ShardPlan = plan(model.spec(), &plan_config(o))?;
     let text = match &o.data {
         Some(p) => TextData::open(p).map_err(|e| EngineError::Data(e.to_string()))?,
         None => TextData::embedded(),
@@ -519,7 +554,7 @@ pub fn train_with(
     .map_err(|e| EngineError::Data(e.to_string()))?;
     let init = match &o.init_params {
         Some(p) => p.clone(),
-        None => model.init_params(o.seed),
+        None => StagedModel::init_params(&model, o.seed),
     };
     let s = plan.shard_size as usize;
     let topo =
@@ -654,8 +689,8 @@ pub fn train_with(
         })
         .collect();
     Ok(TrainReport {
-        model: o.model.clone(),
-        params: model.spec.numel().0,
+        model: model.name().to_string(),
+        params: model.spec().numel().0,
         data: data_name,
         world_size: o.world_size,
         shard_size: plan.shard_size,
@@ -702,7 +737,7 @@ struct RankOutcome {
 
 #[allow(clippy::too_many_arguments)]
 fn run_rank(
-    model: &Gpt,
+    model: &Decoder,
     plan: &ShardPlan,
     comm: &dyn Communicator,
     ecfg: EngineConfig,

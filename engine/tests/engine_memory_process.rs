@@ -4,7 +4,7 @@
 
 use candle_core::{Device, Tensor};
 use fsdp::memory::CountingAllocator;
-use fsdp::model::Gpt;
+use fsdp::model::decoder::Decoder;
 use fsdp::optim::{AdamWConfig, Optimizer};
 use fsdp::runtime::{EngineConfig, InitSync, MicroBatch, RankEngine, StagedModel};
 use fsdp_comm::{run_threads, Topology};
@@ -53,7 +53,7 @@ fn ecfg() -> EngineConfig {
 /// Process heap peak during one training step (all ranks, after a warm-up step; minus what was
 /// live before the step apart from the engines' own ledger bytes) over W x the plan's peak.
 fn process_peak_ratio(c: &Cfg) -> f64 {
-    let model = Gpt::from_preset(c.preset).unwrap();
+    let model = Decoder::from_preset(c.preset).unwrap();
     let mut pc = PlanConfig::new(c.w as u64);
     pc.strategy = c.strategy;
     pc.micro_batch = c.b as u64;
@@ -61,7 +61,7 @@ fn process_peak_ratio(c: &Cfg) -> f64 {
     pc.activation_checkpointing = c.ckpt;
     let plan = plan(model.spec(), &pc).unwrap();
     let s = plan.shard_size as usize;
-    let init = model.init_params(1);
+    let init = StagedModel::init_params(&model, 1);
     let mbs: Vec<MicroBatch> = vec![batch(c.b, c.t, 0)];
     let res = run_threads(
         Topology::new(s, c.w / s).unwrap(),
@@ -158,6 +158,12 @@ fn memory_process_peak_within_10_percent_of_plan() {
             ("mini", Strategy::NoShard, 8, 128),
             ("small", Strategy::FullShard, 2, 64),
             ("small", Strategy::NoShard, 4, 128),
+            // The Llama family: the planner's activation model for it is by analogy with the
+            // GPT's (`fsdp_planner::memory::UseActivations`), not fitted to this engine's
+            // Llama ops, so these are printed, not asserted.
+            ("llama-mini", Strategy::FullShard, 8, 128),
+            ("llama-mini", Strategy::NoShard, 8, 128),
+            ("llama-tiny", Strategy::FullShard, 4, 64),
         ] {
             process_peak_ratio(&Cfg {
                 preset,

@@ -9,7 +9,10 @@
 
 use crate::error::PlanError;
 use crate::presets::{gpt2_spec, llama_spec};
-use crate::spec::{Architecture, Gpt2Config, LlamaConfig, ModelSpec, ParamSpec, UnitSpec};
+use crate::spec::{
+    Architecture, Gpt2Config, Llama3RopeScaling, LlamaConfig, LlamaNumerics, ModelSpec, ParamSpec,
+    UnitSpec,
+};
 use fsdp_types::DType;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -207,6 +210,172 @@ pub fn parse_hf_config(text: &str, file: &str, name: &str) -> Result<ModelSpec, 
         Architecture::Llama(c) => Ok(llama_spec(name, &c)),
         Architecture::Generic => unreachable!("config.json always names a family"),
     }
+}
+
+/// Reads the Llama-family numerics of a `config.json` (see [`parse_llama_numerics`]).
+///
+/// Errors: `Io`; as [`parse_llama_numerics`].
+pub fn read_llama_numerics(path: &Path) -> Result<LlamaNumerics, PlanError> {
+    let text = std::fs::read_to_string(path).map_err(|e| io(path, e))?;
+    parse_llama_numerics(&text, &path.display().to_string())
+}
+
+/// The computation-only hyper-parameters of a Llama, Mistral or Qwen2 `config.json`
+/// ([`LlamaNumerics`]), with `transformers`' defaults: `rms_norm_eps` (1e-6), `rope_theta`
+/// (10000), `rope_scaling` (`null`, or type `default` or `llama3` with `factor`,
+/// `low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`), and the
+/// sliding window: Mistral's `sliding_window` (`null`: none), Qwen2's `sliding_window` only
+/// when `use_sliding_window` is true. The `rope_parameters` object of newer `transformers`
+/// releases (holding `rope_theta` and `rope_type`) is read as well.
+///
+/// Also refuses what the Llama layout of [`llama_spec`] does not describe, so that a model
+/// is never trained with other math or other parameters than its file says: a `hidden_act`
+/// other than `silu`, `attention_bias` or `mlp_bias` true, a `head_dim` other than
+/// `hidden_size / num_attention_heads`, another `rope_scaling` type (linear, dynamic, yarn,
+/// longrope).
+///
+/// Errors: `BadFile` naming the field and the value; as [`parse_hf_arch`] for a file that is
+/// not a Llama-family config.
+pub fn parse_llama_numerics(text: &str, file: &str) -> Result<LlamaNumerics, PlanError> {
+    let arch = parse_hf_arch(text, file)?;
+    let Architecture::Llama(cfg) = arch else {
+        return Err(bad(
+            file,
+            "not a Llama-family config (model_type llama, mistral or qwen2)",
+        ));
+    };
+    let v: Value =
+        serde_json::from_str(text).map_err(|e| bad(file, format!("not valid JSON: {e}")))?;
+    let obj = v.as_object().expect("parse_hf_arch checked the object");
+    let model_type = obj.get("model_type").and_then(Value::as_str).unwrap_or("");
+    let present =
+        |o: &serde_json::Map<String, Value>, k: &str| o.get(k).filter(|x| !x.is_null()).cloned();
+    let num = |o: &serde_json::Map<String, Value>, k: &str| -> Result<Option<f64>, PlanError> {
+        match present(o, k) {
+            None => Ok(None),
+            Some(x) => match x.as_f64() {
+                Some(f) if f.is_finite() && f > 0.0 => Ok(Some(f)),
+                _ => Err(bad(
+                    file,
+                    format!("field `{k}` must be a positive number, got {x}"),
+                )),
+            },
+        }
+    };
+    if let Some(act) = present(obj, "hidden_act") {
+        if act.as_str() != Some("silu") {
+            return Err(bad(
+                file,
+                format!(
+                    "hidden_act {act} is not supported: the Llama family's MLP is SwiGLU (`silu`)"
+                ),
+            ));
+        }
+    }
+    for k in ["attention_bias", "mlp_bias"] {
+        if present(obj, k).and_then(|x| x.as_bool()) == Some(true) {
+            return Err(bad(
+                file,
+                format!("`{k}: true` is not supported (its biases are not in the planned parameters); only Qwen2's q/k/v biases are"),
+            ));
+        }
+    }
+    if let Some(hd) = present(obj, "head_dim") {
+        let want = cfg.d_model / cfg.n_head;
+        if hd.as_u64() != Some(want) {
+            return Err(bad(
+                file,
+                format!("head_dim {hd} is not hidden_size / num_attention_heads = {want}, which the planned parameter shapes assume"),
+            ));
+        }
+    }
+    let mut out = LlamaNumerics::default();
+    if let Some(eps) = num(obj, "rms_norm_eps")? {
+        out.rms_norm_eps = eps;
+    }
+    // Newer transformers releases nest the rotary settings in `rope_parameters`.
+    let rope_params = present(obj, "rope_parameters");
+    let rope_obj = rope_params.as_ref().and_then(Value::as_object);
+    let theta = match rope_obj {
+        Some(r) => num(r, "rope_theta")?,
+        None => None,
+    };
+    if let Some(t) = theta.or(num(obj, "rope_theta")?) {
+        out.rope_theta = t;
+    }
+    let scaling = match present(obj, "rope_scaling") {
+        Some(x) => Some(x),
+        None => rope_params.clone(),
+    };
+    if let Some(sc) = scaling {
+        let so = sc.as_object().ok_or_else(|| {
+            bad(
+                file,
+                format!("rope_scaling must be an object or null, got {sc}"),
+            )
+        })?;
+        let kind = so
+            .get("rope_type")
+            .or_else(|| so.get("type"))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        match kind {
+            "default" => {}
+            "llama3" => {
+                let need = |k: &str| -> Result<f64, PlanError> {
+                    num(so, k)?.ok_or_else(|| PlanError::MissingField {
+                        file: file.to_string(),
+                        field: format!("rope_scaling.{k}"),
+                        family: model_type.to_string(),
+                    })
+                };
+                let s = Llama3RopeScaling {
+                    factor: need("factor")?,
+                    low_freq_factor: need("low_freq_factor")?,
+                    high_freq_factor: need("high_freq_factor")?,
+                    original_max_position_embeddings: need("original_max_position_embeddings")?
+                        as u64,
+                };
+                if s.high_freq_factor <= s.low_freq_factor {
+                    return Err(bad(
+                        file,
+                        format!(
+                            "rope_scaling: high_freq_factor {} must exceed low_freq_factor {}",
+                            s.high_freq_factor, s.low_freq_factor
+                        ),
+                    ));
+                }
+                out.rope_scaling = Some(s);
+            }
+            other => {
+                return Err(bad(
+                    file,
+                    format!(
+                        "rope_scaling type `{other}` is not supported (supported: default, llama3)"
+                    ),
+                ))
+            }
+        }
+    }
+    let window = match model_type {
+        "mistral" => present(obj, "sliding_window"),
+        "qwen2" if present(obj, "use_sliding_window").and_then(|x| x.as_bool()) == Some(true) => {
+            present(obj, "sliding_window")
+        }
+        _ => None,
+    };
+    if let Some(w) = window {
+        match w.as_u64() {
+            Some(n) if n > 0 => out.sliding_window = Some(n),
+            _ => {
+                return Err(bad(
+                    file,
+                    format!("field `sliding_window` must be a positive integer or null, got {w}"),
+                ))
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// One tensor entry of a safetensors header.

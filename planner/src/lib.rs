@@ -30,4 +30,7 @@ pub use plan::{
 };
 pub use presets::{preset, PRESET_NAMES};
 pub use schedule::{Schedule, ScheduleStep, UseRole};
-pub use spec::{Architecture, Gpt2Config, LlamaConfig, ModelSpec, ParamSpec, UnitSpec};
+pub use spec::{
+    Architecture, Gpt2Config, Llama3RopeScaling, LlamaConfig, LlamaNumerics, ModelSpec, ParamSpec,
+    UnitSpec,
+};

@@ -4,7 +4,9 @@
 //! (Conv1D weights stored `[in, out]`), so a consolidated checkpoint loads there unchanged.
 
 use crate::error::PlanError;
-use crate::spec::{Architecture, Gpt2Config, LlamaConfig, ModelSpec, ParamSpec, UnitSpec};
+use crate::spec::{
+    Architecture, Gpt2Config, LlamaConfig, LlamaNumerics, ModelSpec, ParamSpec, UnitSpec,
+};
 
 /// Builds the GPT-2 style `ModelSpec` (Radford et al. 2019; Hugging Face naming).
 ///
@@ -208,12 +210,17 @@ pub fn llama_spec(name: &str, cfg: &LlamaConfig) -> ModelSpec {
     }
 }
 
-/// Llama presets (Meta's published configs): `llama2-7b` (d 4096, 32 layers, 32 heads, MHA,
+/// Llama presets: the byte-level `llama-tiny` (d 128, 4 layers, 4 heads, 2 KV heads, ffn 352,
+/// vocab 256, 256 positions, 803,968 params) and `llama-mini` (d 256, 4 layers, 8 heads, 4 KV
+/// heads, ffn 688, vocab 256, 1024 positions, 3,033,344 params) for training on bytes, and
+/// Meta's published configs: `llama2-7b` (d 4096, 32 layers, 32 heads, MHA,
 /// ffn 11008, vocab 32000, 6.74B), `llama3-8b` (d 4096, 32 layers, 32 heads, 8 KV heads, ffn
 /// 14336, vocab 128256, 8.03B), `llama3-70b` (d 8192, 80 layers, 64 heads, 8 KV heads, ffn
 /// 28672, vocab 128256, 70.55B). Untied heads, no biases.
 pub fn llama_config(name: &str) -> Option<LlamaConfig> {
     let (vocab, d, l, h, kv, ffn, seq) = match name {
+        "llama-tiny" => (256, 128, 4, 4, 2, 352, 256),
+        "llama-mini" => (256, 256, 4, 8, 4, 688, 1024),
         "llama2-7b" => (32000, 4096, 32, 32, 32, 11008, 4096),
         "llama3-8b" => (128256, 4096, 32, 32, 8, 14336, 8192),
         "llama3-70b" => (128256, 8192, 80, 64, 8, 28672, 8192),
@@ -232,8 +239,25 @@ pub fn llama_config(name: &str) -> Option<LlamaConfig> {
     })
 }
 
+/// The numerics of a Llama preset ([`llama_config`]): RMSNorm eps 1e-5 and rotary base 10000
+/// for `llama-tiny`, `llama-mini` and `llama2-7b`, base 500000 for `llama3-8b` and
+/// `llama3-70b` (Meta's published `config.json` files); no rope scaling, no sliding window.
+pub fn llama_numerics(name: &str) -> Option<LlamaNumerics> {
+    let theta = match name {
+        "llama-tiny" | "llama-mini" | "llama2-7b" => 10_000.0,
+        "llama3-8b" | "llama3-70b" => 500_000.0,
+        _ => return None,
+    };
+    Some(LlamaNumerics {
+        rms_norm_eps: 1e-5,
+        rope_theta: theta,
+        rope_scaling: None,
+        sliding_window: None,
+    })
+}
+
 /// Every built-in preset name, in the order `fsdp plan --help` lists them.
-pub const PRESET_NAMES: [&str; 11] = [
+pub const PRESET_NAMES: [&str; 13] = [
     "tiny",
     "mini",
     "small",
@@ -242,6 +266,8 @@ pub const PRESET_NAMES: [&str; 11] = [
     "gpt2-medium",
     "gpt2-large",
     "gpt2-xl",
+    "llama-tiny",
+    "llama-mini",
     "llama2-7b",
     "llama3-8b",
     "llama3-70b",
@@ -284,6 +310,8 @@ mod tests {
             ("llama2-7b", 6_738_415_616),
             ("llama3-8b", 8_030_261_248),
             ("llama3-70b", 70_553_706_496),
+            ("llama-tiny", 803_968),
+            ("llama-mini", 3_033_344),
         ] {
             assert_eq!(preset(name).unwrap().numel().0, n, "{name}");
         }

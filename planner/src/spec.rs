@@ -98,6 +98,53 @@ pub struct LlamaConfig {
     pub qkv_bias: bool,
 }
 
+/// Llama 3.1's rotary frequency scaling (`rope_scaling` with `rope_type` (or `type`) `llama3`
+/// in `config.json`; Hugging Face `transformers`' `_compute_llama3_parameters`): wavelengths
+/// longer than `original_max_position_embeddings / low_freq_factor` are divided by `factor`,
+/// shorter than `original_max_position_embeddings / high_freq_factor` kept, and those between
+/// interpolated smoothly.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Llama3RopeScaling {
+    /// Divisor of the low frequencies (`factor`, 8 for Llama 3.1).
+    pub factor: f64,
+    /// `low_freq_factor` (1 for Llama 3.1).
+    pub low_freq_factor: f64,
+    /// `high_freq_factor` (4 for Llama 3.1); must exceed `low_freq_factor`.
+    pub high_freq_factor: f64,
+    /// The context length the model was pre-trained with (`original_max_position_embeddings`,
+    /// 8192 for Llama 3.1).
+    pub original_max_position_embeddings: u64,
+}
+
+/// The Llama-family hyper-parameters that change the computation but not one byte of the
+/// memory plan, so they are not part of [`LlamaConfig`] (nor of the plan's fingerprint): the
+/// RMSNorm epsilon, the rotary base and scaling, Mistral's sliding attention window.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LlamaNumerics {
+    /// RMSNorm epsilon (`rms_norm_eps`; `transformers`' default 1e-6).
+    pub rms_norm_eps: f64,
+    /// Rotary embedding base (`rope_theta`; default 10000).
+    pub rope_theta: f64,
+    /// Llama 3.1 frequency scaling (`rope_scaling` of type `llama3`), if any.
+    pub rope_scaling: Option<Llama3RopeScaling>,
+    /// Sliding attention window in tokens (Mistral's `sliding_window`; Qwen2's when
+    /// `use_sliding_window` is true): a query attends to the `sliding_window` most recent
+    /// positions, itself included. `None`: full causal attention.
+    pub sliding_window: Option<u64>,
+}
+
+impl Default for LlamaNumerics {
+    /// `transformers`' `LlamaConfig` defaults: eps 1e-6, theta 10000, no scaling, no window.
+    fn default() -> Self {
+        LlamaNumerics {
+            rms_norm_eps: 1e-6,
+            rope_theta: 10_000.0,
+            rope_scaling: None,
+            sliding_window: None,
+        }
+    }
+}
+
 /// The architecture behind a spec, used to estimate activation memory. `Generic` specs (read
 /// from a safetensors header, or built by hand) have no activation estimate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

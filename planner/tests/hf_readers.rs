@@ -251,3 +251,77 @@ fn safetensors_bad_headers_report_numbers() {
         "{msg}"
     );
 }
+
+/// The numerics of Llama-family configs: transformers' defaults, Llama 3.1's rope scaling,
+/// Mistral's window, Qwen2's window only when `use_sliding_window` is true, the
+/// `rope_parameters` object of newer transformers releases, and refusals of what the planned
+/// layout does not describe.
+#[test]
+fn llama_numerics_defaults_scaling_windows_and_refusals() {
+    use fsdp_planner::hf::parse_llama_numerics;
+    use fsdp_planner::{Llama3RopeScaling, LlamaNumerics};
+    let n = parse_llama_numerics(LLAMA3_8B, "c").unwrap();
+    assert_eq!(
+        n,
+        LlamaNumerics {
+            rms_norm_eps: 1e-6,
+            rope_theta: 500_000.0,
+            rope_scaling: None,
+            sliding_window: None
+        }
+    );
+    let base = r#""hidden_size":64,"intermediate_size":128,"num_attention_heads":4,
+      "num_hidden_layers":2,"num_key_value_heads":2,"vocab_size":300"#;
+    let l31 = format!(
+        r#"{{"model_type":"llama",{base},"rms_norm_eps":1e-5,"rope_theta":500000.0,
+        "rope_scaling":{{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,
+        "high_freq_factor":4.0,"original_max_position_embeddings":8192}}}}"#
+    );
+    let n = parse_llama_numerics(&l31, "c").unwrap();
+    assert_eq!(n.rms_norm_eps, 1e-5);
+    assert_eq!(
+        n.rope_scaling,
+        Some(Llama3RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192
+        })
+    );
+    let v5 = format!(
+        r#"{{"model_type":"llama",{base},"rope_parameters":{{"rope_type":"default","rope_theta":1234.0}}}}"#
+    );
+    assert_eq!(parse_llama_numerics(&v5, "c").unwrap().rope_theta, 1234.0);
+    let mistral = format!(r#"{{"model_type":"mistral",{base},"sliding_window":4096}}"#);
+    assert_eq!(
+        parse_llama_numerics(&mistral, "c").unwrap().sliding_window,
+        Some(4096)
+    );
+    let qwen_off = format!(r#"{{"model_type":"qwen2",{base},"sliding_window":4096}}"#);
+    assert_eq!(
+        parse_llama_numerics(&qwen_off, "c").unwrap().sliding_window,
+        None
+    );
+    let qwen_on =
+        format!(r#"{{"model_type":"qwen2",{base},"sliding_window":64,"use_sliding_window":true}}"#);
+    assert_eq!(
+        parse_llama_numerics(&qwen_on, "c").unwrap().sliding_window,
+        Some(64)
+    );
+    for (extra, needle) in [
+        (r#""hidden_act":"gelu""#, "hidden_act"),
+        (r#""attention_bias":true"#, "attention_bias"),
+        (r#""head_dim":32"#, "head_dim 32"),
+        (r#""rope_scaling":{"type":"yarn","factor":4.0}"#, "yarn"),
+        (
+            r#""rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0}"#,
+            "original_max_position_embeddings",
+        ),
+    ] {
+        let text = format!(r#"{{"model_type":"llama",{base},{extra}}}"#);
+        let e = parse_llama_numerics(&text, "cfg.json")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cfg.json") && e.contains(needle), "{extra}: {e}");
+    }
+}

@@ -562,9 +562,11 @@ pub fn apply_init_from(
     o: &mut crate::train::TrainOptions,
 ) -> Result<(), CliError> {
     if let Some(p) = &a.init_from {
-        let model =
-            crate::model::Gpt::from_preset(&o.model).map_err(|e| CliError::Usage(e.to_string()))?;
-        o.init_params = Some(init_params_from_file(p, &model.spec)?);
+        let model = crate::train::model_of(o).map_err(super::train::cli_error)?;
+        o.init_params = Some(init_params_from_file(
+            p,
+            crate::runtime::StagedModel::spec(&model),
+        )?);
     }
     Ok(())
 }
@@ -607,11 +609,11 @@ impl CheckpointHooks {
     ///
     /// Errors: [`CliError::Usage`] (exit 2) for any checkpoint problem, naming the file.
     pub fn new(a: &TrainCkptArgs, o: &crate::train::TrainOptions) -> Result<Self, CliError> {
-        let model =
-            crate::model::Gpt::from_preset(&o.model).map_err(|e| CliError::Usage(e.to_string()))?;
-        let plan = fsdp_planner::plan(&model.spec, &crate::train::plan_config(o))
+        let model = crate::train::model_of(o).map_err(super::train::cli_error)?;
+        let spec = crate::runtime::StagedModel::spec(&model);
+        let plan = fsdp_planner::plan(spec, &crate::train::plan_config(o))
             .map_err(|e| CliError::Usage(e.to_string()))?;
-        let layout = CheckpointLayout::from_plan(model.spec.clone(), &plan)?;
+        let layout = CheckpointLayout::from_plan(spec.clone(), &plan)?;
         if let Some(root) = &a.ckpt_dir {
             check_ckpt_dir(root)?;
         }
@@ -628,7 +630,7 @@ impl CheckpointHooks {
             if has_any {
                 let ck = Checkpoint::open(root, Verify::Checksums)?;
                 ck.verify_all()?;
-                ck.check_model(&model.spec)?;
+                ck.check_model(spec)?;
                 let saved_seed = ck.manifest().train.extra.get("seed").cloned();
                 if let Some(s) = saved_seed.filter(|s| *s != o.seed.to_string()) {
                     return Err(CliError::Usage(format!(
@@ -791,7 +793,7 @@ impl crate::train::TrainHooks for CheckpointHooks {
         &self,
         rank: usize,
         step: u64,
-        engine: &mut crate::runtime::RankEngine<'_, crate::model::Gpt>,
+        engine: &mut crate::runtime::RankEngine<'_, crate::model::decoder::Decoder>,
     ) -> crate::error::Result<()> {
         let Some(root) = &self.root else {
             return Ok(());

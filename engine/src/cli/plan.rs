@@ -109,7 +109,7 @@ recompute is opt-in)";
 #[command(group(clap::ArgGroup::new("source").required(true).args(["model", "hf_config", "safetensors", "spec"])))]
 pub struct PlanArgs {
     /// Built-in preset: tiny, mini, small, base, gpt2, gpt2-medium, gpt2-large, gpt2-xl,
-    /// llama2-7b, llama3-8b, llama3-70b.
+    /// llama-tiny, llama-mini, llama2-7b, llama3-8b, llama3-70b.
     #[arg(long)]
     pub model: Option<String>,
     /// A Hugging Face config.json (GPT-2, Llama, Mistral, Qwen2).

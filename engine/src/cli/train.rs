@@ -117,9 +117,15 @@ pub struct TrainArgs {
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// Model preset: tiny (0.89M params), mini (3.55M), small (11.2M), base (43.7M), gpt2
-    /// (124M), gpt2-medium, gpt2-large, gpt2-xl.
+    /// (124M), gpt2-medium, gpt2-large, gpt2-xl, llama-tiny (0.80M), llama-mini (3.03M),
+    /// llama2-7b, llama3-8b, llama3-70b.
     #[arg(long, default_value = "tiny")]
     pub model: String,
+    /// A Hugging Face config.json (GPT-2, Llama, Mistral, Qwen2) to train instead of a preset,
+    /// with random weights: the model `fsdp plan --hf-config` plans, the same fingerprint for
+    /// the same flags. Bytes are tokens, so its vocab_size must be at least 256.
+    #[arg(long, value_name = "config.json", conflicts_with = "model")]
+    pub hf_config: Option<PathBuf>,
     /// Number of ranks (threads on the in-process backend).
     #[arg(long, default_value_t = 1)]
     pub world_size: usize,
@@ -260,6 +266,7 @@ impl TrainArgs {
         Ok(TrainOptions {
             data: self.data.clone(),
             model: self.model.clone(),
+            hf_config: self.hf_config.clone(),
             world_size: self.world_size,
             strategy,
             micro_batch: self.micro_batch,
@@ -403,10 +410,12 @@ pub fn preflight_threads(opts: &TrainOptions, available: Option<u64>) -> Result<
 ///
 /// Errors: [`CliError::Usage`] for an unknown model or options the planner refuses.
 pub fn plan_peak(opts: &TrainOptions) -> Result<u64, CliError> {
-    let model =
-        crate::model::Gpt::from_preset(&opts.model).map_err(|e| CliError::Usage(e.to_string()))?;
-    let plan = fsdp_planner::plan(&model.spec, &crate::train::plan_config(opts))
-        .map_err(|e| cli_error(e.into()))?;
+    let model = crate::train::model_of(opts).map_err(cli_error)?;
+    let plan = fsdp_planner::plan(
+        crate::runtime::StagedModel::spec(&model),
+        &crate::train::plan_config(opts),
+    )
+    .map_err(|e| cli_error(e.into()))?;
     Ok(plan.memory.peak.0)
 }
 
