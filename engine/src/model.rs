@@ -40,6 +40,12 @@ pub mod ops;
 use candle_core::{DType, Device, Tensor};
 use fsdp_planner::presets::{byte_gpt_config, gpt2_spec, openai_gpt2_config};
 use fsdp_planner::{Gpt2Config, ModelSpec};
+
+/// The presets `fsdp train` runs (byte-level GPTs and OpenAI GPT-2 sizes), for messages.
+pub const TRAIN_PRESETS: &str = "tiny, mini, small, base, gpt2, gpt2-medium, gpt2-large, gpt2-xl";
+
+/// The presets `fsdp plan` knows that `fsdp train` does not run yet (the Llama family).
+pub const PLAN_ONLY_PRESETS: &str = "llama2-7b, llama3-8b, llama3-70b";
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -70,8 +76,14 @@ pub enum ModelError {
         field: &'static str,
     },
     /// The preset name is not one of the known byte-level or OpenAI GPT-2 presets.
-    #[error("unknown model preset {name:?}; known: tiny, mini, small, base, gpt2, gpt2-medium, gpt2-large, gpt2-xl")]
+    #[error("unknown model preset {name:?}; fsdp train runs: {TRAIN_PRESETS}; plan only: {PLAN_ONLY_PRESETS}")]
     UnknownPreset {
+        /// The name asked for.
+        name: String,
+    },
+    /// A preset `fsdp plan` knows (the Llama family) that the engine cannot train yet.
+    #[error("model preset {name:?} is plan-only: the Llama family is planned (`fsdp plan --model {name}`) but fsdp train does not run it yet; fsdp train runs: {TRAIN_PRESETS}")]
+    PlanOnlyPreset {
         /// The name asked for.
         name: String,
     },
@@ -320,8 +332,16 @@ impl Gpt {
     pub fn from_preset(name: &str) -> Result<Self, ModelError> {
         let cfg = byte_gpt_config(name)
             .or_else(|| openai_gpt2_config(name))
-            .ok_or_else(|| ModelError::UnknownPreset {
-                name: name.to_string(),
+            .ok_or_else(|| {
+                if fsdp_planner::presets::llama_config(name).is_some() {
+                    ModelError::PlanOnlyPreset {
+                        name: name.to_string(),
+                    }
+                } else {
+                    ModelError::UnknownPreset {
+                        name: name.to_string(),
+                    }
+                }
             })?;
         Gpt::new(name, cfg)
     }

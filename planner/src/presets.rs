@@ -260,7 +260,10 @@ pub fn preset(name: &str) -> Result<ModelSpec, PlanError> {
     }
     Err(PlanError::UnknownPreset {
         name: name.to_string(),
-        known: PRESET_NAMES.join(", "),
+        known: format!(
+            "{}; the Llama presets are plan-only: fsdp train does not run them yet",
+            PRESET_NAMES.join(", ")
+        ),
     })
 }
 
