@@ -115,7 +115,7 @@ fn cli_plan_bad_flags() {
     );
     bad(
         &["--model", "gpt2", "--param-dtype", "int8"],
-        "--param-dtype: unknown dtype `int8`",
+        "invalid value 'int8' for '--param-dtype <PARAM_DTYPE>'",
     );
     bad(
         &["--model", "gpt2", "--micro-batch", "0"],
