@@ -133,7 +133,7 @@ fn cli_plan_bad_flags() {
     bad(&["--model", "gpt2", "--world-size", "-1"], "-1");
     bad(
         &["--model", "gpt2", "-o", "/nonexistent/dir/plan.txt"],
-        "cannot write /nonexistent/dir/plan.txt",
+        "-o /nonexistent/dir/plan.txt: the directory /nonexistent/dir does not exist",
     );
 }
 

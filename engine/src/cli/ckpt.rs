@@ -61,6 +61,7 @@ pub enum CkptAction {
         world_size: u64,
         /// Target strategy, the names of `fsdp train`: full-shard (zero3), shard-grad-op
         /// (zero2), both S = W; no-shard (ddp), S = 1; hybrid (hsdp, needs --shard-size).
+        /// shard-optimizer (zero1) is plan-only and refused.
         #[arg(long, value_enum, default_value_t = super::train::StrategyArg::FullShard)]
         strategy: super::train::StrategyArg,
         /// Shard-group size for `--strategy hybrid` (must divide the world size).
@@ -154,6 +155,9 @@ pub fn shard_size_for(
         (S::Hybrid, Some(s)) => Ok(s),
         (S::Hybrid, None) => Err(CliError::Usage(
             "--strategy hybrid needs --shard-size S (S divides --world-size)".into(),
+        )),
+        (S::ShardOptimizer, _) => Err(CliError::Usage(
+            super::train::SHARD_OPTIMIZER_PLAN_ONLY.into(),
         )),
         (S::Auto, _) => Err(CliError::Usage(
             "--strategy auto does not name a layout: reshard to full-shard, shard-grad-op, \

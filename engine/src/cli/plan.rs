@@ -318,6 +318,9 @@ pub fn model_from_args(a: &PlanArgs) -> Result<ModelSpec, CliError> {
 
 /// Runs `fsdp plan`.
 pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
+    if let Some(o) = &args.output {
+        super::ckpt::check_output_file("-o", o)?;
+    }
     let spec = model_from_args(&args)?;
     args.seq_len = Some(args.seq_len.unwrap_or_else(|| default_seq_len(&spec)));
     let cfg = config_from_args(&args)?;

@@ -40,6 +40,11 @@ pub enum StrategyArg {
     /// Replicate everything; all-reduce gradients (DDP; alias ddp).
     #[value(alias = "ddp")]
     NoShard,
+    /// Shard only master weights and optimizer state (ZeRO-1; alias zero1): planned by
+    /// `fsdp plan`, refused by `fsdp train` and `fsdp ckpt reshard` (the engine does not run
+    /// it yet).
+    #[value(alias = "zero1")]
+    ShardOptimizer,
     /// Full shard inside groups of `--shard-size` ranks, replicated across groups (HSDP;
     /// alias hsdp).
     #[value(alias = "hsdp")]
@@ -244,6 +249,9 @@ impl TrainArgs {
                     "--shard-size {s} only applies to --strategy hybrid"
                 )))
             }
+            (StrategyArg::ShardOptimizer, _) => {
+                return Err(CliError::Usage(SHARD_OPTIMIZER_PLAN_ONLY.into()))
+            }
             (StrategyArg::FullShard, None) => Strategy::FullShard,
             (StrategyArg::ShardGradOp, None) => Strategy::ShardGradOp,
             (StrategyArg::NoShard, None) => Strategy::NoShard,
@@ -309,6 +317,11 @@ impl TrainArgs {
         })
     }
 }
+
+/// Why `--strategy shard-optimizer` (zero1) is refused outside `fsdp plan`.
+pub const SHARD_OPTIMIZER_PLAN_ONLY: &str = "--strategy shard-optimizer (zero1) is plan-only: \
+    `fsdp plan` plans ZeRO-1, the engine does not run it yet; use shard-grad-op (zero2), which \
+    also shards gradients, or full-shard (zero3)";
 
 /// Maps an engine error to the CLI's exit codes: bad input 2, failed run 1.
 pub fn cli_error(e: EngineError) -> CliError {

@@ -131,6 +131,17 @@ fn strategy_aliases_and_dtypes_are_the_same_everywhere() {
     let mut a = SMALL.to_vec();
     a.extend(["--param-dtype", "bfloat16"]);
     assert_eq!(fsdp(&a, &[]).0, 0);
+    // ZeRO-1 has one name everywhere: planned by plan, refused by train with the reason.
+    let (code, _, err) = out(&["plan", "--model", "tiny", "--strategy", "zero1"]);
+    assert_eq!(code, 0, "{err}");
+    let mut a = SMALL.to_vec();
+    a.extend(["--strategy", "zero1"]);
+    let (code, err) = fsdp(&a, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--strategy shard-optimizer (zero1) is plan-only"),
+        "{err}"
+    );
 }
 
 #[test]
