@@ -36,6 +36,23 @@ pub fn positive(s: &str) -> Result<f64, String> {
     Ok(v)
 }
 
+/// Parses a number of seconds in `(0, 1e6]` (`--comm-timeout`).
+///
+/// Errors: the rule and the fix, for clap's message.
+pub fn seconds(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of seconds; e.g. 60"))?;
+    if !(v.is_finite() && v > 0.0 && v <= super::train::MAX_WAIT_SECONDS) {
+        return Err(format!(
+            "must be a number of seconds in (0, {:e}], got {v}; e.g. 60",
+            super::train::MAX_WAIT_SECONDS
+        ));
+    }
+    Ok(v)
+}
+
 /// Parses a count `>= 1` (`--steps`, `--world-size`, `--micro-batch`, `--seq-len`,
 /// `--grad-accum`, `--threads-per-rank`, `--log-every`).
 ///
@@ -93,12 +110,12 @@ pub fn warmup_note(o: &TrainOptions) -> Option<String> {
     (o.warmup > o.steps).then(|| {
         format!(
             "note: --warmup {} is beyond --steps {}: the learning rate rises linearly for the whole \
-             run and ends at {:.3e}, below --lr {} (use --warmup {} or fewer to reach it)",
+             run and ends at {:.3e}, below --lr {} (a --warmup of at most {} reaches it)",
             o.warmup,
             o.steps,
             o.lr * o.steps as f64 / o.warmup as f64,
             o.lr,
-            o.steps / 10
+            o.steps
         )
     })
 }

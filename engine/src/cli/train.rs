@@ -139,7 +139,7 @@ pub struct TrainArgs {
     pub device: DeviceArg,
     /// Seconds a rank waits for its peers inside a collective before failing with an error
     /// that names them (`--backend mpi`; the thread backend waits 60 s).
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, default_value_t = 60.0, value_parser = super::checks::seconds)]
     pub comm_timeout: f64,
     /// Sharding strategy.
     #[arg(long, value_enum, default_value_t = StrategyArg::FullShard)]

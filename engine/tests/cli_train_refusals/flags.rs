@@ -30,6 +30,11 @@ fn hyperparameters_are_refused_at_parse_time() {
         ("--micro-batch", "0", "must be at least 1"),
         ("--threads-per-rank", "0", "must be at least 1"),
         ("--log-every", "0", "must be at least 1"),
+        (
+            "--comm-timeout",
+            "-1",
+            "must be a number of seconds in (0, 1e6]",
+        ),
     ] {
         let mut a = BASE.to_vec();
         let arg = format!("{flag}={value}");
