@@ -1,7 +1,8 @@
 //! Training text and the distributed sampler.
 //!
-//! - [`TextData`]: a text file mapped with memmap2 (or the project's own source and
-//!   documentation embedded at build time, [`TextData::embedded`]), tokenised as bytes: token
+//! - [`TextData`]: a text file, pipe, FIFO or standard input read whole into memory when it is
+//!   opened (or the project's own source and documentation embedded at build time,
+//!   [`TextData::embedded`]), tokenised as bytes: token
 //!   id = byte value (`u8 -> u32`, vocabulary 256). The last 10% of the bytes
 //!   (`len / 10`, rounded down) are the held-out validation split; the first 90% are the
 //!   training split.
@@ -18,7 +19,6 @@
 //!   windows.
 
 use candle_core::{Device, Tensor};
-use memmap2::Mmap;
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::fs::File;
@@ -43,7 +43,7 @@ pub enum DataError {
         /// The operating-system error.
         source: std::io::Error,
     },
-    /// The path names a directory (or another non-regular file), not a text file.
+    /// The path names a directory, not a text file.
     #[error("{path} is a directory, not a text file: pass a file, e.g. --data {path}/input.txt")]
     NotAFile {
         /// The path given.
@@ -54,6 +54,26 @@ pub enum DataError {
     Empty {
         /// The path given.
         path: PathBuf,
+    },
+    /// A pipe, FIFO or standard input ended before giving any byte.
+    #[error("{path} ({kind}) ended without giving a byte: nothing to train on (is the command writing into it producing output?)")]
+    EmptyStream {
+        /// The path given.
+        path: PathBuf,
+        /// What the path is (`a pipe or FIFO`, `a character device`, ...).
+        kind: &'static str,
+    },
+    /// The text is larger than the memory it may take (half of the memory available).
+    #[error("{path}: {read} bytes {how} exceed the {limit} bytes the training text may take in memory (half of MemAvailable); use a smaller file (e.g. `head -c {limit} {path} > part.txt`)")]
+    TooLarge {
+        /// The path given.
+        path: PathBuf,
+        /// `in the file` or `read so far from a pipe`.
+        how: &'static str,
+        /// Bytes (file size, or read so far from a stream).
+        read: u64,
+        /// The limit in bytes.
+        limit: u64,
     },
     /// A split is too short for one window of `seq_len + 1` bytes.
     #[error("{source_name}: the {split} split has {bytes} bytes, fewer than one window of seq_len + 1 = {need} bytes (the file has {total} bytes; validation is the last 10%)")]
@@ -83,12 +103,11 @@ pub enum DataError {
 }
 
 enum Bytes {
-    Mapped(Mmap),
     Static(&'static [u8]),
     Owned(Vec<u8>),
 }
 
-/// A byte-tokenised text: a memory-mapped file, the embedded corpus or an owned buffer.
+/// A byte-tokenised text: a file's bytes read at open, the embedded corpus or an owned buffer.
 /// Cloning is cheap (shared). Token ids are the byte values, `0..256`.
 #[derive(Clone)]
 pub struct TextData {
@@ -106,33 +125,116 @@ impl std::fmt::Debug for TextData {
 }
 
 impl TextData {
-    /// Maps the file at `path` read-only (memmap2; the file must not be truncated while
-    /// mapped). Errors: [`DataError::Io`] (missing, unreadable) or [`DataError::Empty`], both
-    /// naming the path.
+    /// Reads the text at `path` whole into memory: a regular file, or a pipe, FIFO, standard
+    /// input (`/dev/stdin`) or process substitution (`<(cat a.txt b.txt)`), read to its end.
+    /// The training text is a copy made here, so a file truncated, rewritten or replaced
+    /// during training changes nothing (and never faults the reader, as a memory map of a
+    /// truncated file would). Reading a stream prints a progress line on stderr every 64 MiB
+    /// and a final one. A text may take at most half of the memory available
+    /// ([`text_memory_limit`]).
+    ///
+    /// Errors, each naming the path: [`DataError::Io`] (missing, unreadable),
+    /// [`DataError::NotAFile`] (a directory), [`DataError::Empty`] (an empty regular file),
+    /// [`DataError::EmptyStream`] (a stream that gave no byte), [`DataError::TooLarge`].
     pub fn open(path: impl AsRef<Path>) -> Result<Self, DataError> {
+        use std::io::Read as _;
         let path = path.as_ref();
         let io = |source| DataError::Io {
             path: path.to_path_buf(),
             source,
         };
-        let file = File::open(path).map_err(io)?;
+        let mut file = File::open(path).map_err(io)?;
         let meta = file.metadata().map_err(io)?;
         if meta.is_dir() {
             return Err(DataError::NotAFile {
                 path: path.to_path_buf(),
             });
         }
-        let len = meta.len();
-        if len == 0 {
+        let limit = text_memory_limit();
+        let regular = meta.is_file();
+        let mut bytes = Vec::new();
+        if regular {
+            let len = meta.len();
+            if len == 0 {
+                return Err(DataError::Empty {
+                    path: path.to_path_buf(),
+                });
+            }
+            if len > limit {
+                return Err(DataError::TooLarge {
+                    path: path.to_path_buf(),
+                    how: "in the file",
+                    read: len,
+                    limit,
+                });
+            }
+            bytes.reserve_exact(len as usize);
+            // Bounded: a file that grows while being read is read up to the limit only.
+            file.by_ref()
+                .take(limit.saturating_add(1))
+                .read_to_end(&mut bytes)
+                .map_err(io)?;
+        } else {
+            const CHUNK: usize = 1 << 20;
+            const REPORT_EVERY: u64 = 64 << 20;
+            let mut next_report = REPORT_EVERY;
+            let mut buf = vec![0u8; CHUNK];
+            loop {
+                let n = match file.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => n,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(io(e)),
+                };
+                bytes.extend_from_slice(&buf[..n]);
+                let read = bytes.len() as u64;
+                if read > limit {
+                    return Err(DataError::TooLarge {
+                        path: path.to_path_buf(),
+                        how: "read so far from a stream",
+                        read,
+                        limit,
+                    });
+                }
+                if read >= next_report {
+                    eprintln!(
+                        "reading {} ({}): {} bytes so far",
+                        path.display(),
+                        stream_kind(&meta),
+                        fsdp_types::group_thousands(read)
+                    );
+                    next_report += REPORT_EVERY;
+                }
+            }
+            if bytes.is_empty() {
+                return Err(DataError::EmptyStream {
+                    path: path.to_path_buf(),
+                    kind: stream_kind(&meta),
+                });
+            }
+            eprintln!(
+                "read {} bytes from {} ({}) into memory",
+                fsdp_types::group_thousands(bytes.len() as u64),
+                path.display(),
+                stream_kind(&meta)
+            );
+        }
+        if bytes.len() as u64 > limit {
+            return Err(DataError::TooLarge {
+                path: path.to_path_buf(),
+                how: "in the file",
+                read: bytes.len() as u64,
+                limit,
+            });
+        }
+        if bytes.is_empty() {
+            // Truncated between the size check and the read.
             return Err(DataError::Empty {
                 path: path.to_path_buf(),
             });
         }
-        // SAFETY: read-only mapping of a regular file; the training text is not modified
-        // while it is being read (documented requirement above).
-        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
         Ok(TextData {
-            bytes: Arc::new(Bytes::Mapped(map)),
+            bytes: Arc::new(Bytes::Owned(bytes)),
             name: path.display().to_string(),
         })
     }
@@ -162,7 +264,6 @@ impl TextData {
     /// All bytes.
     pub fn bytes(&self) -> &[u8] {
         match &*self.bytes {
-            Bytes::Mapped(m) => m,
             Bytes::Static(s) => s,
             Bytes::Owned(v) => v,
         }
@@ -192,6 +293,50 @@ impl TextData {
     pub fn val(&self) -> &[u8] {
         &self.bytes()[self.split_at()..]
     }
+}
+
+/// Most bytes a training text may take in memory: half of the memory the kernel says is
+/// available (`MemAvailable`), or `u64::MAX` where that is unknown.
+pub fn text_memory_limit() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| {
+            t.lines().find_map(|l| {
+                let kib = l.strip_prefix("MemAvailable:")?.trim().strip_suffix("kB")?;
+                kib.trim().parse::<u64>().ok()
+            })
+        })
+        .map_or(u64::MAX, |kib| kib.saturating_mul(1024) / 2)
+}
+
+/// What a non-regular, non-directory file is, for messages.
+fn stream_kind(meta: &std::fs::Metadata) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt as _;
+        let t = meta.file_type();
+        if t.is_fifo() {
+            return "a pipe or FIFO";
+        }
+        if t.is_char_device() {
+            return "a character device";
+        }
+        if t.is_socket() {
+            return "a socket";
+        }
+    }
+    let _ = meta;
+    "not a regular file"
+}
+
+/// Size and modification time of the regular file at `path`, to tell whether it changed on
+/// disk since it was read; `None` for anything else (a stream, a missing file).
+pub fn file_stamp(path: &Path) -> Option<(u64, std::time::SystemTime)> {
+    let m = std::fs::metadata(path).ok()?;
+    if !m.is_file() {
+        return None;
+    }
+    Some((m.len(), m.modified().ok()?))
 }
 
 /// Shape of the data stream: the same on every rank.

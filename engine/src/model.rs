@@ -42,6 +42,7 @@ pub mod ops;
 use candle_core::{DType, Device, Tensor};
 use fsdp_planner::presets::{byte_gpt_config, gpt2_spec, openai_gpt2_config};
 use fsdp_planner::{Gpt2Config, ModelSpec};
+
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 

@@ -453,3 +453,111 @@ fn reshard_refuses_an_output_that_holds_checkpoints() {
     assert_eq!(code, 0, "{err}");
     assert!(empty.join(fsdp_checkpoints::LATEST_FILE).is_file());
 }
+
+#[test]
+fn consolidate_into_a_directory_is_refused_before_writing() {
+    let t = tempfile::tempdir().unwrap();
+    make_ckpt(&t.path().join("ck"), 2);
+    let out_dir = t.path().join("out");
+    std::fs::create_dir(&out_dir).unwrap();
+    let (code, _, err) = fsdp(&[
+        "ckpt",
+        "consolidate",
+        s(&t.path().join("ck")),
+        "-o",
+        s(&out_dir),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(&format!(
+            "-o {}: is a directory; give a file path",
+            s(&out_dir)
+        )),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_dir(&out_dir).unwrap().count(), 0);
+    assert_eq!(
+        std::fs::read_dir(t.path()).unwrap().count(),
+        2,
+        "nothing written beside it either"
+    );
+    let missing = t.path().join("no/such/dir/model.safetensors");
+    let (code, _, err) = fsdp(&[
+        "ckpt",
+        "consolidate",
+        s(&t.path().join("ck")),
+        "-o",
+        s(&missing),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("does not exist; create it first"), "{err}");
+}
+
+#[test]
+fn inspect_reports_a_newer_step_folder_without_manifest() {
+    let t = tempfile::tempdir().unwrap();
+    make_ckpt(t.path(), 2);
+    // A newer step directory whose manifest is gone, named by `latest`.
+    let newer = t.path().join("step-00000009");
+    std::fs::create_dir(&newer).unwrap();
+    std::fs::copy(
+        t.path().join("step-00000003/rank-00000.safetensors"),
+        newer.join("rank-00000.safetensors"),
+    )
+    .unwrap();
+    std::fs::write(t.path().join("latest"), "step-00000009\n").unwrap();
+    let (code, out, err) = fsdp(&["ckpt", "inspect", s(t.path())]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("step-00000003"), "{out}");
+    assert!(
+        err.contains(
+            "names step-00000009, which has no manifest.json (incomplete or damaged); using"
+        ) && err.contains("step-00000003"),
+        "{err}"
+    );
+}
+
+#[test]
+fn reshard_takes_the_strategy_names_of_train() {
+    let t = tempfile::tempdir().unwrap();
+    make_ckpt(&t.path().join("ck"), 2);
+    for (i, strategy) in ["zero3", "zero2", "ddp", "no-shard"].iter().enumerate() {
+        let d = t.path().join(format!("r{i}"));
+        let (code, out, err) = fsdp(&[
+            "ckpt",
+            "reshard",
+            s(&t.path().join("ck")),
+            "--world-size",
+            "2",
+            "--strategy",
+            strategy,
+            "-o",
+            s(&d),
+        ]);
+        assert_eq!(code, 0, "{strategy}: {err}");
+        let shard = if strategy.contains("zero") { 2 } else { 1 };
+        assert!(
+            out.contains(&format!(
+                "(world size 2 = shard {shard} x replicate {})",
+                2 / shard
+            )),
+            "{out}"
+        );
+    }
+    let (code, _, err) = fsdp(&[
+        "ckpt",
+        "reshard",
+        s(&t.path().join("ck")),
+        "--world-size",
+        "2",
+        "--strategy",
+        "zero1",
+        "-o",
+        s(&t.path().join("z")),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--strategy shard-optimizer (zero1) is plan-only"),
+        "{err}"
+    );
+}

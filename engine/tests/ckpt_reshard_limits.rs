@@ -81,3 +81,72 @@ fn reshard_refuses_huge_world_sizes_and_leaves_no_temp_dir() {
         .collect();
     assert!(names.iter().all(|n| !n.starts_with(".tmp-")), "{names:?}");
 }
+
+#[test]
+fn reshard_past_a_units_elements_needs_a_flag() {
+    // Two units: 26 and 5 elements.
+    let spec = ModelSpec {
+        name: "reshard-padding".into(),
+        arch: Architecture::Generic,
+        units: vec![
+            UnitSpec {
+                name: "enc".into(),
+                params: vec![
+                    ParamSpec::new("enc.A", &[7, 3]),
+                    ParamSpec::new("enc.B", &[5]),
+                ],
+            },
+            UnitSpec {
+                name: "head".into(),
+                params: vec![ParamSpec::new("head.b", &[5])],
+            },
+        ],
+    };
+    let layout = CheckpointLayout::full_shard(spec, 1, 1).unwrap();
+    let flats: Vec<Vec<FlatShard>> = layout
+        .units
+        .iter()
+        .map(|u| {
+            u.flat_params
+                .iter()
+                .map(|f| {
+                    let n = f.shard_numel().as_usize();
+                    FlatShard {
+                        param: vec![1.0; n],
+                        exp_avg: Some(vec![0.0; n]),
+                        exp_avg_sq: Some(vec![0.0; n]),
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let st = RankState { rank: 0, flats };
+    let t = tempfile::tempdir().unwrap();
+    let ck = t.path().join("ck");
+    save_checkpoint(&ck, &layout, &[st.as_refs()], &TrainState::default(), 1).unwrap();
+    let out = t.path().join("out");
+    let (code, err) = reshard(&ck, &out, "10");
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(
+            "shard size 10 exceeds the elements of 1 of 2 units (smallest: head, 5 elements)"
+        ) && err.contains("would write 10 rank files")
+            && err.contains("--allow-padding-ranks"),
+        "{err}"
+    );
+    assert!(!out.exists(), "nothing written on a refused reshard");
+    let o = Command::new(env!("CARGO_BIN_EXE_fsdp"))
+        .args(["ckpt", "reshard"])
+        .arg(&ck)
+        .args(["--world-size", "10", "--allow-padding-ranks", "-o"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(
+        err.starts_with("warning: --world-size 10: shard size 10"),
+        "{err}"
+    );
+    assert!(out.join("step-00000000/rank-00009.safetensors").is_file());
+}

@@ -59,7 +59,7 @@ fn losses(stdout: &str) -> Vec<(u64, u64)> {
     stdout
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v.get("step").is_some())
+        .filter(|v| v.get("step").is_some() && v.get("event").is_none())
         .map(|v| {
             (
                 v["step"].as_u64().unwrap(),
@@ -289,3 +289,7 @@ fn sigkill_at_random_moments_never_leaves_a_partial_checkpoint() {
     );
     eprintln!("{kills} SIGKILLs; newest checkpoint before finishing: step {last_step}");
 }
+
+/// Damaged and incomplete checkpoints, `--resume-from`, and resumes that change the data.
+#[path = "ckpt_train/recovery.rs"]
+mod recovery;

@@ -58,7 +58,7 @@ fn run(a: &[String]) -> (String, String) {
 fn steps(out: &str) -> Vec<(u64, u64, Option<u64>, bool)> {
     out.lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v.get("step").is_some())
+        .filter(|v| v.get("step").is_some() && v.get("event").is_none())
         .map(|v| {
             (
                 v["step"].as_u64().unwrap(),

@@ -115,7 +115,7 @@ fn cli_plan_bad_flags() {
     );
     bad(
         &["--model", "gpt2", "--param-dtype", "int8"],
-        "--param-dtype: unknown dtype `int8`",
+        "invalid value 'int8' for '--param-dtype <PARAM_DTYPE>'",
     );
     bad(
         &["--model", "gpt2", "--micro-batch", "0"],
@@ -133,7 +133,7 @@ fn cli_plan_bad_flags() {
     bad(&["--model", "gpt2", "--world-size", "-1"], "-1");
     bad(
         &["--model", "gpt2", "-o", "/nonexistent/dir/plan.txt"],
-        "cannot write /nonexistent/dir/plan.txt",
+        "-o /nonexistent/dir/plan.txt: the directory /nonexistent/dir does not exist",
     );
 }
 

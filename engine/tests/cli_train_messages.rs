@@ -60,7 +60,7 @@ fn data_directory_is_named_as_a_directory() {
 }
 
 #[test]
-fn piped_run_prints_one_line_per_evaluation() {
+fn piped_run_prints_a_line_per_evaluation_and_at_the_end() {
     let args = [
         "train",
         "--steps",
@@ -80,20 +80,22 @@ fn piped_run_prints_one_line_per_evaluation() {
     assert_eq!(code, 0, "{err}");
     let lines: Vec<&str> = out.lines().filter(|l| l.starts_with("step ")).collect();
     assert_eq!(lines.len(), 2, "{out}");
-    assert!(lines[0].starts_with("step 2/4 | train loss "), "{out}");
-    assert!(lines[1].starts_with("step 4/4 | train loss "), "{out}");
+    assert!(lines[0].starts_with("step 2/4 | loss "), "{out}");
+    assert!(lines[1].starts_with("step 4/4 | loss "), "{out}");
     let loss = |l: &str, key: &str| -> f64 {
         let rest = &l[l.find(key).unwrap() + key.len()..];
         rest.split_whitespace().next().unwrap().parse().unwrap()
     };
     for l in &lines {
         assert!(
-            l.contains(" | val loss ")
-                && l.contains(" tokens/s | comm exposed ")
-                && l.ends_with(" ms"),
+            l.contains(" val ")
+                && l.contains(" | lr ")
+                && l.contains(" tok/s | comm ")
+                && l.contains(" ms | mem "),
             "{l}"
         );
-        let (t, v) = (loss(l, "train loss "), loss(l, "val loss "));
+        assert!(l.len() < 100, "{l}");
+        let (t, v) = (loss(l, "| loss "), loss(l, " val "));
         // Byte-level model from scratch: near ln(256) = 5.55, finite and positive.
         assert!(t > 3.0 && t < 6.5 && v > 3.0 && v < 6.5, "{l}");
     }
@@ -109,3 +111,11 @@ fn piped_run_prints_one_line_per_evaluation() {
 /// executables down.
 #[path = "cli_train_messages/broken_pipe.rs"]
 mod broken_pipe;
+
+/// Training text from pipes, FIFOs and standard input; a data file changed during training.
+#[path = "cli_train_messages/data_sources.rs"]
+mod data_sources;
+
+/// `--log-every` lines and checkpoint save reports without a terminal.
+#[path = "cli_train_messages/progress.rs"]
+mod progress;

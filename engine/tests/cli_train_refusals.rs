@@ -10,6 +10,9 @@ use std::process::Command;
 #[path = "cli_train_refusals/auto.rs"]
 mod auto;
 
+#[path = "cli_train_refusals/flags.rs"]
+mod flags;
+
 fn fsdp(args: &[&str], env: &[(&str, &str)]) -> (i32, String) {
     let mut c = Command::new(env!("CARGO_BIN_EXE_fsdp"));
     c.args(args);

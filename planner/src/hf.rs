@@ -21,6 +21,15 @@ use std::path::{Path, PathBuf};
 /// Largest safetensors header accepted (100 MB, the limit of the reference implementation).
 pub const MAX_HEADER_BYTES: u64 = 100_000_000;
 
+/// Most transformer layers a `config.json` may declare. The spec and the plan hold a few
+/// hundred bytes per layer, so a mistyped count (1e6, 1e12) would take gigabytes or abort the
+/// allocation before any message; the largest published models have under 200 layers.
+pub const MAX_LAYERS: u64 = 10_000;
+
+/// Largest hidden, intermediate, vocabulary, head and position sizes a `config.json` may
+/// declare (2^24): products of two of them still fit the planner's u64 element counts.
+pub const MAX_DIM: u64 = 1 << 24;
+
 fn bad(file: &str, problem: impl Into<String>) -> PlanError {
     PlanError::BadFile {
         file: file.to_string(),
@@ -118,6 +127,21 @@ pub fn parse_hf_arch(text: &str, file: &str) -> Result<Architecture, PlanError> 
                 family: fam_name.to_string(),
             }),
             Some(x) => match x.as_u64() {
+                Some(n) if (k == "n_layer" || k == "num_hidden_layers") && n > MAX_LAYERS => {
+                    Err(bad(
+                        file,
+                        format!(
+                            "field `{k}` is {n}, above the limit of {MAX_LAYERS} layers (the \
+                             largest published models have under 200); check the value"
+                        ),
+                    ))
+                }
+                Some(n) if n > MAX_DIM => Err(bad(
+                    file,
+                    format!(
+                        "field `{k}` is {n}, above the limit of {MAX_DIM} (2^24); check the value"
+                    ),
+                )),
                 Some(n) if n > 0 => Ok(n),
                 _ => Err(bad(
                     file,

@@ -59,10 +59,11 @@ pub enum CkptAction {
         /// Target world size (ranks).
         #[arg(long)]
         world_size: u64,
-        /// Target strategy: full-shard, shard-grad-op (both S = W), no-shard / ddp (S = 1),
-        /// hybrid (needs --shard-size).
-        #[arg(long, default_value = "full-shard")]
-        strategy: String,
+        /// Target strategy, the names of `fsdp train`: full-shard (zero3), shard-grad-op
+        /// (zero2), both S = W; no-shard (ddp), S = 1; hybrid (hsdp, needs --shard-size).
+        /// shard-optimizer (zero1) is plan-only and refused.
+        #[arg(long, value_enum, default_value_t = super::train::StrategyArg::FullShard)]
+        strategy: super::train::StrategyArg,
         /// Shard-group size for `--strategy hybrid` (must divide the world size).
         #[arg(long)]
         shard_size: Option<u64>,
@@ -72,6 +73,10 @@ pub enum CkptAction {
         /// Output checkpoint root (a `step-N` directory and a `latest` pointer are written).
         #[arg(short, long)]
         output: PathBuf,
+        /// Write the checkpoint even when the shard size exceeds some unit's element count,
+        /// so that ranks from that count on hold only padding of that unit.
+        #[arg(long)]
+        allow_padding_ranks: bool,
     },
 }
 
@@ -134,26 +139,78 @@ pub fn check_reshard_size(
     Ok(())
 }
 
-/// Shard-group size of `strategy` at `world_size` (`--strategy` names of `fsdp train`).
+/// Shard-group size of `strategy` at `world_size` (the `--strategy` of `fsdp train`).
+///
+/// Errors: [`CliError::Usage`] for hybrid without `--shard-size`, `--shard-size` with another
+/// strategy, and `auto` (a checkpoint layout needs a definite strategy).
 pub fn shard_size_for(
-    strategy: &str,
+    strategy: super::train::StrategyArg,
     world_size: u64,
     shard_size: Option<u64>,
 ) -> Result<u64, CliError> {
+    use super::train::StrategyArg as S;
     match (strategy, shard_size) {
-        ("full-shard" | "shard-grad-op", None) => Ok(world_size),
-        ("no-shard" | "ddp", None) => Ok(1),
-        ("hybrid", Some(s)) => Ok(s),
-        ("hybrid", None) => Err(CliError::Usage(
-            "--strategy hybrid needs --shard-size".into(),
+        (S::FullShard | S::ShardGradOp, None) => Ok(world_size),
+        (S::NoShard, None) => Ok(1),
+        (S::Hybrid, Some(s)) => Ok(s),
+        (S::Hybrid, None) => Err(CliError::Usage(
+            "--strategy hybrid needs --shard-size S (S divides --world-size)".into(),
         )),
-        ("full-shard" | "shard-grad-op" | "no-shard" | "ddp", Some(_)) => Err(CliError::Usage(
-            format!("--shard-size is only valid with --strategy hybrid (got {strategy})"),
+        (S::ShardOptimizer, _) => Err(CliError::Usage(
+            super::train::SHARD_OPTIMIZER_PLAN_ONLY.into(),
         )),
-        (other, _) => Err(CliError::Usage(format!(
-            "unknown strategy `{other}` (expected full-shard, shard-grad-op, no-shard, ddp, hybrid)"
+        (S::Auto, _) => Err(CliError::Usage(
+            "--strategy auto does not name a layout: reshard to full-shard, shard-grad-op, \
+             no-shard or hybrid (fsdp train --resume reshards on load under auto)"
+                .into(),
+        )),
+        (other, Some(_)) => Err(CliError::Usage(format!(
+            "--shard-size only applies to --strategy hybrid (got {other:?})"
         ))),
     }
+}
+
+/// Refuses, unless `allowed` (`--allow-padding-ranks`), a reshard whose shard size exceeds
+/// the element count of some FSDP unit: the ranks from that count on hold nothing of that
+/// unit but padding. The message names how many units are affected, the smallest one, and
+/// the number of rank files the reshard would write.
+///
+/// Errors: [`CliError::Usage`] with the numbers and the two ways on.
+pub fn check_padding_ranks(
+    src: &CheckpointLayout,
+    world_size: u64,
+    shard_size: u64,
+    allowed: bool,
+) -> Result<(), CliError> {
+    let mut sizes: Vec<(String, u64)> =
+        src.spec.units.iter().map(|u| (u.name.clone(), 0)).collect();
+    for (u, _, f) in src.flat_params() {
+        sizes[u].1 += f.unpadded_numel.0;
+    }
+    let short: Vec<&(String, u64)> = sizes.iter().filter(|(_, n)| *n < shard_size).collect();
+    let Some((name, smallest)) = short.iter().min_by_key(|(_, n)| *n).map(|x| (*x).clone()) else {
+        return Ok(());
+    };
+    let g = fsdp_types::group_thousands;
+    let msg = format!(
+        "--world-size {world_size}: shard size {} exceeds the elements of {} of {} units \
+         (smallest: {name}, {} elements), so ranks from there on hold only their padding; the \
+         reshard would write {} rank files",
+        g(shard_size),
+        short.len(),
+        sizes.len(),
+        g(smallest),
+        g(shard_size)
+    );
+    if allowed {
+        eprintln!("warning: {msg} (--allow-padding-ranks)");
+        return Ok(());
+    }
+    Err(CliError::Usage(format!(
+        "{msg}; use a shard size of at most {} elements (--world-size, or --strategy hybrid \
+         --shard-size), or pass --allow-padding-ranks to write it anyway",
+        g(smallest)
+    )))
 }
 
 /// Runs `fsdp ckpt`.
@@ -165,8 +222,11 @@ pub fn run(args: CkptArgs) -> Result<(), CliError> {
             output,
             optimizer_out,
         } => {
-            let ck = Checkpoint::open(&dir, Verify::Checksums)?;
-            ck.verify_all()?;
+            check_output_file("-o", &output)?;
+            if let Some(o) = &optimizer_out {
+                check_output_file("--optimizer-out", o)?;
+            }
+            let ck = open_verified(&dir)?;
             let rep = consolidate_to_file(&ck, &output)?;
             println!(
                 "consolidated {} (step {}, world size {}) -> {}: {} tensors, {} elements, {}",
@@ -194,6 +254,7 @@ pub fn run(args: CkptArgs) -> Result<(), CliError> {
             shard_size,
             alignment,
             output,
+            allow_padding_ranks,
         } => {
             if world_size == 0 {
                 return Err(CliError::Usage("--world-size must be at least 1".into()));
@@ -203,11 +264,17 @@ pub fn run(args: CkptArgs) -> Result<(), CliError> {
                     "--world-size {world_size} exceeds the planner's limit of {MAX_WORLD_SIZE} ranks"
                 )));
             }
-            let s = shard_size_for(&strategy, world_size, shard_size)?;
-            let ck = Checkpoint::open(&dir, Verify::Checksums)?;
-            ck.verify_all()?;
+            let s = shard_size_for(strategy, world_size, shard_size)?;
+            if output.exists() && !output.is_dir() {
+                return Err(CliError::Usage(format!(
+                    "-o {}: exists and is not a directory; give a new or empty directory",
+                    output.display()
+                )));
+            }
+            let ck = open_verified(&dir)?;
             let src = ck.layout();
             check_reshard_size(src, world_size, s)?;
+            check_padding_ranks(src, world_size, s, allow_padding_ranks)?;
             let target = CheckpointLayout::new(
                 src.spec.clone(),
                 world_size,
@@ -256,8 +323,7 @@ fn emit(text: &str) -> Result<(), CliError> {
 }
 
 fn inspect(dir: &std::path::Path, json: bool) -> Result<(), CliError> {
-    let ck = Checkpoint::open(dir, Verify::Checksums)?;
-    ck.verify_all()?;
+    let ck = open_verified(dir)?;
     let m = ck.manifest();
     let mut o = String::new();
     if json {
@@ -522,12 +588,174 @@ pub struct TrainCkptArgs {
     /// The run continues exactly: same losses and parameters as an uninterrupted run with the
     /// same flags. A different --world-size / --strategy reshards the state on load. A
     /// checkpoint already at or past --steps: "nothing to train", exit 0.
+    /// A newest checkpoint that is damaged or incomplete is refused, naming it and the newest
+    /// intact one (see --resume-from).
     #[arg(long, requires = "ckpt_dir")]
     pub resume: bool,
+    /// Resume (as --resume) from checkpoint step STEP of --ckpt-dir, or from the newest intact
+    /// one with `latest-valid`. Newer step directories (damaged, or from the abandoned run)
+    /// are kept, moved aside as `step-N.damaged` / `step-N.superseded` at the first save, so
+    /// new checkpoints and `latest` never mix with them.
+    #[arg(long, value_name = "STEP|latest-valid", requires = "ckpt_dir")]
+    pub resume_from: Option<String>,
     /// Start from the parameters of a full safetensors file (e.g. `fsdp ckpt consolidate`
     /// output), strict key matching; fresh optimizer state.
-    #[arg(long, conflicts_with = "resume")]
+    #[arg(long, conflicts_with_all = ["resume", "resume_from"])]
     pub init_from: Option<PathBuf>,
+}
+
+/// Which checkpoint a resume starts from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResumeFrom {
+    /// The newest checkpoint; refused when it is damaged or incomplete (`--resume`).
+    Newest,
+    /// The newest checkpoint that opens and verifies (`--resume-from latest-valid`).
+    LatestValid,
+    /// The checkpoint of this step (`--resume-from STEP`).
+    Step(u64),
+}
+
+impl TrainCkptArgs {
+    /// The resume these flags ask for, `None` for a fresh run.
+    ///
+    /// Errors: [`CliError::Usage`] for a `--resume-from` value that is neither a step number
+    /// nor `latest-valid`.
+    pub fn resume_mode(&self) -> Result<Option<ResumeFrom>, CliError> {
+        match self.resume_from.as_deref().map(str::trim) {
+            Some("latest-valid") => Ok(Some(ResumeFrom::LatestValid)),
+            Some(v) => v
+                .parse::<u64>()
+                .map(|s| Some(ResumeFrom::Step(s)))
+                .map_err(|_| {
+                    CliError::Usage(format!(
+                    "--resume-from {v}: expected a checkpoint step (e.g. --resume-from 20, see \
+                     `fsdp ckpt inspect DIR`) or `latest-valid` (the newest intact checkpoint)"
+                ))
+                }),
+            None if self.resume => Ok(Some(ResumeFrom::Newest)),
+            None => Ok(None),
+        }
+    }
+}
+
+/// A `step-N` directory under a checkpoint root.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepDir {
+    /// The step N.
+    pub step: u64,
+    /// The directory.
+    pub path: PathBuf,
+    /// Whether it holds `manifest.json` (a save writes it last: without it the directory is
+    /// incomplete or damaged).
+    pub has_manifest: bool,
+}
+
+/// Every `step-N` directory under `root` (with or without a manifest), newest first.
+///
+/// Errors: [`CliError::Usage`] when `root` cannot be listed.
+pub fn step_dirs(root: &Path) -> Result<Vec<StepDir>, CliError> {
+    let rd = std::fs::read_dir(root)
+        .map_err(|e| CliError::Usage(format!("cannot list {}: {e}", root.display())))?;
+    let mut out = Vec::new();
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if let Some(step) = fsdp_checkpoints::parse_step_dir(&name) {
+            if e.path().is_dir() {
+                out.push(StepDir {
+                    step,
+                    has_manifest: e.path().join(fsdp_checkpoints::MANIFEST_FILE).is_file(),
+                    path: e.path(),
+                });
+            }
+        }
+    }
+    out.sort_by_key(|d| std::cmp::Reverse(d.step));
+    Ok(out)
+}
+
+/// Warnings about what resolving the checkpoint root `root` to `chosen` passed over: a
+/// `latest` pointer naming a directory that is missing or has no manifest, and step
+/// directories newer than `chosen` without a manifest. Empty when `root` is itself a
+/// checkpoint directory.
+pub fn passed_over(root: &Path, chosen: &Path) -> Vec<String> {
+    let mut w = Vec::new();
+    if root.join(fsdp_checkpoints::MANIFEST_FILE).is_file() {
+        return w;
+    }
+    let chosen_step = chosen
+        .file_name()
+        .and_then(|n| fsdp_checkpoints::parse_step_dir(&n.to_string_lossy()))
+        .unwrap_or(0);
+    let latest = root.join(fsdp_checkpoints::LATEST_FILE);
+    let mut named = None;
+    if let Ok(t) = std::fs::read_to_string(&latest) {
+        let name = t.trim().to_string();
+        let d = root.join(&name);
+        if d != chosen {
+            let why = if d.is_dir() {
+                "has no manifest.json (incomplete or damaged)"
+            } else {
+                "does not exist"
+            };
+            w.push(format!(
+                "warning: {} names {name}, which {why}; using {}",
+                latest.display(),
+                chosen.display()
+            ));
+            named = Some(d);
+        }
+    }
+    for d in step_dirs(root).unwrap_or_default() {
+        if d.step > chosen_step && !d.has_manifest && Some(&d.path) != named.as_ref() {
+            w.push(format!(
+                "warning: {} has no manifest.json (incomplete or damaged), newer than {}; using {}",
+                d.path.display(),
+                chosen.display(),
+                chosen.display()
+            ));
+        }
+    }
+    w
+}
+
+/// Opens the checkpoint at `dir` (a step directory or a root) as every `fsdp ckpt` action
+/// does, printing on stderr what [`passed_over`] finds, then verifies every file.
+///
+/// Errors: any [`CkptError`] as [`CliError::Usage`].
+fn open_verified(dir: &Path) -> Result<Checkpoint, CliError> {
+    let ck = Checkpoint::open(dir, Verify::Checksums)?;
+    for w in passed_over(dir, ck.dir()) {
+        eprintln!("{w}");
+    }
+    ck.verify_all()?;
+    Ok(ck)
+}
+
+/// Refuses an output file path that cannot be written, before any work: an existing
+/// directory, or a parent directory that does not exist. `flag` names the flag in messages.
+///
+/// Errors: [`CliError::Usage`] naming the flag, the path and the fix.
+pub fn check_output_file(flag: &str, path: &Path) -> Result<(), CliError> {
+    if path.is_dir() {
+        return Err(CliError::Usage(format!(
+            "{flag} {}: is a directory; give a file path, e.g. {flag} {}",
+            path.display(),
+            path.join("model.safetensors").display()
+        )));
+    }
+    let parent = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if !parent.is_dir() {
+        return Err(CliError::Usage(format!(
+            "{flag} {}: the directory {} does not exist; create it first (mkdir -p {})",
+            path.display(),
+            parent.display(),
+            parent.display()
+        )));
+    }
+    Ok(())
 }
 
 /// Reads `--init-from FILE` for `spec`: strict key matching (missing, unexpected or misshapen
@@ -589,7 +817,27 @@ pub struct CheckpointHooks {
     layout: CheckpointLayout,
     resume_from: Option<Checkpoint>,
     train: fsdp_checkpoints::TrainState,
+    /// Step directories newer than the resumed checkpoint and where rank 0 moves them before
+    /// the first save (`--resume-from`); emptied once done.
+    set_aside: std::sync::Mutex<Vec<(PathBuf, PathBuf)>>,
+    on_save: Option<SaveCallback>,
 }
+
+/// What a completed checkpoint save reports (rank 0): [`CheckpointHooks::on_save`].
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct SaveReport {
+    /// The step saved.
+    pub step: u64,
+    /// The checkpoint directory written.
+    pub path: PathBuf,
+    /// Bytes of its files (rank files and manifest).
+    pub bytes: u64,
+    /// Wall time of the save, from the first rank's export to `latest` updated.
+    pub seconds: f64,
+}
+
+/// The callback [`CheckpointHooks::on_save`] installs.
+pub type SaveCallback = Box<dyn Fn(&SaveReport) + Send + Sync>;
 
 impl std::fmt::Debug for CheckpointHooks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -603,9 +851,10 @@ impl std::fmt::Debug for CheckpointHooks {
 
 impl CheckpointHooks {
     /// Builds the hooks of a run with options `o` (after `--init-from` was applied) and flags
-    /// `a`. With `--resume`, opens the newest complete checkpoint of `--ckpt-dir`, verifies
-    /// every checksum and checks that it holds this model and was trained with this `--seed`
-    /// (the data order depends on it), before any rank starts.
+    /// `a`. With `--resume` / `--resume-from`, picks the checkpoint ([`choose_resume`]),
+    /// verifies every checksum and checks that it holds this model and was trained with this
+    /// `--seed` (the data order depends on it), before any rank starts; prints on stderr what
+    /// the resume changes ([`super::checks::resume_changes`]).
     ///
     /// Errors: [`CliError::Usage`] (exit 2) for any checkpoint problem, naming the file.
     pub fn new(a: &TrainCkptArgs, o: &crate::train::TrainOptions) -> Result<Self, CliError> {
@@ -618,19 +867,27 @@ impl CheckpointHooks {
             check_ckpt_dir(root)?;
         }
         let mut resume_from = None;
-        if a.resume {
+        let mut set_aside = Vec::new();
+        if let Some(mode) = a.resume_mode()? {
             let root = a
                 .ckpt_dir
                 .as_deref()
-                .expect("clap: --resume requires --ckpt-dir");
-            let has_any = root.is_dir()
-                && (root.join(fsdp_checkpoints::LATEST_FILE).is_file()
-                    || root.join(fsdp_checkpoints::MANIFEST_FILE).is_file()
-                    || !fsdp_checkpoints::list_checkpoints(root)?.is_empty());
-            if has_any {
-                let ck = Checkpoint::open(root, Verify::Checksums)?;
-                ck.verify_all()?;
-                ck.check_model(spec)?;
+                .expect("clap: --resume / --resume-from require --ckpt-dir");
+            let dirs = step_dirs(root)?;
+            if dirs.is_empty() && mode != ResumeFrom::Newest {
+                return Err(CliError::Usage(format!(
+                    "--resume-from {}: {} holds no checkpoint (no step-N directory)",
+                    a.resume_from.as_deref().unwrap_or(""),
+                    root.display()
+                )));
+            }
+            if dirs.is_empty() {
+                eprintln!(
+                    "no checkpoint in {} yet: starting from step 0",
+                    root.display()
+                );
+            } else {
+                let (ck, aside) = choose_resume(root, &dirs, mode, spec)?;
                 let saved_seed = ck.manifest().train.extra.get("seed").cloned();
                 if let Some(s) = saved_seed.filter(|s| *s != o.seed.to_string()) {
                     return Err(CliError::Usage(format!(
@@ -657,12 +914,23 @@ impl CheckpointHooks {
                         );
                     }
                 }
+                for line in super::checks::resume_changes(
+                    &ck.manifest().train.extra,
+                    ck.manifest().world_size,
+                    ck.manifest().train.step,
+                    o,
+                ) {
+                    eprintln!("note: resuming with {line}");
+                }
+                for (from, to) in &aside {
+                    eprintln!(
+                        "note: {} is newer than the checkpoint resumed; it is kept and moved to {} at the first save",
+                        from.display(),
+                        to.display()
+                    );
+                }
+                set_aside = aside;
                 resume_from = Some(ck);
-            } else {
-                eprintln!(
-                    "no checkpoint in {} yet: starting from step 0",
-                    root.display()
-                );
             }
         }
         let mut extra = std::collections::BTreeMap::new();
@@ -711,7 +979,162 @@ impl CheckpointHooks {
             layout,
             resume_from,
             train,
+            set_aside: std::sync::Mutex::new(set_aside),
+            on_save: None,
         })
+    }
+
+    /// Calls `f` on rank 0 after every completed save (`fsdp train` prints `saved step N to
+    /// DIR in S s`, or a `{"event": "checkpoint", ...}` line with `--json`).
+    pub fn on_save(&mut self, f: SaveCallback) {
+        self.on_save = Some(f);
+    }
+}
+
+/// A name beside `dir` for setting it aside: `step-N.<what>`, then `step-N.<what>.2`, ... up
+/// to the first that does not exist.
+fn aside_name(dir: &Path, what: &str) -> PathBuf {
+    let base = format!("{}.{what}", dir.display());
+    let mut p = PathBuf::from(&base);
+    let mut i = 2;
+    while p.exists() {
+        p = PathBuf::from(format!("{base}.{i}"));
+        i += 1;
+    }
+    p
+}
+
+/// Opens and fully verifies the checkpoint directory `dir` for `spec`.
+fn open_intact(dir: &Path, spec: &fsdp_planner::ModelSpec) -> Result<Checkpoint, CkptError> {
+    let ck = Checkpoint::open(dir, Verify::Checksums)?;
+    ck.verify_all()?;
+    ck.check_model(spec)?;
+    Ok(ck)
+}
+
+/// Picks the checkpoint a resume starts from among `dirs` (the step directories of `root`,
+/// newest first, from [`step_dirs`]) and the newer step directories to set aside before the
+/// first save (damaged ones as `step-N.damaged`, intact ones as `step-N.superseded`).
+///
+/// - [`ResumeFrom::Newest`]: the newest step directory (or the one `latest` names, if newer
+///   is absent); when it is damaged or incomplete, refuses, naming it, the error and the
+///   newest intact checkpoint with the flag that resumes from it.
+/// - [`ResumeFrom::LatestValid`]: the newest that opens and verifies; each damaged newer one
+///   is named on stderr.
+/// - [`ResumeFrom::Step`]: that step's directory, which must be intact.
+///
+/// Errors: [`CliError::Usage`] (exit 2) naming the directories.
+pub fn choose_resume(
+    root: &Path,
+    dirs: &[StepDir],
+    mode: ResumeFrom,
+    spec: &fsdp_planner::ModelSpec,
+) -> Result<(Checkpoint, Vec<(PathBuf, PathBuf)>), CliError> {
+    let why = |d: &StepDir| -> Option<String> {
+        if !d.has_manifest {
+            return Some("no manifest.json (incomplete or damaged)".into());
+        }
+        open_intact(&d.path, spec).err().map(|e| e.to_string())
+    };
+    let newest_intact = |skip: usize| -> Option<(usize, Checkpoint)> {
+        dirs.iter()
+            .enumerate()
+            .skip(skip)
+            .find_map(|(i, d)| open_intact(&d.path, spec).ok().map(|c| (i, c)))
+    };
+    let aside_of = |upto: usize, damaged: &[usize]| -> Vec<(PathBuf, PathBuf)> {
+        dirs[..upto]
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let what = if damaged.contains(&i) {
+                    "damaged"
+                } else {
+                    "superseded"
+                };
+                (d.path.clone(), aside_name(&d.path, what))
+            })
+            .collect()
+    };
+    match mode {
+        ResumeFrom::Newest => {
+            let newest = &dirs[0];
+            let latest = root.join(fsdp_checkpoints::LATEST_FILE);
+            let pointer = std::fs::read_to_string(&latest)
+                .ok()
+                .map(|t| t.trim().to_string());
+            if let Some(problem) = why(newest) {
+                let pointer_note = match &pointer {
+                    Some(p) if root.join(p) == newest.path => " (`latest` names it)".to_string(),
+                    _ => String::new(),
+                };
+                let hint = match newest_intact(1) {
+                    Some((_, ck)) => format!(
+                        "the newest intact checkpoint is {} (step {}): resume from it with \
+                         --resume-from latest-valid (or --resume-from {}), which keeps {}, moved \
+                         aside as {}.damaged",
+                        ck.dir().display(),
+                        ck.manifest().train.step,
+                        ck.manifest().train.step,
+                        newest.path.display(),
+                        newest.path.display()
+                    ),
+                    None => format!(
+                        "no older checkpoint in {} is intact either; start over without \
+                         --resume in a new --ckpt-dir",
+                        root.display()
+                    ),
+                };
+                return Err(CliError::Usage(format!(
+                    "cannot resume from the newest checkpoint {}{pointer_note}: {problem}; {hint}",
+                    newest.path.display()
+                )));
+            }
+            let ck = open_intact(&newest.path, spec)?;
+            for w in passed_over(root, ck.dir()) {
+                eprintln!("{w}");
+            }
+            Ok((ck, Vec::new()))
+        }
+        ResumeFrom::LatestValid => {
+            let Some((i, ck)) = newest_intact(0) else {
+                return Err(CliError::Usage(format!(
+                    "--resume-from latest-valid: none of the {} checkpoints in {} is intact; \
+                     start over without --resume in a new --ckpt-dir",
+                    dirs.len(),
+                    root.display()
+                )));
+            };
+            let damaged: Vec<usize> = (0..i).collect();
+            for d in &dirs[..i] {
+                eprintln!(
+                    "warning: skipping {}: {}",
+                    d.path.display(),
+                    why(d).unwrap_or_else(|| "damaged".into())
+                );
+            }
+            Ok((ck, aside_of(i, &damaged)))
+        }
+        ResumeFrom::Step(step) => {
+            let Some(i) = dirs.iter().position(|d| d.step == step) else {
+                let have: Vec<String> = dirs.iter().rev().map(|d| d.step.to_string()).collect();
+                return Err(CliError::Usage(format!(
+                    "--resume-from {step}: {} has no checkpoint of step {step} (steps there: {})",
+                    root.display(),
+                    have.join(", ")
+                )));
+            };
+            if let Some(problem) = why(&dirs[i]) {
+                return Err(CliError::Usage(format!(
+                    "--resume-from {step}: {}: {problem}; pick another step or --resume-from \
+                     latest-valid",
+                    dirs[i].path.display()
+                )));
+            }
+            let ck = open_intact(&dirs[i].path, spec)?;
+            let damaged: Vec<usize> = (0..i).filter(|&k| why(&dirs[k]).is_some()).collect();
+            Ok((ck, aside_of(i, &damaged)))
+        }
     }
 }
 
@@ -735,6 +1158,23 @@ fn check_ckpt_dir(root: &std::path::Path) -> Result<(), CliError> {
             root.display()
         )));
     }
+    if root.join(fsdp_checkpoints::MANIFEST_FILE).is_file() {
+        let parent = root
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let step = root
+            .file_name()
+            .and_then(|n| fsdp_checkpoints::parse_step_dir(&n.to_string_lossy()));
+        return Err(CliError::Usage(format!(
+            "--ckpt-dir {}: is a checkpoint (it holds manifest.json), not a checkpoint root: new \
+             checkpoints and `latest` would be written inside it; use --ckpt-dir {}{}",
+            root.display(),
+            parent.display(),
+            step.map(|s| format!(" --resume-from {s}"))
+                .unwrap_or_default()
+        )));
+    }
     std::fs::create_dir_all(root).map_err(|e| bad("cannot create the directory", e))?;
     let probe = root.join(format!(".fsdp-write-probe-{}", std::process::id()));
     std::fs::write(&probe, b"").map_err(|e| bad("cannot write into the directory", e))?;
@@ -750,6 +1190,42 @@ impl CheckpointHooks {
         self.resume_from
             .as_ref()
             .map(|ck| (ck.manifest().train.step, ck.dir()))
+    }
+}
+
+/// Total bytes of the files directly in `dir` (0 for what cannot be read).
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.metadata().ok())
+                .filter(|m| m.is_file())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+impl CheckpointHooks {
+    /// Rank 0, before the first save of a `--resume-from` run: moves the newer step
+    /// directories aside (kept, renamed) so that the new checkpoints, `latest` and pruning
+    /// never mix with them.
+    fn move_aside(&self) -> Result<(), String> {
+        let mut pending = self
+            .set_aside
+            .lock()
+            .map_err(|_| "set-aside list poisoned".to_string())?;
+        for (from, to) in pending.drain(..) {
+            std::fs::rename(&from, &to).map_err(|e| {
+                format!(
+                    "cannot move {} aside to {}: {e}",
+                    from.display(),
+                    to.display()
+                )
+            })?;
+            eprintln!("moved {} aside to {}", from.display(), to.display());
+        }
+        Ok(())
     }
 }
 
@@ -804,6 +1280,7 @@ impl crate::train::TrainHooks for CheckpointHooks {
             return Ok(());
         }
         let rank = rank as u64;
+        let t0 = std::time::Instant::now();
         let fail = |what: &str, e: String| {
             crate::error::EngineError::State(format!(
                 "checkpoint of step {step} in {}: {what}: {e}",
@@ -817,9 +1294,12 @@ impl crate::train::TrainHooks for CheckpointHooks {
             .map_err(|e| e.to_string())
             .and_then(|s| engine_to_ckpt(&self.layout, &s).map_err(|e| e.to_string()));
         let begun = if rank == 0 {
-            fsdp_checkpoints::begin_save(root, &self.layout, step)
+            self.move_aside()
+                .and_then(|()| {
+                    fsdp_checkpoints::begin_save(root, &self.layout, step)
+                        .map_err(|e| e.to_string())
+                })
                 .map(Some)
-                .map_err(|e| e.to_string())
         } else {
             Ok(None)
         };
@@ -895,7 +1375,19 @@ impl crate::train::TrainHooks for CheckpointHooks {
                 t.extra
                     .insert("loss_scale_clean_steps".into(), sc.clean_steps.to_string());
             }
-            local_err = p.commit(&t, self.keep_last).err().map(|e| e.to_string());
+            match p.commit(&t, self.keep_last) {
+                Ok(dir) => {
+                    if let Some(f) = &self.on_save {
+                        f(&SaveReport {
+                            step,
+                            bytes: dir_bytes(&dir),
+                            path: dir,
+                            seconds: t0.elapsed().as_secs_f64(),
+                        });
+                    }
+                }
+                Err(e) => local_err = Some(e.to_string()),
+            }
         }
         let ok = engine.barrier_with_status(local_err.is_none() as u8 as f64)?;
         if ok.contains(&0.0) {

@@ -3,9 +3,11 @@
 
 use clap::{Parser, Subcommand};
 
+pub mod checks;
 pub mod ckpt;
 pub mod launch;
 pub mod plan;
+pub mod progress;
 pub mod train;
 
 /// Errors surfaced by the CLI, with the exit code each maps to.

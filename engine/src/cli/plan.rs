@@ -6,7 +6,7 @@
 use super::CliError;
 use fsdp_planner::config::{ActivationModel, GradSync, Optimizer, PlanConfig, Strategy};
 use fsdp_planner::{hf, plan, preset, report, Architecture, ModelSpec, PlanError};
-use fsdp_types::{Bytes, DType};
+use fsdp_types::Bytes;
 use std::path::PathBuf;
 
 /// Output format of `fsdp plan`.
@@ -23,17 +23,23 @@ pub enum Format {
 /// Sharding strategy names on the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum StrategyArg {
-    /// Shard params, grads, optimizer state; reshard after forward (ZeRO-3).
+    /// Shard params, grads, optimizer state; reshard after forward (ZeRO-3; alias zero3).
+    #[value(alias = "zero3")]
     FullShard,
-    /// Shard grads and optimizer state; keep params unsharded after forward (ZeRO-2).
+    /// Shard grads and optimizer state; keep params unsharded after forward (ZeRO-2; alias
+    /// zero2).
+    #[value(alias = "zero2")]
     ShardGradOp,
     /// Shard optimizer state and master weights only; params and grads stay replicated
     /// (ZeRO-1). Plan only: `fsdp train` cannot execute it.
     #[value(alias = "zero1")]
     ShardOptimizer,
-    /// Replicate everything (DDP).
+    /// Replicate everything (DDP; alias ddp).
+    #[value(alias = "ddp")]
     NoShard,
-    /// Full shard inside groups of --shard-size ranks, replicated across groups.
+    /// Full shard inside groups of --shard-size ranks, replicated across groups (HSDP; alias
+    /// hsdp).
+    #[value(alias = "hsdp")]
     Hybrid,
     /// The fastest strategy that fits --device-memory.
     Auto,
@@ -135,12 +141,12 @@ pub struct PlanArgs {
     /// Unit-level activation checkpointing (`on`/`off`; default: the strategy's).
     #[arg(long, value_enum, value_name = "on|off", help = CHECKPOINTING_HELP)]
     pub activation_checkpointing: Option<CheckpointingArg>,
-    /// dtype of unsharded params in forward/backward: f32, bf16, f16.
-    #[arg(long, default_value = "f32")]
-    pub param_dtype: String,
-    /// dtype of gradient reduction: f32, bf16, f16.
-    #[arg(long, default_value = "f32")]
-    pub reduce_dtype: String,
+    /// dtype of unsharded params in forward/backward (as `fsdp train`).
+    #[arg(long, value_enum, default_value_t = super::train::DTypeArg::F32)]
+    pub param_dtype: super::train::DTypeArg,
+    /// dtype of gradient reduction (as `fsdp train`).
+    #[arg(long, value_enum, default_value_t = super::train::DTypeArg::F32)]
+    pub reduce_dtype: super::train::DTypeArg,
     /// Optimizer.
     #[arg(long, value_enum, default_value_t = OptimizerArg::Adamw)]
     pub optimizer: OptimizerArg,
@@ -190,17 +196,20 @@ pub struct PlanArgs {
 ///
 /// Errors: [`CliError::Usage`] (exit 2) naming the flag and the value.
 pub fn parse_device_memory(s: &str) -> Result<Bytes, CliError> {
-    s.parse::<Bytes>()
-        .map_err(|e| CliError::Usage(format!("--device-memory: {e}")))
+    let b = s
+        .parse::<Bytes>()
+        .map_err(|e| CliError::Usage(format!("--device-memory: {e}")))?;
+    if b.0 == 0 {
+        return Err(CliError::Usage(format!(
+            "--device-memory {s}: a device of 0 bytes holds nothing; give the memory of one \
+             device (per rank), e.g. 80GiB, or leave the flag out"
+        )));
+    }
+    Ok(b)
 }
 
 fn usage(e: PlanError) -> CliError {
     CliError::Usage(e.to_string())
-}
-
-fn dtype(flag: &str, v: &str) -> Result<DType, CliError> {
-    v.parse::<DType>()
-        .map_err(|e| CliError::Usage(format!("--{flag}: {e}")))
 }
 
 /// Builds the planner configuration from the flags. Errors: `CliError::Usage`.
@@ -245,8 +254,8 @@ pub fn config_from_args(a: &PlanArgs) -> Result<PlanConfig, CliError> {
     let cfg = PlanConfig {
         world_size: a.world_size,
         strategy,
-        param_dtype: dtype("param-dtype", &a.param_dtype)?,
-        reduce_dtype: dtype("reduce-dtype", &a.reduce_dtype)?,
+        param_dtype: a.param_dtype.dtype(),
+        reduce_dtype: a.reduce_dtype.dtype(),
         optimizer: match a.optimizer {
             OptimizerArg::Adamw => Optimizer::AdamW,
             OptimizerArg::Sgd => Optimizer::Sgd {
@@ -309,6 +318,9 @@ pub fn model_from_args(a: &PlanArgs) -> Result<ModelSpec, CliError> {
 
 /// Runs `fsdp plan`.
 pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
+    if let Some(o) = &args.output {
+        super::ckpt::check_output_file("-o", o)?;
+    }
     let spec = model_from_args(&args)?;
     args.seq_len = Some(args.seq_len.unwrap_or_else(|| default_seq_len(&spec)));
     let cfg = config_from_args(&args)?;

@@ -30,13 +30,24 @@ use std::path::PathBuf;
 /// Sharding strategy names on the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum StrategyArg {
-    /// Shard params, grads and optimizer state; reshard after forward (ZeRO-3).
+    /// Shard params, grads and optimizer state; reshard after forward (ZeRO-3; alias zero3).
+    #[value(alias = "zero3")]
     FullShard,
-    /// Shard grads and optimizer state; keep params unsharded from forward to backward (ZeRO-2).
+    /// Shard grads and optimizer state; keep params unsharded from forward to backward
+    /// (ZeRO-2; alias zero2).
+    #[value(alias = "zero2")]
     ShardGradOp,
-    /// Replicate everything; all-reduce gradients (DDP).
+    /// Replicate everything; all-reduce gradients (DDP; alias ddp).
+    #[value(alias = "ddp")]
     NoShard,
-    /// Full shard inside groups of `--shard-size` ranks, replicated across groups (HSDP).
+    /// Shard only master weights and optimizer state (ZeRO-1; alias zero1): planned by
+    /// `fsdp plan`, refused by `fsdp train` and `fsdp ckpt reshard` (the engine does not run
+    /// it yet).
+    #[value(alias = "zero1")]
+    ShardOptimizer,
+    /// Full shard inside groups of `--shard-size` ranks, replicated across groups (HSDP;
+    /// alias hsdp).
+    #[value(alias = "hsdp")]
     Hybrid,
     /// The fastest strategy whose per-rank plan peak fits `--device-memory` (default: this
     /// node's available memory per rank on the CPU), without activation checkpointing first,
@@ -72,11 +83,14 @@ pub enum DeviceArg {
 /// A floating-point dtype for `--param-dtype` / `--reduce-dtype`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum DTypeArg {
-    /// IEEE binary32.
+    /// IEEE binary32 (aliases fp32, float32).
+    #[value(alias = "fp32", alias = "float32")]
     F32,
-    /// bfloat16 (8-bit exponent, 7-bit mantissa).
+    /// bfloat16, 8-bit exponent, 7-bit mantissa (alias bfloat16).
+    #[value(alias = "bfloat16")]
     Bf16,
-    /// IEEE binary16.
+    /// IEEE binary16 (aliases fp16, float16, half).
+    #[value(alias = "fp16", alias = "float16", alias = "half")]
     F16,
 }
 
@@ -112,8 +126,9 @@ pub enum NonFiniteArg {
 /// Arguments of `fsdp train`.
 #[derive(Debug, clap::Args)]
 pub struct TrainArgs {
-    /// Text file to train on (bytes are tokens). Default: this project's own source code and
-    /// documentation, embedded at build time.
+    /// Text to train on (bytes are tokens): a file, or a pipe, FIFO or `/dev/stdin`, read whole
+    /// into memory at the start. Default: this project's own source code and documentation,
+    /// embedded at build time.
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// Model preset: tiny (0.89M params), mini (3.55M), small (11.2M), base (43.7M), gpt2
@@ -127,7 +142,7 @@ pub struct TrainArgs {
     #[arg(long, value_name = "config.json", conflicts_with = "model")]
     pub hf_config: Option<PathBuf>,
     /// Number of ranks (threads on the in-process backend).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = super::checks::at_least_one)]
     pub world_size: usize,
     /// Transport: rank threads in this process, MPI processes (start with `mpirun -n W`), or
     /// NCCL processes on GPUs (start with `fsdp launch --nproc N`).
@@ -138,7 +153,7 @@ pub struct TrainArgs {
     pub device: DeviceArg,
     /// Seconds a rank waits for its peers inside a collective before failing with an error
     /// that names them (`--backend mpi`; the thread backend waits 60 s).
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, default_value_t = 60.0, value_parser = super::checks::seconds)]
     pub comm_timeout: f64,
     /// Sharding strategy.
     #[arg(long, value_enum, default_value_t = StrategyArg::FullShard)]
@@ -153,34 +168,34 @@ pub struct TrainArgs {
     #[arg(long, value_name = "BYTES")]
     pub device_memory: Option<String>,
     /// Sequences per micro-batch per rank.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = super::checks::at_least_one)]
     pub micro_batch: usize,
     /// Micro-batches per optimizer step (gradient accumulation).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = super::checks::at_least_one)]
     pub grad_accum: usize,
     /// Gradient reduction during accumulation: every micro-batch or the last only.
     #[arg(long, value_enum, default_value_t = GradSyncArg::Every)]
     pub grad_sync: GradSyncArg,
     /// Tokens per sequence.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = super::checks::at_least_one)]
     pub seq_len: usize,
     /// Optimizer steps.
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 200, value_parser = super::checks::at_least_one_u64)]
     pub steps: u64,
     /// Peak learning rate (AdamW).
-    #[arg(long, default_value_t = 1e-3)]
+    #[arg(long, default_value_t = 1e-3, value_parser = super::checks::positive)]
     pub lr: f64,
     /// Linear warmup steps.
     #[arg(long, default_value_t = 20)]
     pub warmup: u64,
     /// Learning rate at the end of the cosine decay.
-    #[arg(long, default_value_t = 1e-4)]
+    #[arg(long, default_value_t = 1e-4, value_parser = super::checks::non_negative)]
     pub min_lr: f64,
     /// AdamW decoupled weight decay (matrices only).
-    #[arg(long, default_value_t = 0.1)]
+    #[arg(long, default_value_t = 0.1, value_parser = super::checks::non_negative)]
     pub weight_decay: f64,
     /// Global gradient L2-norm clip (0 disables clipping).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = super::checks::non_negative)]
     pub clip: f64,
     /// Seed of the initial weights and the data order.
     #[arg(long, default_value_t = 1337)]
@@ -191,6 +206,11 @@ pub struct TrainArgs {
     /// Validation micro-batches per rank per evaluation (0: the whole split).
     #[arg(long, default_value_t = 16)]
     pub eval_batches: usize,
+    /// Without a terminal, print a progress line every N steps or every 30 seconds, whichever
+    /// comes first, and at the last step: step, loss, lr, tokens/s, exposed communication and
+    /// memory. With a terminal the progress bar shows the same; --json prints every step.
+    #[arg(long, default_value_t = 10, value_parser = super::checks::at_least_one_u64)]
+    pub log_every: u64,
     /// Units all-gathered ahead of the one computing (0: no prefetch and no overlap: every
     /// collective runs synchronously). From 1 on, all-gathers and reduce-scatters run on a
     /// communication thread while the rank computes.
@@ -208,8 +228,9 @@ pub struct TrainArgs {
     /// reductions accumulate in f32); f16 is refused (its sum over ranks overflows).
     #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
     pub reduce_dtype: DTypeArg,
-    /// Compute threads per rank (default: cores / world size, at least 1).
-    #[arg(long)]
+    /// Compute threads per rank (default: cores / world size, at least 1). More threads than
+    /// cores / ranks oversubscribe the cores and are lowered to that, with a warning.
+    #[arg(long, value_parser = super::checks::at_least_one)]
     pub threads_per_rank: Option<usize>,
     /// A step whose gradient (any rank's contribution or their sum) or loss is infinite or
     /// NaN: `error` stops every rank before anything is updated, naming the step, the
@@ -250,6 +271,9 @@ impl TrainArgs {
                 return Err(CliError::Usage(format!(
                     "--shard-size {s} only applies to --strategy hybrid"
                 )))
+            }
+            (StrategyArg::ShardOptimizer, _) => {
+                return Err(CliError::Usage(SHARD_OPTIMIZER_PLAN_ONLY.into()))
             }
             (StrategyArg::FullShard, None) => Strategy::FullShard,
             (StrategyArg::ShardGradOp, None) => Strategy::ShardGradOp,
@@ -323,6 +347,11 @@ impl TrainArgs {
         })
     }
 }
+
+/// Why `--strategy shard-optimizer` (zero1) is refused outside `fsdp plan`.
+pub const SHARD_OPTIMIZER_PLAN_ONLY: &str = "--strategy shard-optimizer (zero1) is plan-only: \
+    `fsdp plan` plans ZeRO-1, the engine does not run it yet; use shard-grad-op (zero2), which \
+    also shards gradients, or full-shard (zero3)";
 
 /// Maps an engine error to the CLI's exit codes: bad input 2, failed run 1.
 pub fn cli_error(e: EngineError) -> CliError {
@@ -796,11 +825,28 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
     if mpi.is_none() && nccl.is_none() && host {
         preflight_threads(&opts, available_memory())?;
     }
+    let (threads, warning) = super::checks::cap_threads(
+        opts.threads_per_rank,
+        match (&mpi, &nccl) {
+            (None, None) => opts.world_size,
+            _ => launcher_local_ranks(|k| std::env::var(k).ok()).unwrap_or(1) as usize,
+        },
+        super::checks::cores(),
+    );
+    opts.threads_per_rank = threads;
+    if root {
+        for note in [warning, super::checks::warmup_note(&opts)]
+            .into_iter()
+            .flatten()
+        {
+            eprintln!("{note}");
+        }
+    }
     if let Some(h) = &hosts {
         preflight_mpi(&opts, plan_peak(&opts)?, h)?;
     }
     super::ckpt::apply_init_from(&args.ckpt, &mut opts)?;
-    let hooks = super::ckpt::CheckpointHooks::new(&args.ckpt, &opts)?;
+    let mut hooks = super::ckpt::CheckpointHooks::new(&args.ckpt, &opts)?;
     // A checkpoint already at or past --steps leaves no step to run: say so and succeed
     // (exit 0) rather than print a summary of zero steps (no loss, no speed to report).
     if let Some((step, dir)) = hooks.resume_step().filter(|(s, _)| *s >= opts.steps) {
@@ -831,6 +877,33 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         Some(b)
     };
     let json = args.json;
+    {
+        let bar = bar.clone();
+        hooks.on_save(Box::new(move |s: &super::ckpt::SaveReport| {
+            if json {
+                let line = serde_json::json!({
+                    "event": "checkpoint",
+                    "step": s.step,
+                    "path": s.path,
+                    "bytes": s.bytes,
+                    "seconds": s.seconds,
+                });
+                out!("{line}");
+                return;
+            }
+            let line = format!(
+                "saved step {} to {} in {:.2} s ({})",
+                s.step,
+                s.path.display(),
+                s.seconds,
+                fsdp_types::Bytes(s.bytes)
+            );
+            match &bar {
+                Some(b) if !b.is_hidden() => b.println(line),
+                _ => out!("{line}"),
+            }
+        }));
+    }
     if let (Some(a), true, false) = (&auto, root, json) {
         out!(
             "strategy auto: {}, activation checkpointing {} (budget {} per rank: {}); {}",
@@ -845,14 +918,16 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
             a.choice.reason
         );
     }
-    // Without a terminal the bar is hidden (or would litter a log with redraws): print one
-    // plain line per evaluated step (every --eval-every steps and the last) instead.
+    // Without a terminal the bar is hidden (or would litter a log with redraws): print a plain
+    // line every --log-every steps or 30 s instead (`PlainLog`).
     let plain = {
         use std::io::IsTerminal;
         !json && root && !(std::io::stdout().is_terminal() && std::io::stderr().is_terminal())
     };
     let total_steps = opts.steps;
+    let log = super::progress::PlainLog::new(args.log_every, opts.data.clone());
     let progress = |r: &StepReport| {
+        log.watch_data(r.step);
         if json {
             if let Ok(s) = serde_json::to_string(r) {
                 out!("{s}");
@@ -876,20 +951,10 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
                 None => {}
             }
         }
-        // Plain output: evaluated steps, and every skipped step.
-        if plain && (r.val_loss.is_some() || r.skipped) {
-            let val = r
-                .val_loss
-                .map(|v| format!(" | val loss {v:.4}"))
-                .unwrap_or_default();
-            out!(
-                "step {}/{total_steps} | train loss {:.4}{val} | {:.0} tokens/s | comm exposed {:.1} ms of {:.1} ms{scale}",
-                r.step,
-                r.loss,
-                r.tokens_per_s,
-                1e3 * r.comm_exposed_seconds,
-                1e3 * r.step_seconds
-            );
+        // Plain output: every --log-every steps or 30 s, the last step, evaluated steps and
+        // every step skipped.
+        if plain && log.due(r, total_steps) {
+            out!("{}", super::progress::log_line(r, total_steps));
         }
         if let Some(b) = &bar {
             let val = r
@@ -977,7 +1042,7 @@ fn print_summary_lines(r: &TrainReport) {
     out!(
         "trained {} ({} params) on {} | world {} ({}, shard group {}, activation checkpointing {})",
         r.model,
-        r.params,
+        fsdp_types::group_thousands(r.params),
         r.data,
         r.world_size,
         r.strategy,
@@ -989,10 +1054,10 @@ fn print_summary_lines(r: &TrainReport) {
         }
     );
     out!(
-        "train loss {:.4} (mean of last steps) | val loss {:.4} | {:.0} tokens/s | {:.1} s",
+        "train loss {:.4} (mean of last steps) | val loss {:.4} | {} tokens/s | {:.1} s",
         r.final_train_loss,
         r.final_val_loss,
-        r.tokens_per_s,
+        fsdp_types::group_thousands(r.tokens_per_s.round() as u64),
         r.seconds
     );
     out!(
@@ -1026,8 +1091,8 @@ fn print_summary_lines(r: &TrainReport) {
                 rank,
                 c.phase,
                 c.category,
-                c.measured,
-                c.planned
+                fsdp_types::group_thousands(c.measured),
+                fsdp_types::group_thousands(c.planned)
             );
         }
     }

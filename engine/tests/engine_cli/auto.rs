@@ -50,7 +50,9 @@ fn train(steps: u64, extra: &[&str]) -> (i32, Vec<Value>, Option<Value>, String)
         .unwrap();
     let lines: Vec<Value> = String::from_utf8_lossy(&out.stdout)
         .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        // Checkpoint saves are reported as `{"event": "checkpoint", ...}` lines.
+        .filter(|v| v.get("event").is_none())
         .collect();
     let (summary, steps): (Vec<Value>, Vec<Value>) =
         lines.into_iter().partition(|l| l["summary"] == true);

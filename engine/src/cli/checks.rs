@@ -1,0 +1,258 @@
+//! Checks `fsdp train` makes on its flags before any work: clap value parsers for the
+//! hyperparameters (a bad value exits 2 at parse time with the value, the rule and the fix),
+//! the compute-thread cap, notes on flag combinations that run but may surprise (warmup past
+//! the last step), and what a resume changes when the run's data or batch shape differs from
+//! the checkpoint's.
+
+use crate::train::TrainOptions;
+
+/// Parses a finite number `>= 0` (`--weight-decay`, `--min-lr`, `--clip`).
+///
+/// Errors: the rule and the fix, for clap's `invalid value '...' for '--flag'` message.
+pub fn non_negative(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number; give a finite number >= 0, e.g. 0.1"))?;
+    if !(v.is_finite() && v >= 0.0) {
+        return Err(format!(
+            "must be a finite number >= 0 (0 turns it off), got {v}; e.g. 0.1"
+        ));
+    }
+    Ok(v)
+}
+
+/// Parses a finite number `> 0` (`--lr`).
+///
+/// Errors: the rule and the fix, for clap's message.
+pub fn positive(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number; give a finite number > 0, e.g. 1e-3"))?;
+    if !(v.is_finite() && v > 0.0) {
+        return Err(format!("must be a finite number > 0, got {v}; e.g. 1e-3"));
+    }
+    Ok(v)
+}
+
+/// Parses a number of seconds in `(0, 1e6]` (`--comm-timeout`).
+///
+/// Errors: the rule and the fix, for clap's message.
+pub fn seconds(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of seconds; e.g. 60"))?;
+    if !(v.is_finite() && v > 0.0 && v <= super::train::MAX_WAIT_SECONDS) {
+        return Err(format!(
+            "must be a number of seconds in (0, {:e}], got {v}; e.g. 60",
+            super::train::MAX_WAIT_SECONDS
+        ));
+    }
+    Ok(v)
+}
+
+/// Parses a count `>= 1` (`--steps`, `--world-size`, `--micro-batch`, `--seq-len`,
+/// `--grad-accum`, `--threads-per-rank`, `--log-every`).
+///
+/// Errors: the rule and the fix, for clap's message.
+pub fn at_least_one(s: &str) -> Result<usize, String> {
+    let v: usize = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a whole number; give an integer >= 1"))?;
+    if v == 0 {
+        return Err("must be at least 1".into());
+    }
+    Ok(v)
+}
+
+/// [`at_least_one`] as a `u64`.
+///
+/// Errors: as [`at_least_one`].
+pub fn at_least_one_u64(s: &str) -> Result<u64, String> {
+    at_least_one(s).map(|v| v as u64)
+}
+
+/// CPU cores this process may run on (`available_parallelism`, 1 where unknown).
+pub fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The compute threads per rank for `ranks` ranks on this node of `cores` cores, and a
+/// warning when `requested` (`--threads-per-rank`) had to be lowered: more threads than cores
+/// make every rank's pool spin and wait for cores the others hold (64 threads at W = 2 on 2
+/// cores ran a step 9x slower than 1 thread). The cap is `max(1, cores / ranks)`, the
+/// default's value. `None` requested is the default (no warning).
+pub fn cap_threads(
+    requested: Option<usize>,
+    ranks: usize,
+    cores: usize,
+) -> (Option<usize>, Option<String>) {
+    let fair = (cores / ranks.max(1)).max(1);
+    match requested {
+        Some(t) if t.saturating_mul(ranks.max(1)) > cores.max(1) && t > fair => (
+            Some(fair),
+            Some(format!(
+                "warning: --threads-per-rank {t} x {ranks} rank(s) = {} compute threads on {cores} \
+                 core(s) would oversubscribe them (each rank's pool spins waiting for cores); \
+                 using {fair} per rank (at most cores / ranks)",
+                fsdp_types::group_thousands(t.saturating_mul(ranks) as u64)
+            )),
+        ),
+        other => (other, None),
+    }
+}
+
+/// A note when `--warmup` reaches past `--steps`: the learning rate never gets to `--lr`.
+pub fn warmup_note(o: &TrainOptions) -> Option<String> {
+    (o.warmup > o.steps).then(|| {
+        format!(
+            "note: --warmup {} is beyond --steps {}: the learning rate rises linearly for the whole \
+             run and ends at {:.3e}, below --lr {} (a --warmup of at most {} reaches it)",
+            o.warmup,
+            o.steps,
+            o.lr * o.steps as f64 / o.warmup as f64,
+            o.lr,
+            o.steps
+        )
+    })
+}
+
+/// What a resume changes, given the checkpoint's saved flags (`extra`, the manifest's
+/// `train.extra`), its world size `saved_world` and completed `step`, against the run's
+/// options: one line per changed setting (the data file, `--seq-len`, `--micro-batch`,
+/// `--grad-accum`, the world size), with where this run's sample stream starts against where
+/// the checkpoint's stopped (samples skipped or seen twice). Empty when nothing changes.
+pub fn resume_changes(
+    extra: &std::collections::BTreeMap<String, String>,
+    saved_world: u64,
+    step: u64,
+    o: &TrainOptions,
+) -> Vec<String> {
+    let mut lines = Vec::new();
+    let data_now = o
+        .data
+        .as_ref()
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|| "(embedded corpus)".into());
+    let get = |k: &str| extra.get(k).cloned();
+    let num = |k: &str| get(k).and_then(|v| v.parse::<u64>().ok());
+    if let Some(was) = get("data").filter(|w| *w != data_now) {
+        lines.push(format!(
+            "--data {data_now} (the checkpoint trained on {was}): the sample stream is cut from \
+             the new text, so steps from {} see other windows than an uninterrupted run",
+            step + 1
+        ));
+    }
+    let seq_now = o.seq_len as u64;
+    if let Some(was) = num("seq_len").filter(|w| *w != seq_now) {
+        lines.push(format!(
+            "--seq-len {seq_now} (the checkpoint used {was}): the text is re-cut into windows of \
+             {} bytes, so the window order differs from step {} on",
+            seq_now + 1,
+            step + 1
+        ));
+    }
+    let (mb_was, ga_was) = (num("micro_batch"), num("grad_accum"));
+    let (mb_now, ga_now, w_now) = (
+        o.micro_batch as u64,
+        o.grad_accum as u64,
+        o.world_size as u64,
+    );
+    let mut shape = Vec::new();
+    if let Some(was) = mb_was.filter(|w| *w != mb_now) {
+        shape.push(format!("--micro-batch {mb_now} (was {was})"));
+    }
+    if let Some(was) = ga_was.filter(|w| *w != ga_now) {
+        shape.push(format!("--grad-accum {ga_now} (was {was})"));
+    }
+    if saved_world != w_now {
+        shape.push(format!("world size {w_now} (was {saved_world})"));
+    }
+    if !shape.is_empty() {
+        let per_step_was = mb_was
+            .unwrap_or(mb_now)
+            .saturating_mul(ga_was.unwrap_or(ga_now))
+            .saturating_mul(saved_world);
+        let per_step_now = mb_now.saturating_mul(ga_now).saturating_mul(w_now);
+        let consumed = step.saturating_mul(per_step_was);
+        let start = step.saturating_mul(per_step_now);
+        let g = fsdp_types::group_thousands;
+        let effect = match start.cmp(&consumed) {
+            std::cmp::Ordering::Greater => format!(
+                "sequences {}..{} of the stream are skipped",
+                g(consumed),
+                g(start)
+            ),
+            std::cmp::Ordering::Less => format!(
+                "sequences {}..{} of the stream are seen a second time",
+                g(start),
+                g(consumed)
+            ),
+            std::cmp::Ordering::Equal => "no sequence is skipped or repeated".into(),
+        };
+        lines.push(format!(
+            "{}: {} sequences per step (was {}); the checkpoint consumed {} sequences \
+             ({step} steps), this run starts at sequence {}: {effect}",
+            shape.join(", "),
+            g(per_step_now),
+            g(per_step_was),
+            g(consumed),
+            g(start)
+        ));
+    }
+    lines
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parsers_refuse_out_of_range_values() {
+        assert_eq!(non_negative("0.1"), Ok(0.1));
+        assert!(non_negative("-5").unwrap_err().contains(">= 0"));
+        assert!(non_negative("nan").is_err());
+        assert!(positive("0").unwrap_err().contains("> 0"));
+        assert_eq!(at_least_one("3"), Ok(3));
+        assert!(at_least_one("0").is_err());
+    }
+
+    #[test]
+    fn threads_are_capped_at_cores_over_ranks() {
+        assert_eq!(cap_threads(Some(1000), 2, 2).0, Some(1));
+        assert!(cap_threads(Some(1000), 2, 2).1.unwrap().contains("2,000"));
+        assert_eq!(cap_threads(Some(4), 2, 8), (Some(4), None));
+        assert_eq!(cap_threads(None, 2, 2), (None, None));
+        // One thread per rank is never lowered, even with more ranks than cores.
+        assert_eq!(cap_threads(Some(1), 4, 2), (Some(1), None));
+    }
+
+    #[test]
+    fn resume_changes_count_skipped_sequences() {
+        let mut extra = std::collections::BTreeMap::new();
+        extra.insert("micro_batch".to_string(), "8".to_string());
+        extra.insert("grad_accum".to_string(), "1".to_string());
+        extra.insert("seq_len".to_string(), "128".to_string());
+        extra.insert("data".to_string(), "(embedded corpus)".to_string());
+        let o = TrainOptions {
+            micro_batch: 16,
+            seq_len: 128,
+            world_size: 1,
+            ..TrainOptions::default()
+        };
+        let l = resume_changes(&extra, 1, 20, &o);
+        assert_eq!(l.len(), 1, "{l:?}");
+        assert!(
+            l[0].contains("sequences 160..320 of the stream are skipped"),
+            "{l:?}"
+        );
+        let same = TrainOptions {
+            micro_batch: 8,
+            ..o
+        };
+        assert!(resume_changes(&extra, 1, 20, &same).is_empty());
+    }
+}

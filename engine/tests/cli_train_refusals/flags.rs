@@ -1,0 +1,179 @@
+//! Every bad flag refused before any work (exit 2 with the value, the rule and the fix), notes
+//! for flags that run but surprise, and one vocabulary of strategies, dtypes and presets across
+//! `fsdp train`, `fsdp plan` and `fsdp ckpt`.
+
+use super::{fsdp, SMALL};
+
+/// `SMALL` without `--steps` and `--micro-batch`, for tests that set them.
+const BASE: [&str; 6] = ["train", "--model", "tiny", "--seq-len", "16", "--json"];
+
+fn out(args: &[&str]) -> (i32, String, String) {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_fsdp"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn hyperparameters_are_refused_at_parse_time() {
+    for (flag, value, rule) in [
+        ("--weight-decay", "-5", "must be a finite number >= 0"),
+        ("--lr", "0", "must be a finite number > 0"),
+        ("--clip", "nan", "must be a finite number >= 0"),
+        ("--min-lr", "-1e-4", "must be a finite number >= 0"),
+        ("--steps", "0", "must be at least 1"),
+        ("--micro-batch", "0", "must be at least 1"),
+        ("--threads-per-rank", "0", "must be at least 1"),
+        ("--log-every", "0", "must be at least 1"),
+        (
+            "--comm-timeout",
+            "-1",
+            "must be a number of seconds in (0, 1e6]",
+        ),
+    ] {
+        let mut a = BASE.to_vec();
+        let arg = format!("{flag}={value}");
+        a.push(&arg);
+        for (f, v) in [("--steps", "1"), ("--micro-batch", "1")] {
+            if f != flag {
+                a.extend([f, v]);
+            }
+        }
+        let (code, err) = fsdp(&a, &[]);
+        assert_eq!(code, 2, "{flag}: {err}");
+        assert!(
+            err.contains(&format!("invalid value '{value}' for '{flag}")) && err.contains(rule),
+            "{flag}: {err}"
+        );
+    }
+}
+
+#[test]
+fn zero_device_memory_is_refused_by_train_and_plan() {
+    let mut a = SMALL.to_vec();
+    a.extend(["--device-memory", "0"]);
+    let (code, err) = fsdp(&a, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--device-memory 0: a device of 0 bytes holds nothing"),
+        "{err}"
+    );
+    let (code, _, err) = out(&["plan", "--model", "tiny", "--device-memory", "0GiB"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--device-memory 0GiB: a device of 0 bytes"),
+        "{err}"
+    );
+}
+
+#[test]
+fn warmup_past_the_last_step_is_noted() {
+    let mut a = BASE.to_vec();
+    a.extend(["--warmup", "1000", "--steps", "3", "--micro-batch", "1"]);
+    let (code, err) = fsdp(&a, &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("note: --warmup 1000 is beyond --steps 3: the learning rate rises"),
+        "{err}"
+    );
+}
+
+#[test]
+fn oversubscribed_threads_are_capped_with_a_warning() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut a = SMALL.to_vec();
+    a.extend(["--world-size", "2", "--threads-per-rank", "1000"]);
+    let started = std::time::Instant::now();
+    let (code, err) = fsdp(&a, &[]);
+    assert_eq!(code, 0, "{err}");
+    if cores < 2000 {
+        let fair = (cores / 2).max(1);
+        assert!(
+            err.contains("warning: --threads-per-rank 1000 x 2 rank(s) = 2,000 compute threads")
+                && err.contains(&format!("using {fair} per rank")),
+            "{err}"
+        );
+    }
+    assert!(started.elapsed().as_secs() < 60, "one step must not crawl");
+}
+
+/// `train` knows every preset `plan` knows: a Llama preset too large for this machine is
+/// refused by the memory pre-flight (before any allocation), not as an unknown name; an
+/// unknown name lists every preset.
+#[test]
+fn every_plan_preset_is_a_train_preset() {
+    let (code, err) = fsdp(&["train", "--model", "llama3-8b", "--steps", "1"], &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("not enough memory") && !err.contains("unknown model preset"),
+        "{err}"
+    );
+    let (code, _, err) = out(&["plan", "--model", "gpt5"]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("gpt5") && err.contains("llama-tiny") && err.contains("llama3-70b"),
+        "{err}"
+    );
+    let (code, err) = fsdp(&["train", "--model", "gpt5", "--steps", "1"], &[]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("unknown model preset") && err.contains("llama-mini"),
+        "{err}"
+    );
+}
+
+#[test]
+fn strategy_aliases_and_dtypes_are_the_same_everywhere() {
+    for s in ["ddp", "zero3", "zero2"] {
+        let mut a = SMALL.to_vec();
+        a.extend(["--strategy", s]);
+        let (code, err) = fsdp(&a, &[]);
+        assert_eq!(code, 0, "train --strategy {s}: {err}");
+        let (code, _, err) = out(&["plan", "--model", "tiny", "--strategy", s]);
+        assert_eq!(code, 0, "plan --strategy {s}: {err}");
+    }
+    for cmd in [&["plan", "--model", "tiny"][..], &SMALL[..]] {
+        let mut a = cmd.to_vec();
+        a.extend(["--param-dtype", "f64"]);
+        let (code, _, err) = out(&a);
+        assert_eq!(code, 2, "{err}");
+        assert!(err.contains("[possible values: f32, bf16, f16]"), "{err}");
+    }
+    let mut a = SMALL.to_vec();
+    a.extend(["--param-dtype", "bfloat16"]);
+    assert_eq!(fsdp(&a, &[]).0, 0);
+    // ZeRO-1 has one name everywhere: planned by plan, refused by train with the reason.
+    let (code, _, err) = out(&["plan", "--model", "tiny", "--strategy", "zero1"]);
+    assert_eq!(code, 0, "{err}");
+    let mut a = SMALL.to_vec();
+    a.extend(["--strategy", "zero1"]);
+    let (code, err) = fsdp(&a, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--strategy shard-optimizer (zero1) is plan-only"),
+        "{err}"
+    );
+}
+
+#[test]
+fn absurd_layer_counts_are_refused_before_allocating() {
+    let t = tempfile::tempdir().unwrap();
+    let cfg = t.path().join("config.json");
+    std::fs::write(
+        &cfg,
+        r#"{"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 1000000000000,
+            "num_attention_heads": 32, "intermediate_size": 11008, "vocab_size": 32000}"#,
+    )
+    .unwrap();
+    let (code, _, err) = out(&["plan", "--hf-config", cfg.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("field `num_hidden_layers` is 1000000000000, above the limit of 10000"),
+        "{err}"
+    );
+}
