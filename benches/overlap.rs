@@ -44,8 +44,7 @@ fn child(spec: &str) {
     let model: String = env_or("FSDP_BENCH_MODEL", "small".to_string());
     let opts = TrainOptions {
         data: Some(
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../shared/data/tinyshakespeare.txt"),
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/tinyshakespeare.txt"),
         ),
         model: model.clone(),
         world_size: w,

@@ -57,7 +57,7 @@ const WORKLOADS: [Workload; 2] = [
 ];
 
 fn data() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tinyshakespeare.txt")
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/tinyshakespeare.txt")
 }
 
 /// The strategy of a configuration name and whether it turns unit-level activation

@@ -50,7 +50,7 @@ fn mpirun() -> Option<PathBuf> {
 fn data_path() -> String {
     concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/data/tinyshakespeare.txt"
+        "/../testdata/tinyshakespeare.txt"
     )
     .to_string()
 }

@@ -14,7 +14,7 @@ fn fsdp() -> Command {
 fn data() -> String {
     concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/data/tinyshakespeare.txt"
+        "/../testdata/tinyshakespeare.txt"
     )
     .to_string()
 }

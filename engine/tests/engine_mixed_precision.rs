@@ -17,7 +17,7 @@ use std::time::Duration;
 fn shakespeare() -> PathBuf {
     PathBuf::from(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/data/tinyshakespeare.txt"
+        "/../testdata/tinyshakespeare.txt"
     ))
 }
 

@@ -1,5 +1,5 @@
 //! Tests of the training text and the distributed sampler (engine/src/data.rs) on real text
-//! (../shared/data/tinyshakespeare.txt) and on the embedded corpus.
+//! (testdata/tinyshakespeare.txt) and on the embedded corpus.
 
 use fsdp::data::{Batch, DataError, Sampler, SamplerConfig, TextData, EMBEDDED_NAME};
 use std::collections::HashSet;
@@ -7,7 +7,7 @@ use std::io::Write;
 
 const SHAKESPEARE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../../shared/data/tinyshakespeare.txt"
+    "/../testdata/tinyshakespeare.txt"
 );
 
 fn cfg(t: usize, b: usize, accum: usize, world: usize, seed: u64) -> SamplerConfig {
@@ -21,7 +21,7 @@ fn cfg(t: usize, b: usize, accum: usize, world: usize, seed: u64) -> SamplerConf
 }
 
 fn shakespeare() -> TextData {
-    TextData::open(SHAKESPEARE).expect("tests need ../shared/data/tinyshakespeare.txt")
+    TextData::open(SHAKESPEARE).expect("tests need testdata/tinyshakespeare.txt")
 }
 
 #[test]

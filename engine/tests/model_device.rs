@@ -538,7 +538,7 @@ fn cfg(bias: bool, tied: bool) -> Gpt2Config {
 fn text_batch(b: usize, t: usize, at: usize) -> (Tensor, Tensor) {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/data/tinyshakespeare.txt"
+        "/../testdata/tinyshakespeare.txt"
     );
     let text = std::fs::read(path).unwrap_or_else(|e| panic!("{path}: {e}"));
     let (mut ids, mut tg) = (Vec::new(), Vec::new());

@@ -9,11 +9,11 @@ pub const B: usize = 2;
 /// Tokens per sequence.
 pub const T: usize = 32;
 
-/// `../shared/data/tinyshakespeare.txt`, read by path from the repository root.
+/// `testdata/tinyshakespeare.txt` of this repository (Tiny Shakespeare, public domain).
 pub fn text() -> Vec<u8> {
     let p = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/data/tinyshakespeare.txt"
+        "/../testdata/tinyshakespeare.txt"
     );
     std::fs::read(p).expect("tinyshakespeare.txt")
 }

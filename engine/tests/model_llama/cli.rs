@@ -16,7 +16,7 @@ fn fsdp(args: &[&str]) -> Output {
 fn shakespeare() -> String {
     concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/data/tinyshakespeare.txt"
+        "/../testdata/tinyshakespeare.txt"
     )
     .to_string()
 }
