@@ -1,4 +1,4 @@
-//! Prefetch overlap and mixed precision (issue 8): step time and exposed communication time of
+//! Prefetch overlap and mixed precision: step time and exposed communication time of
 //! the `small` GPT (d_model 384, 6 layers; 11.2M parameters) under full shard at world sizes 2
 //! and 4 with prefetch off (every collective synchronous), depth 1 and depth 2 (all-gathers and
 //! reduce-scatters on the communication thread while the rank computes); and bf16 against f32

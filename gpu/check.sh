@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU check of issue 7, for the H200 test machine (see gpu/README.md).
+# The one prepared GPU check, for the H200 test machine (see gpu/README.md).
 # Runs from the repo root with target-gpu/ built by gpu/build.sh; writes one log per row to
 # $OUT (default ./gpu-out), prints a short table last and writes $OUT/results.md (ready to
 # commit under benches/results/). Budget: under 8 minutes (BUDGET_S, default 470 s: a row

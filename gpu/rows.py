@@ -334,7 +334,7 @@ def cmd_report(a):
                if m.get("bench") == "pytorch_eager_gpt2"]
     date = machine[0] if machine else "?"
     md = []
-    md.append("# GPU check (issue 7): engine on CUDA, NCCL, throughput against PyTorch eager")
+    md.append("# GPU check: engine on CUDA, NCCL, throughput against PyTorch eager")
     md.append("")
     md.append("- Date: %s. Produced by `gpu/check.sh` (table last), `gpu/rows.py report`." % date)
     md.append("- Machine and build (`machine.log`):")

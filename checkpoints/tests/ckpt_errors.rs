@@ -339,7 +339,7 @@ fn layout_from_plan_carries_the_plan_fingerprint() {
 }
 
 /// A consolidated file whose output path is a directory fails with the path named and leaves
-/// no `<path>.tmp` behind (found by QA: a 3.5 MB temporary file stayed).
+/// no `<path>.tmp` behind (a 3.5 MB temporary file stayed).
 #[test]
 fn failed_consolidation_leaves_no_temporary_file() {
     let t = tempfile::tempdir().unwrap();

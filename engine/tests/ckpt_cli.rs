@@ -359,7 +359,7 @@ fn bad_input_exits_2_naming_file_and_problem() {
 
 /// A `--ckpt-dir` that cannot take checkpoints (an existing file, a path under a file) is
 /// refused with exit 2 before any step runs, not after the run when the first save fails and
-/// the training is lost (found by QA: the error used to come after the last step, exit 1). A
+/// the training is lost (the error used to come after the last step, exit 1). A
 /// missing directory is created up front.
 #[test]
 fn unusable_ckpt_dir_is_refused_before_training() {
@@ -413,7 +413,7 @@ fn unusable_ckpt_dir_is_refused_before_training() {
 
 /// `ckpt reshard -o` never writes into a root that already holds checkpoints, nor into the
 /// source itself: that replaced the same-step checkpoint and moved `latest` backwards past a
-/// newer one (found by QA). The occupied root is left byte for byte as it was; an empty
+/// newer one. The occupied root is left byte for byte as it was; an empty
 /// existing directory is accepted.
 #[test]
 fn reshard_refuses_an_output_that_holds_checkpoints() {

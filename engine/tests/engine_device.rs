@@ -8,7 +8,7 @@
 //! checkpointing (kept graphs whose parameter storages are emptied at reshard and refilled by
 //! the backward all-gather) equal both the other placement and the checkpointed run. This is
 //! the CPU test of the logic the CUDA
-//! device runs (issue 7); tiny GPT on tinyshakespeare.
+//! device runs; tiny GPT on tinyshakespeare.
 
 use candle_core::Device;
 use fsdp::model::Gpt;

@@ -217,7 +217,7 @@ fn memory_ledger_equals_plan_with_accumulation_sync_every_and_last() {
     ));
 }
 
-/// Mixed precision (issue 8): bf16 parameters with f32 master weights, bf16 or f32 on the wire,
+/// Mixed precision: bf16 parameters with f32 master weights, bf16 or f32 on the wire,
 /// prefetch off, 1 and 2 (overlapped gathers and reductions from 1 on), full shard and DDP,
 /// and sync-last accumulation with a bf16 cast of the f32 accumulation buffer.
 #[test]

@@ -214,8 +214,8 @@ fn measure(c: &Cfg) -> Measured {
     }
 }
 
-/// Issue 7 ("the plan's device bytes checked against the device's measured usage, within
-/// 5%"), on the CPU: the tiny/mini GPT on the composite ops path (`OpsPath::Composite`, what
+/// The plan's device bytes checked against the device's measured usage, within 5%, on the
+/// CPU: the tiny/mini GPT on the composite ops path (`OpsPath::Composite`, what
 /// `OpsPath::Auto` runs on CUDA) with its flat buffers as candle tensors
 /// (`Placement::Device(Device::Cpu)`), planned with `ActivationModel::Composite`; the process
 /// heap peak of one training step against `W x` the plan's per-rank peak.

@@ -83,7 +83,7 @@ fn process_peak_ratio(c: &Cfg) -> f64 {
     ratio
 }
 
-/// The process peak against the plan's total (issue 4: within 10%), for full shard,
+/// The process peak against the plan's total (within 10%), for full shard,
 /// shard-grad-op and DDP (no-shard) at W=2 on `mini` (d 256, 4 layers) and `small` (d 384,
 /// 6 layers) with a short and an activation-heavy (B, T).
 ///

@@ -1,4 +1,4 @@
-//! Mixed precision (issue 8): bf16 / f16 compute with fp32 master weights, gradient shards and
+//! Mixed precision: bf16 / f16 compute with fp32 master weights, gradient shards and
 //! optimizer state (Micikevicius et al. 2018, "Mixed Precision Training"), through the real
 //! engine and the tiny GPT on Tiny Shakespeare; f16 dynamic loss scaling skips steps whose
 //! gradients overflow.

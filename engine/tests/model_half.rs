@@ -1,5 +1,5 @@
-//! The GPT model and its fused CPU ops in bf16 and f16 (`param_dtype` of mixed precision,
-//! issue 8) against f32 on the same 16-bit-representable values.
+//! The GPT model and its fused CPU ops in bf16 and f16 (`param_dtype` of mixed precision)
+//! against f32 on the same 16-bit-representable values.
 //!
 //! Contract under test (engine/src/model/ops.rs module docs): a 16-bit op widens its inputs to
 //! f32, runs the f32 kernel and rounds each output element once to nearest-even. So every op

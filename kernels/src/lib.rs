@@ -18,7 +18,7 @@
 //! Every kernel is single-threaded and has a fixed operation order, so a result depends only on
 //! its inputs: what lets a sharded run equal a single-process run bit for bit.
 //!
-//! CUDA (issue 7): these functions are the reference. Module [`cuda`] holds the CUDA kernels
+//! CUDA: these functions are the reference. Module [`cuda`] holds the CUDA kernels
 //! (`cuda::CudaKernels`, feature `cuda`: AdamW, SGD, casts, sum of squares, max-abs, scale,
 //! divide, accumulate from f32/bf16/f16/f64,
 //! compiled by NVRTC at first use) with the same names and argument order over device buffers,

@@ -1,4 +1,4 @@
-//! Real-world case BC-01 (DeepSpeed PR 1380, PyTorch issue 136228): sizes not divisible by the
+//! Real-world case BC-01 (DeepSpeed PR 1380, https://github.com/pytorch/pytorch/issues/136228): sizes not divisible by the
 //! world size. Parameters `A [7,3]`, `B [5]`, `C [1,17]`, `D [3]` (46 f32 elements, element k
 //! = k + 0.5) in one unit; W in {1, 2, 3, 4, 5, 8}.
 

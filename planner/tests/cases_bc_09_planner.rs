@@ -1,4 +1,4 @@
-//! Real-world case BC-09 (PyTorch PR 104967, DeepSpeed issue 2615): frozen parameters in the
+//! Real-world case BC-09 (PyTorch PR 104967, https://github.com/microsoft/DeepSpeed/issues/2615): frozen parameters in the
 //! same unit as trainable ones get no gradient or optimizer bytes. 10 x Linear(1000, 1000)
 //! with bias; layers 0-8 frozen, layer 9 trainable; layers 8 and 9 share a unit; W = 4; AdamW.
 

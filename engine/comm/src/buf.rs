@@ -3,7 +3,7 @@
 //! A collective sees a flat run of elements of one [`DType`]: borrowed ([`Buf`], [`BufMut`]) for
 //! the synchronous calls, owned ([`OwnedBuf`]) for the started ones, whose buffers must outlive
 //! the call that issued them. An owned buffer is a host vector or a candle [`Tensor`] (the
-//! engine's flat buffers on a compute device, issue 7): a contiguous tensor whose elements, in
+//! engine's flat buffers on a compute device): a contiguous tensor whose elements, in
 //! row-major order, are the buffer.
 
 use crate::error::{CommError, OpKind};

@@ -83,7 +83,7 @@ pub enum CkptAction {
 /// Refuses a reshard output root `out` that already holds checkpoints (a `latest` pointer or a
 /// step directory) or is the source checkpoint `src_dir` itself: writing there would replace a
 /// checkpoint of the same step and move `latest` to the resharded one, possibly backwards past
-/// newer checkpoints (found by QA). A new or empty directory is fine.
+/// newer checkpoints. A new or empty directory is fine.
 ///
 /// Errors: [`CliError::Usage`] (exit 2) naming the directory.
 fn refuse_occupied_output(out: &Path, src_dir: &Path) -> Result<(), CliError> {

@@ -1,6 +1,6 @@
 //! `fsdp train | head -1`: when the reader of standard output goes away, the run ends quietly
 //! with exit status 141 (128 + SIGPIPE, as a shell reports a process killed by a broken pipe)
-//! instead of panicking with a backtrace (QA, session 4).
+//! instead of panicking with a backtrace.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};

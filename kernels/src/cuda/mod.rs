@@ -1,4 +1,4 @@
-//! CUDA versions of the flat-buffer kernels (issue 7), and the host-side work they need.
+//! CUDA versions of the flat-buffer kernels, and the host-side work they need.
 //!
 //! The kernels ([`SOURCE`], `kernels.cu` beside this file) are compiled by NVRTC the first time
 //! a `CudaKernels` (feature `cuda`) is used on a device, with `--fmad=false --prec-div=true

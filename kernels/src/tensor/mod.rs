@@ -1,6 +1,6 @@
 //! Flat-buffer kernels on candle tensors: the engine's flat buffers (fp32 master shards, fp32
 //! gradient shards, optimizer state, all-gather buffers, flat gradients) living on a compute
-//! device as candle [`Tensor`]s (issue 7).
+//! device as candle [`Tensor`]s.
 //!
 //! A *buffer* here is any contiguous candle tensor: usually 1-D; a `narrow(0, start, len)` view
 //! of a 1-D buffer is a buffer too (the layout's start offset is honoured), and so is a shaped

@@ -21,7 +21,7 @@
 //! **Ordering (wait).** [`crate::PendingOp::wait`] does not block the host: it makes each
 //! tensor's candle stream wait for the completion event and hands the tensors back, so any
 //! candle work enqueued afterwards sees the result while the host runs ahead (the overlap of
-//! issue 7: the next unit's all-gather runs while the current one computes). It fails at once
+//! the next unit's all-gather runs while the current one computes). It fails at once
 //! only when CUDA already reports an error for the work (`cuEventQuery`). NCCL's asynchronous
 //! errors and a collective that never completes surface in the next host-synchronising call on
 //! the communicator (every synchronous call, and [`NcclComm::wait_device`], polls
