@@ -121,6 +121,13 @@ fn llama_tiny_exports_a_model_directory_with_the_checkpoint_tensors() {
     assert_eq!(c["tie_word_embeddings"], false);
     assert_eq!(c["torch_dtype"], "float32");
 
+    // The run recorded the preset's config.json in the manifest.
+    let manifest = Checkpoint::open(&ck, Verify::Checksums).unwrap();
+    let recorded: serde_json::Value =
+        serde_json::from_str(&manifest.manifest().train.extra["hf_config"]).unwrap();
+    assert_eq!(recorded["num_key_value_heads"], 2);
+    assert_eq!(recorded["model_type"], "llama");
+
     let want = ckpt_tensors(&ck);
     let found = read_full(&out.join("model.safetensors")).unwrap().tensors;
     assert_eq!(

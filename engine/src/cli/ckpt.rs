@@ -277,7 +277,10 @@ pub fn run(args: CkptArgs) -> Result<(), CliError> {
                     &config,
                     max_shard.map_or(DEFAULT_MAX_SHARD_BYTES, |b| b.0),
                 )?;
-                println!(
+                use std::fmt::Write as _;
+                let mut text = String::new();
+                let _ = writeln!(
+                    text,
                     "consolidated {} (step {}, world size {}) -> {}: config.json and {} weight \
                      file(s), {} tensors, {} elements, {}",
                     ck.dir().display(),
@@ -290,16 +293,19 @@ pub fn run(args: CkptArgs) -> Result<(), CliError> {
                     Bytes(rep.total_size)
                 );
                 for (file, bytes) in &rep.files {
-                    println!("  {file}: {}", Bytes(*bytes));
+                    let _ = writeln!(text, "  {file}: {}", Bytes(*bytes));
                 }
                 for (tied, target) in &rep.tied_omitted {
-                    println!("  `{tied}` is tied to `{target}`: written once, as `{target}`");
+                    let _ = writeln!(
+                        text,
+                        "  `{tied}` is tied to `{target}`: written once, as `{target}`"
+                    );
                 }
                 if let Some(o) = optimizer_out {
                     let n = consolidate_optimizer_to_file(&ck, &o)?;
-                    println!("  optimizer state -> {}: {n} tensors", o.display());
+                    let _ = writeln!(text, "  optimizer state -> {}: {n} tensors", o.display());
                 }
-                return Ok(());
+                return emit(&text);
             }
             if llama {
                 eprintln!(
