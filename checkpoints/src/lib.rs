@@ -48,6 +48,7 @@
 pub mod error;
 pub mod full;
 mod header;
+pub mod hfdir;
 pub mod layout;
 pub mod load;
 pub mod manifest;
@@ -59,6 +60,10 @@ pub use error::{CkptError, Result};
 pub use full::{
     consolidate_optimizer_to_file, consolidate_to_file, read_full, write_full,
     write_full_from_shards, ConsolidateReport, FullState,
+};
+pub use hfdir::{
+    consolidate_to_hf_dir, shard_ranges, HfDirReport, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE,
+    SINGLE_WEIGHTS_FILE,
 };
 pub use layout::{layout_fingerprint, model_fingerprint, tensor_name, CheckpointLayout};
 pub use load::{reshard, resolve_checkpoint_dir, Checkpoint, Verify};

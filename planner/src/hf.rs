@@ -402,6 +402,114 @@ pub fn parse_llama_numerics(text: &str, file: &str) -> Result<LlamaNumerics, Pla
     Ok(out)
 }
 
+/// The Hugging Face `config.json` (as JSON) that rebuilds a Llama-family model of `cfg` with
+/// numerics `n` in `transformers`: `LlamaForCausalLM` (`model_type` `llama`), or
+/// `Qwen2ForCausalLM` when `cfg.qkv_bias` (Qwen2's q/k/v biases), or `MistralForCausalLM` when
+/// `n.sliding_window` is set (Qwen2 with a window sets `use_sliding_window`). Sizes, head
+/// counts, `max_position_embeddings`, `rms_norm_eps`, `rope_theta`, `rope_scaling` (type
+/// `llama3`) and `tie_word_embeddings` are written; `torch_dtype` is `float32` (fsdp-rs keeps
+/// f32 master weights). [`parse_hf_arch`] and [`parse_llama_numerics`] read it back to `cfg`
+/// and `n`.
+pub fn llama_hf_config(cfg: &LlamaConfig, n: &LlamaNumerics) -> Value {
+    let (arch, model_type) = if cfg.qkv_bias {
+        ("Qwen2ForCausalLM", "qwen2")
+    } else if n.sliding_window.is_some() {
+        ("MistralForCausalLM", "mistral")
+    } else {
+        ("LlamaForCausalLM", "llama")
+    };
+    let mut o = serde_json::Map::new();
+    let mut put = |k: &str, v: Value| {
+        o.insert(k.to_string(), v);
+    };
+    put("architectures", serde_json::json!([arch]));
+    put("model_type", model_type.into());
+    put("vocab_size", cfg.vocab_size.into());
+    put("hidden_size", cfg.d_model.into());
+    put("intermediate_size", cfg.ffn_hidden.into());
+    put("num_hidden_layers", cfg.n_layer.into());
+    put("num_attention_heads", cfg.n_head.into());
+    put("num_key_value_heads", cfg.n_kv_head.into());
+    put("hidden_act", "silu".into());
+    put("max_position_embeddings", cfg.max_seq.into());
+    put("rms_norm_eps", n.rms_norm_eps.into());
+    put("rope_theta", n.rope_theta.into());
+    put(
+        "rope_scaling",
+        match n.rope_scaling {
+            None => Value::Null,
+            Some(s) => serde_json::json!({
+                "rope_type": "llama3",
+                "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings,
+            }),
+        },
+    );
+    if model_type == "llama" {
+        put("attention_bias", false.into());
+        put("mlp_bias", false.into());
+    }
+    match (model_type, n.sliding_window) {
+        ("mistral", w) => put("sliding_window", w.map_or(Value::Null, Value::from)),
+        ("qwen2", Some(w)) => {
+            put("use_sliding_window", true.into());
+            put("sliding_window", w.into());
+        }
+        ("qwen2", None) => put("use_sliding_window", false.into()),
+        _ => {}
+    }
+    put("tie_word_embeddings", cfg.tied_head.into());
+    put("torch_dtype", "float32".into());
+    Value::Object(o)
+}
+
+/// The `config.json` to write next to exported f32 weights of a model of architecture `arch`:
+/// the config text `text` (from the file `file`, named in errors), checked to describe exactly
+/// `arch` (same sizes, heads, head tying, biases) with valid Llama numerics, with
+/// `torch_dtype` (and `dtype`, the newer spelling, when present) set to `float32` and an
+/// `architectures` entry added when missing.
+///
+/// Errors: `BadFile` when `text` is not a Llama-family config, describes another model than
+/// `arch` (naming both), or has numerics [`parse_llama_numerics`] refuses.
+pub fn export_llama_config(
+    text: &str,
+    file: &str,
+    arch: &Architecture,
+) -> Result<Value, PlanError> {
+    let found = parse_hf_arch(text, file)?;
+    if found != *arch {
+        return Err(bad(
+            file,
+            format!("describes {found:?}, but the checkpoint holds {arch:?}"),
+        ));
+    }
+    parse_llama_numerics(text, file)?;
+    let mut v: Value =
+        serde_json::from_str(text).map_err(|e| bad(file, format!("not valid JSON: {e}")))?;
+    let o = v.as_object_mut().expect("parse_hf_arch checked the object");
+    let model_type = o
+        .get("model_type")
+        .and_then(Value::as_str)
+        .unwrap_or("llama")
+        .to_string();
+    o.insert("model_type".into(), model_type.clone().into());
+    if !o.contains_key("architectures") {
+        let a = match model_type.as_str() {
+            "qwen2" => "Qwen2ForCausalLM",
+            "mistral" => "MistralForCausalLM",
+            _ => "LlamaForCausalLM",
+        };
+        o.insert("architectures".into(), serde_json::json!([a]));
+    }
+    o.insert("torch_dtype".into(), "float32".into());
+    if o.contains_key("dtype") {
+        o.insert("dtype".into(), "float32".into());
+    }
+    Ok(v)
+}
+
 /// One tensor entry of a safetensors header.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorInfo {

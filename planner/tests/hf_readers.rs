@@ -325,3 +325,79 @@ fn llama_numerics_defaults_scaling_windows_and_refusals() {
         assert!(e.contains("cfg.json") && e.contains(needle), "{extra}: {e}");
     }
 }
+
+/// The generated `config.json` of a Llama-family model reads back to the same sizes and
+/// numerics, for the Llama presets and for Qwen2 (biases, window) and Mistral variants.
+#[test]
+fn llama_hf_config_reads_back_to_the_same_model() {
+    use fsdp_planner::hf::{llama_hf_config, parse_hf_arch, parse_llama_numerics};
+    use fsdp_planner::presets::{llama_config, llama_numerics};
+    use fsdp_planner::{Llama3RopeScaling, LlamaNumerics};
+    let mut cases = Vec::new();
+    for name in ["llama-tiny", "llama-mini", "llama3-8b"] {
+        cases.push((llama_config(name).unwrap(), llama_numerics(name).unwrap()));
+    }
+    let mut qwen = llama_config("llama-tiny").unwrap();
+    qwen.qkv_bias = true;
+    qwen.tied_head = true;
+    let windowed = LlamaNumerics {
+        rms_norm_eps: 1e-6,
+        rope_theta: 1e6,
+        rope_scaling: None,
+        sliding_window: Some(64),
+    };
+    cases.push((qwen, windowed));
+    cases.push((llama_config("llama-tiny").unwrap(), windowed));
+    let scaled = LlamaNumerics {
+        rope_scaling: Some(Llama3RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 64,
+        }),
+        ..LlamaNumerics::default()
+    };
+    cases.push((llama_config("llama-mini").unwrap(), scaled));
+    for (cfg, n) in cases {
+        let v = llama_hf_config(&cfg, &n);
+        let text = v.to_string();
+        assert_eq!(
+            parse_hf_arch(&text, "gen").unwrap(),
+            fsdp_planner::Architecture::Llama(cfg),
+            "{text}"
+        );
+        assert_eq!(parse_llama_numerics(&text, "gen").unwrap(), n, "{text}");
+        assert_eq!(v["torch_dtype"], "float32");
+    }
+    let tiny = llama_hf_config(
+        &llama_config("llama-tiny").unwrap(),
+        &llama_numerics("llama-tiny").unwrap(),
+    );
+    assert_eq!(tiny["model_type"], "llama");
+    assert_eq!(tiny["architectures"][0], "LlamaForCausalLM");
+    assert_eq!(tiny["hidden_size"], 128);
+    assert_eq!(tiny["num_key_value_heads"], 2);
+    assert_eq!(tiny["intermediate_size"], 352);
+    assert_eq!(tiny["rms_norm_eps"], 1e-5);
+}
+
+/// `export_llama_config` refuses a config of another model than the checkpoint's and
+/// normalises the dtype.
+#[test]
+fn export_llama_config_checks_the_model() {
+    use fsdp_planner::hf::export_llama_config;
+    use fsdp_planner::presets::llama_config;
+    let cfg = llama_config("llama-tiny").unwrap();
+    let arch = fsdp_planner::Architecture::Llama(cfg);
+    let text = r#"{"model_type": "llama", "vocab_size": 256, "hidden_size": 128,
+        "intermediate_size": 352, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 256, "torch_dtype": "bfloat16"}"#;
+    let v = export_llama_config(text, "c.json", &arch).unwrap();
+    assert_eq!(v["torch_dtype"], "float32");
+    assert_eq!(v["architectures"][0], "LlamaForCausalLM");
+    let other = text.replace("\"num_hidden_layers\": 4", "\"num_hidden_layers\": 3");
+    let e = export_llama_config(&other, "c.json", &arch)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("c.json") && e.contains("n_layer: 3"), "{e}");
+}

@@ -5,8 +5,8 @@
 
 use super::CliError;
 use fsdp_checkpoints::{
-    consolidate_optimizer_to_file, consolidate_to_file, reshard, Checkpoint, CheckpointLayout,
-    CkptError, Verify,
+    consolidate_optimizer_to_file, consolidate_to_file, consolidate_to_hf_dir, reshard, Checkpoint,
+    CheckpointLayout, CkptError, Verify, DEFAULT_MAX_SHARD_BYTES,
 };
 use fsdp_planner::config::MAX_WORLD_SIZE;
 use fsdp_types::{Bytes, DType, Numel};
@@ -40,14 +40,28 @@ pub enum CkptAction {
         #[arg(long)]
         json: bool,
     },
-    /// Write the full fp32 model as one safetensors file with the original parameter names
-    /// and shapes (tied parameters once, under the target's name, as Hugging Face does).
+    /// Write the full fp32 model with the original parameter names and shapes (tied
+    /// parameters once, under the target's name, as Hugging Face does): one safetensors file,
+    /// or for a Llama-family model (Llama, Mistral, Qwen2) a Hugging Face model directory that
+    /// `from_pretrained` loads (`config.json`, `model.safetensors` or shards with
+    /// `model.safetensors.index.json`).
     Consolidate {
         /// Checkpoint directory or root.
         dir: PathBuf,
-        /// Output safetensors file.
+        /// Output: a safetensors file, or for a Llama-family model a new or empty directory
+        /// (a path ending in `.safetensors` writes the single file instead).
         #[arg(short, long)]
         output: PathBuf,
+        /// Largest weight file of a model directory, as transformers' `max_shard_size`:
+        /// `5GB` (10^9, the default), `500MB`, `2GiB`, or bytes. Above it the weights are
+        /// split into `model-0000i-of-0000N.safetensors` files with an index.
+        #[arg(long, value_name = "SIZE")]
+        max_shard_size: Option<String>,
+        /// The model's `config.json` for a model directory, for a checkpoint that does not
+        /// record it (saved by an older build from `--hf-config`); it must describe the
+        /// checkpoint's model.
+        #[arg(long, value_name = "FILE")]
+        hf_config: Option<PathBuf>,
         /// Also write the Adam moments (`{name}.exp_avg`, `{name}.exp_avg_sq`) to this file.
         #[arg(long)]
         optimizer_out: Option<PathBuf>,
@@ -221,12 +235,84 @@ pub fn run(args: CkptArgs) -> Result<(), CliError> {
             dir,
             output,
             optimizer_out,
+            max_shard_size,
+            hf_config,
         } => {
-            check_output_file("-o", &output)?;
+            let max_shard = max_shard_size
+                .as_deref()
+                .map(parse_max_shard_size)
+                .transpose()?;
             if let Some(o) = &optimizer_out {
                 check_output_file("--optimizer-out", o)?;
             }
-            let ck = open_verified(&dir)?;
+            let ck = Checkpoint::open(&dir, Verify::Checksums)?;
+            let llama = matches!(
+                ck.manifest().spec.arch,
+                fsdp_planner::Architecture::Llama(_)
+            );
+            let to_file =
+                !llama || output.extension().and_then(|e| e.to_str()) == Some("safetensors");
+            if to_file {
+                if max_shard.is_some() || hf_config.is_some() {
+                    return Err(CliError::Usage(format!(
+                        "--max-shard-size and --hf-config apply to a model directory, which \
+                         is written for Llama-family models to an -o path not ending in \
+                         .safetensors; -o {} writes one safetensors file: leave them out",
+                        output.display()
+                    )));
+                }
+                check_output_file("-o", &output)?;
+            } else {
+                check_output_model_dir(&output)?;
+            }
+            for w in passed_over(&dir, ck.dir()) {
+                eprintln!("{w}");
+            }
+            ck.verify_all()?;
+            if !to_file {
+                let config = export_config(&ck, hf_config.as_deref())?;
+                let rep = consolidate_to_hf_dir(
+                    &ck,
+                    &output,
+                    &config,
+                    max_shard.map_or(DEFAULT_MAX_SHARD_BYTES, |b| b.0),
+                )?;
+                use std::fmt::Write as _;
+                let mut text = String::new();
+                let _ = writeln!(
+                    text,
+                    "consolidated {} (step {}, world size {}) -> {}: config.json and {} weight \
+                     file(s), {} tensors, {} elements, {}",
+                    ck.dir().display(),
+                    ck.manifest().train.step,
+                    ck.manifest().world_size,
+                    rep.dir.display(),
+                    rep.files.len(),
+                    rep.tensors,
+                    Numel(rep.numel),
+                    Bytes(rep.total_size)
+                );
+                for (file, bytes) in &rep.files {
+                    let _ = writeln!(text, "  {file}: {}", Bytes(*bytes));
+                }
+                for (tied, target) in &rep.tied_omitted {
+                    let _ = writeln!(
+                        text,
+                        "  `{tied}` is tied to `{target}`: written once, as `{target}`"
+                    );
+                }
+                if let Some(o) = optimizer_out {
+                    let n = consolidate_optimizer_to_file(&ck, &o)?;
+                    let _ = writeln!(text, "  optimizer state -> {}: {n} tensors", o.display());
+                }
+                return emit(&text);
+            }
+            if llama {
+                eprintln!(
+                    "note: writing one safetensors state dict; -o DIR (a path not ending in \
+                     .safetensors) writes a Hugging Face model directory with config.json"
+                );
+            }
             let rep = consolidate_to_file(&ck, &output)?;
             println!(
                 "consolidated {} (step {}, world size {}) -> {}: {} tensors, {} elements, {}",
@@ -731,6 +817,128 @@ fn open_verified(dir: &Path) -> Result<Checkpoint, CliError> {
     Ok(ck)
 }
 
+/// Parses `--max-shard-size` (transformers' `max_shard_size` spelling: `5GB` = 5 * 10^9,
+/// `2GiB` = 2 * 2^30, or a byte count).
+///
+/// Errors: [`CliError::Usage`] (exit 2) for an unreadable or zero size.
+pub fn parse_max_shard_size(s: &str) -> Result<Bytes, CliError> {
+    let b = s
+        .parse::<Bytes>()
+        .map_err(|e| CliError::Usage(format!("--max-shard-size: {e}")))?;
+    if b.0 == 0 {
+        return Err(CliError::Usage(format!(
+            "--max-shard-size {s}: a weight file holds at least one tensor; give a size such \
+             as 5GB or 500MB"
+        )));
+    }
+    Ok(b)
+}
+
+/// Refuses a model-directory output before any work: an existing file, a non-empty directory
+/// or a missing parent directory, naming the path and the fix.
+///
+/// Errors: [`CliError::Usage`] (exit 2).
+pub fn check_output_model_dir(path: &Path) -> Result<(), CliError> {
+    if path.is_file() {
+        return Err(CliError::Usage(format!(
+            "-o {}: is a file; a Llama-family model is exported as a Hugging Face model \
+             directory: give a new or empty directory, or a path ending in .safetensors for one \
+             state-dict file",
+            path.display()
+        )));
+    }
+    if path.is_dir() {
+        let n = std::fs::read_dir(path)
+            .map_err(|e| CliError::Usage(format!("-o {}: {e}", path.display())))?
+            .count();
+        if n > 0 {
+            return Err(CliError::Usage(format!(
+                "-o {}: the directory is not empty ({n} entries); the export would mix with \
+                 its files: give a new or empty directory",
+                path.display()
+            )));
+        }
+    }
+    let parent = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if !parent.is_dir() {
+        return Err(CliError::Usage(format!(
+            "-o {}: the directory {} does not exist; create it first (mkdir -p {})",
+            path.display(),
+            parent.display(),
+            parent.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Manifest `train.extra` key holding the Hugging Face `config.json` text of a Llama-family
+/// model, recorded by `fsdp train` at every save.
+pub const HF_CONFIG_KEY: &str = "hf_config";
+
+/// The `config.json` text to record for `model`, trained from the `config.json` at
+/// `hf_config` (its text, as given) or a preset (generated from the preset's sizes and
+/// numerics); `None` for a GPT (its export is one safetensors file).
+///
+/// Errors: [`CliError::Usage`] when `hf_config` cannot be read.
+pub fn hf_config_text(
+    model: &crate::model::decoder::Decoder,
+    hf_config: Option<&Path>,
+) -> Result<Option<String>, CliError> {
+    let crate::model::decoder::Decoder::Llama(l) = model else {
+        return Ok(None);
+    };
+    if let Some(p) = hf_config {
+        return std::fs::read_to_string(p)
+            .map(Some)
+            .map_err(|e| CliError::Usage(format!("--hf-config {}: {e}", p.display())));
+    }
+    Ok(Some(
+        fsdp_planner::hf::llama_hf_config(&l.cfg, &l.numerics).to_string(),
+    ))
+}
+
+/// The `config.json` of a Llama-family checkpoint's model directory: `--hf-config FILE` when
+/// given, else the text `fsdp train` recorded in the manifest ([`HF_CONFIG_KEY`]), else the
+/// preset of the checkpoint's model name; checked to describe the checkpoint's model
+/// ([`fsdp_planner::hf::export_llama_config`]).
+///
+/// Errors: [`CliError::Usage`] (exit 2) when none is available (naming `--hf-config`) or the
+/// config describes another model.
+fn export_config(ck: &Checkpoint, hf_config: Option<&Path>) -> Result<serde_json::Value, CliError> {
+    let m = ck.manifest();
+    let manifest = ck.dir().join(fsdp_checkpoints::MANIFEST_FILE);
+    let (text, file) = if let Some(p) = hf_config {
+        let t = std::fs::read_to_string(p)
+            .map_err(|e| CliError::Usage(format!("--hf-config {}: {e}", p.display())))?;
+        (t, p.display().to_string())
+    } else if let Some(t) = m.train.extra.get(HF_CONFIG_KEY) {
+        (
+            t.clone(),
+            format!("{} (train.extra.{HF_CONFIG_KEY})", manifest.display()),
+        )
+    } else if let (Some(c), Some(n)) = (
+        fsdp_planner::presets::llama_config(&m.model_name),
+        fsdp_planner::presets::llama_numerics(&m.model_name),
+    ) {
+        (
+            fsdp_planner::hf::llama_hf_config(&c, &n).to_string(),
+            format!("preset {}", m.model_name),
+        )
+    } else {
+        return Err(CliError::Usage(format!(
+            "{}: the checkpoint does not record its model's config.json (model {}); pass \
+             the config.json it was trained from with --hf-config FILE",
+            manifest.display(),
+            m.model_name
+        )));
+    };
+    fsdp_planner::hf::export_llama_config(&text, &file, &m.spec.arch)
+        .map_err(|e| CliError::Usage(e.to_string()))
+}
+
 /// Refuses an output file path that cannot be written, before any work: an existing
 /// directory, or a parent directory that does not exist. `flag` names the flag in messages.
 ///
@@ -955,6 +1163,9 @@ impl CheckpointHooks {
             ),
         ] {
             extra.insert(k.to_string(), v);
+        }
+        if let Some(t) = hf_config_text(&model, o.hf_config.as_deref())? {
+            extra.insert(HF_CONFIG_KEY.to_string(), t);
         }
         let train = fsdp_checkpoints::TrainState {
             step: 0,

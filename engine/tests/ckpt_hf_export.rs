@@ -1,0 +1,379 @@
+//! `fsdp ckpt consolidate CK -o DIR` for Llama-family models, end to end through the binary:
+//! a Hugging Face model directory (`config.json`, `model.safetensors` or shards with
+//! `model.safetensors.index.json`) holding exactly the checkpoint's parameters, and the
+//! refusals of outputs it cannot write (exit 2).
+
+use fsdp_checkpoints::{read_full, Checkpoint, FullTensor, StateKind, Verify};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+fn fsdp(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_fsdp"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Trains `model_args` for 2 steps on 2 ranks with a checkpoint at step 2 into `root`.
+fn train(root: &Path, model_args: &[&str]) {
+    let mut args = vec!["train"];
+    args.extend_from_slice(model_args);
+    args.extend_from_slice(&[
+        "--world-size",
+        "2",
+        "--steps",
+        "2",
+        "--micro-batch",
+        "1",
+        "--seq-len",
+        "16",
+        "--eval-batches",
+        "1",
+        "--threads-per-rank",
+        "1",
+        "--ckpt-every",
+        "2",
+        "--ckpt-dir",
+        s(root),
+    ]);
+    let (rc, out, err) = fsdp(&args);
+    assert_eq!(rc, 0, "train failed:\n{out}\n{err}");
+}
+
+/// One `llama-tiny` checkpoint shared by the tests (trained once).
+fn llama_tiny_ckpt() -> &'static Path {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let d = tempfile::tempdir().unwrap();
+        train(&d.path().join("ck"), &["--model", "llama-tiny"]);
+        d
+    })
+    .path()
+}
+
+/// The checkpoint's consolidated fp32 parameters by name.
+fn ckpt_tensors(root: &Path) -> BTreeMap<String, FullTensor> {
+    let ck = Checkpoint::open(root, Verify::Checksums).unwrap();
+    ck.consolidate(StateKind::Param)
+        .unwrap()
+        .into_iter()
+        .map(|t| (t.name.clone(), t))
+        .collect()
+}
+
+fn assert_same(found: &FullTensor, want: &FullTensor) {
+    assert_eq!(found.shape, want.shape, "{}", want.name);
+    let bits = |t: &FullTensor| t.data.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(bits(found) == bits(want), "values of {}", want.name);
+}
+
+fn entries(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+fn config(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn llama_tiny_exports_a_model_directory_with_the_checkpoint_tensors() {
+    let base = llama_tiny_ckpt();
+    let ck = base.join("ck");
+    let out = base.join("exported");
+    let (rc, stdout, err) = fsdp(&["ckpt", "consolidate", s(&ck), "-o", s(&out)]);
+    assert_eq!(rc, 0, "{stdout}\n{err}");
+    assert!(stdout.contains("39 tensors, 803,968 elements"), "{stdout}");
+    assert_eq!(entries(&out), ["config.json", "model.safetensors"]);
+
+    let c = config(&out);
+    assert_eq!(c["architectures"], serde_json::json!(["LlamaForCausalLM"]));
+    assert_eq!(c["model_type"], "llama");
+    for (k, v) in [
+        ("vocab_size", 256),
+        ("hidden_size", 128),
+        ("intermediate_size", 352),
+        ("num_hidden_layers", 4),
+        ("num_attention_heads", 4),
+        ("num_key_value_heads", 2),
+        ("max_position_embeddings", 256),
+    ] {
+        assert_eq!(c[k], v, "{k}");
+    }
+    assert_eq!(c["rms_norm_eps"], 1e-5);
+    assert_eq!(c["rope_theta"], 10000.0);
+    assert_eq!(c["hidden_act"], "silu");
+    assert_eq!(c["tie_word_embeddings"], false);
+    assert_eq!(c["torch_dtype"], "float32");
+
+    // The run recorded the preset's config.json in the manifest.
+    let manifest = Checkpoint::open(&ck, Verify::Checksums).unwrap();
+    let recorded: serde_json::Value =
+        serde_json::from_str(&manifest.manifest().train.extra["hf_config"]).unwrap();
+    assert_eq!(recorded["num_key_value_heads"], 2);
+    assert_eq!(recorded["model_type"], "llama");
+
+    let want = ckpt_tensors(&ck);
+    let found = read_full(&out.join("model.safetensors")).unwrap().tensors;
+    assert_eq!(
+        found.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>()
+    );
+    assert_eq!(found.len(), 39);
+    for name in [
+        "model.embed_tokens.weight",
+        "model.layers.3.self_attn.k_proj.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ] {
+        assert!(found.contains_key(name), "{name}");
+    }
+    assert_eq!(
+        found["model.layers.0.self_attn.k_proj.weight"].shape,
+        [64, 128]
+    );
+    assert_eq!(
+        found["model.layers.0.mlp.down_proj.weight"].shape,
+        [128, 352]
+    );
+    for (name, w) in &want {
+        assert_same(&found[name], w);
+    }
+
+    // A path ending in .safetensors still writes one state-dict file, with the same tensors.
+    let file = base.join("state.safetensors");
+    let (rc, stdout, err) = fsdp(&["ckpt", "consolidate", s(&ck), "-o", s(&file)]);
+    assert_eq!(rc, 0, "{stdout}\n{err}");
+    assert!(err.contains("-o DIR"), "{err}");
+    let single = read_full(&file).unwrap().tensors;
+    assert_eq!(single.len(), want.len());
+    for (name, w) in &want {
+        assert_same(&single[name], w);
+    }
+}
+
+#[test]
+fn sharded_export_puts_every_tensor_in_exactly_one_file() {
+    let base = llama_tiny_ckpt();
+    let ck = base.join("ck");
+    let out = base.join("sharded");
+    let limit = 400_000u64;
+    let (rc, stdout, err) = fsdp(&[
+        "ckpt",
+        "consolidate",
+        s(&ck),
+        "-o",
+        s(&out),
+        "--max-shard-size",
+        "400KB",
+    ]);
+    assert_eq!(rc, 0, "{stdout}\n{err}");
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let want = ckpt_tensors(&ck);
+    let total: u64 = want.values().map(|t| t.data.len() as u64 * 4).sum();
+    assert_eq!(total, 803_968 * 4);
+    assert_eq!(index["metadata"]["total_size"], total);
+    let map = index["weight_map"].as_object().unwrap();
+    assert_eq!(
+        map.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>()
+    );
+
+    let files: Vec<String> = entries(&out)
+        .into_iter()
+        .filter(|f| f.starts_with("model-"))
+        .collect();
+    let n = files.len();
+    assert!(n >= 8, "{files:?}");
+    let names: Vec<String> = (1..=n)
+        .map(|i| format!("model-{i:05}-of-{n:05}.safetensors"))
+        .collect();
+    assert_eq!(files, names);
+    assert_eq!(entries(&out).len(), n + 2, "config.json and the index");
+    assert!(!out.join("model.safetensors").exists());
+
+    let mut seen: BTreeMap<String, String> = BTreeMap::new();
+    for f in &files {
+        let held = read_full(&out.join(f)).unwrap().tensors;
+        let bytes: u64 = held.values().map(|t| t.data.len() as u64 * 4).sum();
+        assert!(bytes <= limit || held.len() == 1, "{f}: {bytes} bytes");
+        for (name, t) in held {
+            assert_eq!(map[&name], f.as_str(), "{name}");
+            assert_same(&t, &want[&name]);
+            assert!(
+                seen.insert(name.clone(), f.clone()).is_none(),
+                "{name} twice"
+            );
+        }
+    }
+    assert_eq!(seen.len(), want.len());
+    // The files' tensor bytes add up to the index's total_size.
+    let sizes: Vec<u64> = files
+        .iter()
+        .map(|f| {
+            read_full(&out.join(f))
+                .unwrap()
+                .tensors
+                .values()
+                .map(|t| t.data.len() as u64 * 4)
+                .sum()
+        })
+        .collect();
+    assert_eq!(sizes.iter().sum::<u64>(), total);
+    let config = config(&out);
+    assert_eq!(config["model_type"], "llama");
+}
+
+#[test]
+fn outputs_that_cannot_be_written_are_refused() {
+    let base = llama_tiny_ckpt();
+    let ck = base.join("ck");
+    let run = |extra: &[&str]| {
+        let mut a = vec!["ckpt", "consolidate", s(&ck)];
+        a.extend_from_slice(extra);
+        fsdp(&a)
+    };
+    let full = base.join("occupied");
+    std::fs::create_dir(&full).unwrap();
+    std::fs::write(full.join("keep.txt"), "mine").unwrap();
+    let (rc, _, err) = run(&["-o", s(&full)]);
+    assert_eq!(rc, 2, "{err}");
+    assert!(
+        err.contains("not empty") && err.contains("occupied"),
+        "{err}"
+    );
+    assert_eq!(entries(&full), ["keep.txt"]);
+
+    let file = base.join("plainfile");
+    std::fs::write(&file, "x").unwrap();
+    let (rc, _, err) = run(&["-o", s(&file)]);
+    assert_eq!(rc, 2, "{err}");
+    assert!(
+        err.contains("is a file") && err.contains(".safetensors"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "x");
+
+    let (rc, _, err) = run(&[
+        "-o",
+        s(&base.join("a.safetensors")),
+        "--max-shard-size",
+        "1GB",
+    ]);
+    assert_eq!(rc, 2, "{err}");
+    assert!(err.contains("--max-shard-size"), "{err}");
+
+    for bad in ["5XB", "0"] {
+        let (rc, _, err) = run(&["-o", s(&base.join("never")), "--max-shard-size", bad]);
+        assert_eq!(rc, 2, "{err}");
+        assert!(err.contains("--max-shard-size"), "{err}");
+    }
+    let (rc, _, err) = run(&["-o", s(&base.join("missing/deeper"))]);
+    assert_eq!(rc, 2, "{err}");
+    assert!(err.contains("does not exist"), "{err}");
+
+    // A config of another model is refused, naming the file.
+    let other = base.join("other.json");
+    std::fs::write(
+        &other,
+        r#"{"model_type": "llama", "vocab_size": 256, "hidden_size": 128,
+            "intermediate_size": 352, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 256}"#,
+    )
+    .unwrap();
+    let (rc, _, err) = run(&["-o", s(&base.join("never")), "--hf-config", s(&other)]);
+    assert_eq!(rc, 2, "{err}");
+    assert!(
+        err.contains("other.json") && err.contains("n_layer: 3"),
+        "{err}"
+    );
+    assert!(!base.join("never").exists());
+}
+
+/// A run from `--hf-config` records that file: the export keeps its family (Qwen2, tied head:
+/// no `lm_head.weight`) with `torch_dtype` float32; without the record, `--hf-config` is asked
+/// for by name.
+#[test]
+fn hf_config_run_exports_its_own_config() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg_path: PathBuf = d.path().join("config.json");
+    std::fs::write(
+        &cfg_path,
+        r#"{"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 256,
+            "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": true,
+            "use_sliding_window": false, "torch_dtype": "bfloat16", "bos_token_id": 1}"#,
+    )
+    .unwrap();
+    let ck = d.path().join("ck");
+    train(&ck, &["--hf-config", s(&cfg_path)]);
+    let out = d.path().join("out");
+    let (rc, stdout, err) = fsdp(&["ckpt", "consolidate", s(&ck), "-o", s(&out)]);
+    assert_eq!(rc, 0, "{stdout}\n{err}");
+    assert!(stdout.contains("`lm_head.weight` is tied"), "{stdout}");
+    let c = config(&out);
+    assert_eq!(c["model_type"], "qwen2");
+    assert_eq!(c["tie_word_embeddings"], true);
+    assert_eq!(c["torch_dtype"], "float32");
+    assert_eq!(c["bos_token_id"], 1);
+    let found = read_full(&out.join("model.safetensors")).unwrap().tensors;
+    assert!(!found.contains_key("lm_head.weight"));
+    assert_eq!(found["model.layers.1.self_attn.q_proj.bias"].shape, [32]);
+    let want = ckpt_tensors(&ck);
+    assert_eq!(found.len(), want.len());
+    for (name, w) in &want {
+        assert_same(&found[name], w);
+    }
+
+    // A checkpoint without the recorded config (an older build) needs --hf-config.
+    let step = Checkpoint::open(&ck, Verify::Checksums)
+        .unwrap()
+        .dir()
+        .to_path_buf();
+    let mpath = step.join("manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&mpath).unwrap()).unwrap();
+    m["train"]["extra"]
+        .as_object_mut()
+        .unwrap()
+        .remove("hf_config")
+        .expect("the run recorded its config.json");
+    std::fs::write(&mpath, serde_json::to_string_pretty(&m).unwrap()).unwrap();
+    let again = d.path().join("again");
+    let (rc, _, err) = fsdp(&["ckpt", "consolidate", s(&ck), "-o", s(&again)]);
+    assert_eq!(rc, 2, "{err}");
+    assert!(
+        err.contains("--hf-config") && err.contains("manifest.json"),
+        "{err}"
+    );
+    let (rc, stdout, err) = fsdp(&[
+        "ckpt",
+        "consolidate",
+        s(&ck),
+        "-o",
+        s(&again),
+        "--hf-config",
+        s(&cfg_path),
+    ]);
+    assert_eq!(rc, 0, "{stdout}\n{err}");
+    assert_eq!(config(&again)["model_type"], "qwen2");
+}
