@@ -74,6 +74,10 @@ pub enum EngineError {
     /// A state import (checkpoint resume) whose sizes do not match this engine's layout.
     #[error("state import: {0}")]
     State(String),
+    /// Saving a checkpoint failed or was refused (the message names the step, the directory
+    /// and the problem); the newest complete checkpoint is unchanged.
+    #[error("{0}")]
+    Checkpoint(String),
     /// Reading training data failed.
     #[error("data: {0}")]
     Data(String),

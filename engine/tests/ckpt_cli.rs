@@ -561,3 +561,109 @@ fn reshard_takes_the_strategy_names_of_train() {
         "{err}"
     );
 }
+
+/// A fresh run (no `--resume`) into a `--ckpt-dir` that holds another run's checkpoints is
+/// refused before training: its saves would mix with them, `--keep-last` would prune the new
+/// run's lower steps and keep the old run's higher ones, and `--resume` could continue the
+/// wrong run. The old checkpoints stay as they were; `--resume` continues them.
+#[test]
+fn a_fresh_run_into_a_checkpoint_root_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    let run = |extra: &[&str]| {
+        let mut a = vec![
+            "train",
+            "--model",
+            "tiny",
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "2",
+            "--eval-batches",
+            "1",
+            "--warmup",
+            "1",
+            "--ckpt-every",
+            "1",
+            "--ckpt-dir",
+            s(&ck),
+        ];
+        a.extend_from_slice(extra);
+        fsdp(&a)
+    };
+    let (code, _, err) = run(&["--steps", "3"]);
+    assert_eq!(code, 0, "{err}");
+    let before: Vec<_> = std::fs::read_dir(&ck)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    let (code, _, err) = run(&["--steps", "2", "--lr", "5e-4"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("already holds checkpoints") && err.contains("step-00000003"),
+        "{err}"
+    );
+    assert!(
+        err.contains("--resume") && err.contains("new or empty --ckpt-dir"),
+        "{err}"
+    );
+    let after: Vec<_> = std::fs::read_dir(&ck)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(before, after, "nothing was written");
+    let (code, _, err) = run(&["--steps", "4", "--resume"]);
+    assert_eq!(code, 0, "{err}");
+}
+
+/// Where a non-finite weight could enter without a gradient: a learning rate beyond the
+/// largest f32 (the optimizer's arithmetic) is refused at parse time, and `--init-from` a file
+/// holding an infinite value is refused naming the tensor.
+#[test]
+fn nonfinite_weights_are_refused_at_the_door() {
+    let (code, _, err) = fsdp(&["train", "--model", "tiny", "--steps", "1", "--lr", "1e39"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("largest f32") && err.contains("--lr"), "{err}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    let base = [
+        "train",
+        "--model",
+        "tiny",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "2",
+        "--eval-batches",
+        "1",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+    ];
+    let mut a = base.to_vec();
+    a.extend(["--ckpt-dir", s(&ck)]);
+    let (code, _, err) = fsdp(&a);
+    assert_eq!(code, 0, "{err}");
+    let full = dir.path().join("full.safetensors");
+    let (code, _, err) = fsdp(&["ckpt", "consolidate", s(&ck), "-o", s(&full)]);
+    assert_eq!(code, 0, "{err}");
+    let mut tensors: Vec<_> = read_full(&full).unwrap().tensors.into_values().collect();
+    let t = tensors
+        .iter_mut()
+        .find(|t| t.name.ends_with("h.0.mlp.c_fc.weight"))
+        .unwrap();
+    t.data[5] = f32::INFINITY;
+    let name = t.name.clone();
+    let bad = dir.path().join("bad.safetensors");
+    fsdp_checkpoints::write_full(&bad, &tensors, &[]).unwrap();
+    let mut a = base.to_vec();
+    a.extend(["--init-from", s(&bad)]);
+    let (code, _, err) = fsdp(&a);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(&name) && err.contains("inf at element 5") && err.contains("finite"),
+        "{err}"
+    );
+}

@@ -22,7 +22,7 @@ pub fn non_negative(s: &str) -> Result<f64, String> {
     Ok(v)
 }
 
-/// Parses a finite number `> 0` (`--lr`).
+/// Parses a finite number `> 0` and at most the largest f32 (`--lr`).
 ///
 /// Errors: the rule and the fix, for clap's message.
 pub fn positive(s: &str) -> Result<f64, String> {
@@ -32,6 +32,14 @@ pub fn positive(s: &str) -> Result<f64, String> {
         .map_err(|_| format!("`{s}` is not a number; give a finite number > 0, e.g. 1e-3"))?;
     if !(v.is_finite() && v > 0.0) {
         return Err(format!("must be a finite number > 0, got {v}; e.g. 1e-3"));
+    }
+    // The optimizer multiplies f32 values by it: beyond the largest f32 it is infinite there.
+    if v > f32::MAX as f64 {
+        return Err(format!(
+            "must be at most {:e} (the largest f32, which the optimizer computes in), got {v:e}; \
+             e.g. 1e-3",
+            f32::MAX
+        ));
     }
     Ok(v)
 }

@@ -970,13 +970,28 @@ pub fn check_output_file(flag: &str, path: &Path) -> Result<(), CliError> {
 /// tensors are errors naming the parameter), returned as `[unit][non-tied param][element]`.
 ///
 /// Errors: every `CkptError` of [`fsdp_checkpoints::read_full`] and
-/// [`fsdp_checkpoints::FullState::check_strict`].
+/// [`fsdp_checkpoints::FullState::check_strict`]; `InvalidArgument` naming the first tensor
+/// that holds an infinite or NaN value.
 pub fn init_params_from_file(
     path: &std::path::Path,
     spec: &fsdp_planner::ModelSpec,
 ) -> Result<Vec<Vec<Vec<f32>>>, CkptError> {
     let full = fsdp_checkpoints::read_full(path)?;
     full.check_strict(spec)?;
+    // Initial weights are where a non-finite value would enter without any gradient.
+    for p in spec.units.iter().flat_map(|u| &u.params) {
+        let Some(t) = full.tensors.get(&p.name) else {
+            continue;
+        };
+        if let Some(i) = t.data.iter().position(|v| !v.is_finite()) {
+            return Err(CkptError::InvalidArgument(format!(
+                "{}: tensor {} holds {} at element {i}: initial weights must be finite",
+                path.display(),
+                p.name,
+                t.data[i]
+            )));
+        }
+    }
     Ok(spec
         .units
         .iter()
@@ -1073,6 +1088,9 @@ impl CheckpointHooks {
         let layout = CheckpointLayout::from_plan(spec.clone(), &plan)?;
         if let Some(root) = &a.ckpt_dir {
             check_ckpt_dir(root)?;
+            if a.resume_mode()?.is_none() {
+                refuse_fresh_run_into_checkpoints(root)?;
+            }
         }
         let mut resume_from = None;
         let mut set_aside = Vec::new();
@@ -1393,6 +1411,36 @@ fn check_ckpt_dir(root: &std::path::Path) -> Result<(), CliError> {
     Ok(())
 }
 
+/// Refuses a fresh run (no `--resume`) whose `--ckpt-dir` already holds checkpoints: its saves
+/// would mix with another run's, `--keep-last` would prune by step number (deleting the new
+/// run's lower steps while keeping the old run's higher ones), and a later `--resume` could
+/// continue the wrong run.
+///
+/// Errors: [`CliError::Usage`] (exit 2) naming the directory, its newest step and the fixes.
+fn refuse_fresh_run_into_checkpoints(root: &Path) -> Result<(), CliError> {
+    let dirs = step_dirs(root)?;
+    let latest = root.join(fsdp_checkpoints::LATEST_FILE).is_file();
+    if dirs.is_empty() && !latest {
+        return Ok(());
+    }
+    let newest = dirs
+        .iter()
+        .map(|d| d.path.display().to_string())
+        .next()
+        .unwrap_or_else(|| {
+            root.join(fsdp_checkpoints::LATEST_FILE)
+                .display()
+                .to_string()
+        });
+    Err(CliError::Usage(format!(
+        "--ckpt-dir {}: already holds checkpoints of a run ({} step directories, newest {newest}); \
+         a fresh run would mix its checkpoints with them: pass --resume (or --resume-from STEP) \
+         to continue that run, or give a new or empty --ckpt-dir",
+        root.display(),
+        dirs.len()
+    )))
+}
+
 impl CheckpointHooks {
     /// The 0-based step a `--resume` run continues from (the number of optimizer steps the
     /// checkpoint has completed) and the checkpoint's directory; `None` when the run starts
@@ -1493,7 +1541,7 @@ impl crate::train::TrainHooks for CheckpointHooks {
         let rank = rank as u64;
         let t0 = std::time::Instant::now();
         let fail = |what: &str, e: String| {
-            crate::error::EngineError::State(format!(
+            crate::error::EngineError::Checkpoint(format!(
                 "checkpoint of step {step} in {}: {what}: {e}",
                 root.display()
             ))
@@ -1548,7 +1596,7 @@ impl crate::train::TrainHooks for CheckpointHooks {
                 .flat_map(|u| &u.params)
                 .nth(p)
                 .map_or_else(|| format!("#{p}"), |x| x.name.clone());
-            return Err(crate::error::EngineError::State(format!(
+            return Err(crate::error::EngineError::Checkpoint(format!(
                 "checkpoint of step {step} in {}: refused: the {} of parameter {name} on rank {r} is not finite, and a checkpoint is never written from a non-finite state; the newest complete checkpoint is unchanged",
                 root.display(),
                 kind.suffix()

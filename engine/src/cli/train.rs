@@ -944,6 +944,8 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
             })
             .unwrap_or_default();
         if let Some(why) = &r.nonfinite {
+            // The report starts with "step N: ".
+            let why = why.split_once(": ").map_or(why.as_str(), |(_, rest)| rest);
             let line = format!("step {}/{total_steps} skipped, no update: {why}", r.step);
             match &bar {
                 Some(b) => b.println(line),
