@@ -859,19 +859,7 @@ pub fn check_output_model_dir(path: &Path) -> Result<(), CliError> {
             )));
         }
     }
-    let parent = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    if !parent.is_dir() {
-        return Err(CliError::Usage(format!(
-            "-o {}: the directory {} does not exist; create it first (mkdir -p {})",
-            path.display(),
-            parent.display(),
-            parent.display()
-        )));
-    }
-    Ok(())
+    check_parent_exists("-o", path)
 }
 
 /// Manifest `train.extra` key holding the Hugging Face `config.json` text of a Llama-family
@@ -951,6 +939,13 @@ pub fn check_output_file(flag: &str, path: &Path) -> Result<(), CliError> {
             path.join("model.safetensors").display()
         )));
     }
+    check_parent_exists(flag, path)
+}
+
+/// Refuses an output `path` (given with `flag`) whose parent directory does not exist.
+///
+/// Errors: [`CliError::Usage`] (exit 2) naming the directory and the `mkdir -p` that fixes it.
+fn check_parent_exists(flag: &str, path: &Path) -> Result<(), CliError> {
     let parent = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())

@@ -1747,39 +1747,27 @@ fn nonfinite_segments(
     layout: &fsdp_planner::FlatParamLayout,
     dev: Option<&TensorKernels>,
 ) -> Result<Vec<usize>> {
-    if let OwnedBuf::F64(v) = buf {
-        return Ok(layout
-            .segments
-            .iter()
-            .filter(|seg| {
-                let r = seg.range();
-                !v[r.start as usize..r.end as usize]
-                    .iter()
-                    .all(|x| x.is_finite())
-            })
-            .map(|seg| seg.param_index)
-            .collect());
-    }
-    let values: Vec<f32> = match buf {
-        OwnedBuf::F32(v) => v.clone(),
-        OwnedBuf::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
-        OwnedBuf::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
-        OwnedBuf::F64(_) => unreachable!("handled above"),
-        OwnedBuf::Tensor(t) => match dev {
-            Some(k) => k.to_f32(t)?,
-            None => {
-                return Err(EngineError::Config(
-                    "a gradient tensor without the device's kernels".into(),
-                ))
-            }
-        },
+    // Only on the non-finite path: a widened host copy keeps this one loop for every dtype.
+    let values: Vec<f64> = match buf {
+        OwnedBuf::F32(v) => v.iter().map(|&x| x as f64).collect(),
+        OwnedBuf::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
+        OwnedBuf::F16(v) => v.iter().map(|x| x.to_f64()).collect(),
+        OwnedBuf::F64(v) => v.clone(),
+        OwnedBuf::Tensor(t) => {
+            let k = dev.ok_or_else(|| {
+                EngineError::Config("a gradient tensor without the device's kernels".into())
+            })?;
+            k.to_f32(t)?.into_iter().map(|x| x as f64).collect()
+        }
     };
     Ok(layout
         .segments
         .iter()
         .filter(|seg| {
             let r = seg.range();
-            fsdp_kernels::first_nonfinite(&values[r.start as usize..r.end as usize]).is_some()
+            !values[r.start as usize..r.end as usize]
+                .iter()
+                .all(|x| x.is_finite())
         })
         .map(|seg| seg.param_index)
         .collect())
