@@ -170,7 +170,8 @@ pub struct FullState {
     pub tensors: BTreeMap<String, FullTensor>,
 }
 
-fn f16_to_f32(h: u16) -> f32 {
+/// Converts IEEE binary16 bits to f32 exactly.
+pub(crate) fn f16_to_f32(h: u16) -> f32 {
     let sign = ((h >> 15) as u32) << 31;
     let exp = ((h >> 10) & 0x1f) as u32;
     let man = (h & 0x3ff) as u32;

@@ -55,6 +55,7 @@ pub mod manifest;
 pub mod rankfile;
 pub mod save;
 pub mod state;
+pub mod weights;
 
 pub use error::{CkptError, Result};
 pub use full::{
@@ -79,3 +80,4 @@ pub use save::{
 pub use state::{
     find_nonfinite, FlatShard, FlatShardRef, FullTensor, NonFiniteValue, RankState, StateKind,
 };
+pub use weights::{StoredDtype, TensorEntry, WeightBinding, WeightFiles, LOAD_CHUNK_BYTES};

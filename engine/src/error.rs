@@ -81,6 +81,11 @@ pub enum EngineError {
     /// Reading training data failed.
     #[error("data: {0}")]
     Data(String),
+    /// The initial weights could not be produced on some rank (a read failed, a value is not
+    /// finite): every rank returns this error, with the failing rank's message, before any
+    /// training.
+    #[error("initial weights: {0}")]
+    Init(String),
     /// A rank thread panicked.
     #[error("rank {rank} panicked: {message}")]
     RankPanicked {

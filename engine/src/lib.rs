@@ -5,6 +5,7 @@
 pub mod cli;
 pub mod data;
 pub mod error;
+pub mod init;
 pub mod memory;
 pub mod model;
 pub mod optim;

@@ -43,9 +43,6 @@ use candle_core::{DType, Device, Tensor};
 use fsdp_planner::presets::{byte_gpt_config, gpt2_spec, openai_gpt2_config};
 use fsdp_planner::{Gpt2Config, ModelSpec};
 
-use rand_chacha::rand_core::{RngCore, SeedableRng};
-use rand_chacha::ChaCha8Rng;
-
 /// LayerNorm epsilon, as GPT-2 (`layer_norm_epsilon = 1e-5`).
 pub const LN_EPS: f64 = 1e-5;
 /// Standard deviation of the GPT-2 weight initialisation (`initializer_range = 0.02`).
@@ -392,53 +389,37 @@ impl Gpt {
     /// Deterministic GPT-2 initialisation from `seed`: the same values on every rank and every
     /// platform.
     ///
-    /// Returns `[unit][param][element]`: per unit (spec order), per parameter in declaration
-    /// order with tied parameters EXCLUDED, the flattened row-major f32 values (`numel`
-    /// elements). Values (Radford et al. 2019 §2.3; Hugging Face `GPT2PreTrainedModel`):
-    /// embeddings, attention/MLP input weights and an untied LM head ~ N(0, 0.02); the
-    /// residual projections `attn.c_proj.weight` and `mlp.c_proj.weight` ~ N(0,
-    /// 0.02/sqrt(2 L)); biases 0; LayerNorm weights 1.
-    ///
-    /// Randomness: unit `u` draws from ChaCha8 (Bernstein 2008) keyed by `seed` (bytes 0..8,
-    /// little-endian) and `u` (bytes 8..16); parameters of the unit consume the stream in
-    /// declaration order. Normal deviates come from Marsaglia's polar method with a
-    /// software logarithm ([`det_ln`]) that uses only IEEE-754 correctly rounded operations,
-    /// so no platform `libm` enters the result.
+    /// The initial-value rule of parameter `p` (Radford et al. 2019 §2.3; Hugging Face
+    /// `GPT2PreTrainedModel`): embeddings, attention/MLP input weights and an untied LM head
+    /// ~ N(0, 0.02); the residual projections `attn.c_proj.weight` and `mlp.c_proj.weight`
+    /// ~ N(0, 0.02/sqrt(2 L)); biases 0; LayerNorm weights 1.
+    pub fn init_rule(&self, p: &fsdp_planner::ParamSpec) -> crate::init::InitRule {
+        use crate::init::InitRule;
+        let name = p.name.as_str();
+        if p.shape.len() == 1 {
+            // LayerNorm gain or a bias.
+            InitRule::Constant(if name.ends_with(".weight") { 1.0 } else { 0.0 })
+        } else if name.ends_with("attn.c_proj.weight") || name.ends_with("mlp.c_proj.weight") {
+            InitRule::Normal {
+                std: INIT_STD / (2.0 * self.cfg.n_layer as f64).sqrt(),
+            }
+        } else {
+            InitRule::Normal { std: INIT_STD }
+        }
+    }
+
+    /// The seeded initialisation ([`crate::init::RandomInit`] with [`Gpt::init_rule`]): each
+    /// element a pure function of `(seed, parameter name, element index)`, so every rank can
+    /// draw its own shards only and the model is the same at every world size.
+    pub fn random_init(&self, seed: u64) -> crate::init::RandomInit {
+        crate::init::RandomInit::new(&self.spec, seed, |p| self.init_rule(p))
+    }
+
+    /// The full initial values of [`Gpt::random_init`]: `[unit][param][element]`, per unit
+    /// (spec order), per parameter in declaration order with tied parameters EXCLUDED, the
+    /// flattened row-major f32 values (`numel` elements).
     pub fn init_params(&self, seed: u64) -> Vec<Vec<Vec<f32>>> {
-        let resid_std = INIT_STD / (2.0 * self.cfg.n_layer as f64).sqrt();
-        self.spec
-            .units
-            .iter()
-            .enumerate()
-            .map(|(u, unit)| {
-                let mut key = [0u8; 32];
-                key[..8].copy_from_slice(&seed.to_le_bytes());
-                key[8..16].copy_from_slice(&(u as u64).to_le_bytes());
-                let mut normal = PolarNormal::new(ChaCha8Rng::from_seed(key));
-                unit.params
-                    .iter()
-                    .filter(|p| p.tied_to.is_none())
-                    .map(|p| {
-                        let n = p.numel().0 as usize;
-                        let name = p.name.as_str();
-                        if p.shape.len() == 1 {
-                            // LayerNorm gain or a bias.
-                            let is_ln_weight = name.ends_with(".weight");
-                            vec![if is_ln_weight { 1.0 } else { 0.0 }; n]
-                        } else {
-                            let std = if name.ends_with("attn.c_proj.weight")
-                                || name.ends_with("mlp.c_proj.weight")
-                            {
-                                resid_std
-                            } else {
-                                INIT_STD
-                            };
-                            (0..n).map(|_| (normal.sample() * std) as f32).collect()
-                        }
-                    })
-                    .collect()
-            })
-            .collect()
+        self.random_init(seed).full(&self.spec)
     }
 
     /// Builds candle tensors for every unit from [`Gpt::init_params`]-style values: per unit,
@@ -801,43 +782,6 @@ pub fn det_ln(x: f64) -> f64 {
     2.0 * sum + e as f64 * std::f64::consts::LN_2
 }
 
-/// Standard normal deviates by Marsaglia's polar method (Marsaglia & Bray 1964) over a
-/// ChaCha8 stream: uniforms `u, v` in `(-1, 1)` from 53 random bits each, rejected unless
-/// `0 < s = u^2 + v^2 < 1`, then `u * f` and `v * f` with `f = sqrt(-2 ln s / s)` ([`det_ln`];
-/// `sqrt` is correctly rounded by IEEE-754), so results are platform independent.
-struct PolarNormal {
-    rng: ChaCha8Rng,
-    spare: Option<f64>,
-}
-
-impl PolarNormal {
-    fn new(rng: ChaCha8Rng) -> Self {
-        PolarNormal { rng, spare: None }
-    }
-
-    fn uniform(&mut self) -> f64 {
-        // 53 random bits -> [0, 1) -> (-1, 1).
-        let u = (self.rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
-        2.0 * u - 1.0
-    }
-
-    fn sample(&mut self) -> f64 {
-        if let Some(z) = self.spare.take() {
-            return z;
-        }
-        loop {
-            let u = self.uniform();
-            let v = self.uniform();
-            let s = u * u + v * v;
-            if s > 0.0 && s < 1.0 && s.is_normal() {
-                let f = (-2.0 * det_ln(s) / s).sqrt();
-                self.spare = Some(v * f);
-                return u * f;
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -853,15 +797,5 @@ mod tests {
                 "{x}: {a} vs {b}"
             );
         }
-    }
-
-    #[test]
-    fn polar_normal_moments() {
-        let mut n = PolarNormal::new(ChaCha8Rng::from_seed([7; 32]));
-        let xs: Vec<f64> = (0..200_000).map(|_| n.sample()).collect();
-        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
-        let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / xs.len() as f64;
-        assert!(mean.abs() < 0.01, "mean {mean}");
-        assert!((var - 1.0).abs() < 0.01, "var {var}");
     }
 }

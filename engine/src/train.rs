@@ -9,6 +9,7 @@
 
 use crate::data::{Batch, Sampler, SamplerConfig, TextData};
 use crate::error::{EngineError, Result};
+use crate::init::{FileWeights, ParamSource};
 use crate::memory::{CountingAllocator, PhasePeak, PHASES};
 use crate::model::decoder::Decoder;
 use crate::optim::{AdamWConfig, LrSchedule, Optimizer};
@@ -79,9 +80,10 @@ pub struct TrainOptions {
     pub reduce_dtype: fsdp_types::DType,
     /// Compute threads per rank (`None`: cores / world size, at least 1).
     pub threads_per_rank: Option<usize>,
-    /// Initial full parameters `[unit][non-tied param][element]` instead of the seeded
-    /// initialisation (`fsdp train --init-from`).
-    pub init_params: Option<Vec<Vec<Vec<f32>>>>,
+    /// Published weights to start from instead of the seeded initialisation (`fsdp train
+    /// --init-from`): a Hugging Face model directory, a `.safetensors` file or a
+    /// `model.safetensors.index.json`. Every rank reads only its own shards' bytes.
+    pub init_from: Option<PathBuf>,
     /// Where flat buffers live and units compute (`fsdp train --device`): the host (default)
     /// or a device (CUDA: one process per GPU, `--backend nccl` when the world is larger
     /// than 1).
@@ -120,7 +122,7 @@ impl Default for TrainOptions {
             param_dtype: fsdp_types::DType::F32,
             reduce_dtype: fsdp_types::DType::F32,
             threads_per_rank: None,
-            init_params: None,
+            init_from: None,
             placement: Placement::Host,
             nonfinite: NonFinitePolicy::Auto,
             max_skipped: Some(DEFAULT_MAX_SKIPPED),
@@ -552,9 +554,11 @@ pub fn train_with(
         },
     )
     .map_err(|e| EngineError::Data(e.to_string()))?;
-    let init = match &o.init_params {
-        Some(p) => p.clone(),
-        None => StagedModel::init_params(&model, o.seed),
+    let init: Box<dyn ParamSource> = match &o.init_from {
+        Some(p) => Box::new(
+            FileWeights::open(p, model.spec()).map_err(|e| EngineError::Init(e.to_string()))?,
+        ),
+        None => Box::new(model.random_init(o.seed)),
     };
     let s = plan.shard_size as usize;
     let topo =
@@ -590,7 +594,7 @@ pub fn train_with(
     });
     let t_start = Instant::now();
     let (model_ref, plan_ref, init_ref, sampler_ref, sched_ref) =
-        (&model, &plan, &init, &sampler, &sched);
+        (&model, &plan, &*init, &sampler, &sched);
     let body = |comm: Box<dyn Communicator>| -> Result<RankOutcome> {
         let rank = comm.rank();
         let pool = rayon::ThreadPoolBuilder::new()
@@ -741,7 +745,7 @@ fn run_rank(
     plan: &ShardPlan,
     comm: &dyn Communicator,
     ecfg: EngineConfig,
-    init: &[Vec<Vec<f32>>],
+    init: &dyn ParamSource,
     sampler: &Sampler,
     o: &TrainOptions,
     sched: &LrSchedule,
@@ -749,7 +753,7 @@ fn run_rank(
     hooks: &dyn TrainHooks,
     progress: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<RankOutcome> {
-    let mut e = RankEngine::new_on(model, plan, comm, ecfg, init, o.placement.clone())?;
+    let mut e = RankEngine::new_from(model, plan, comm, ecfg, init, o.placement.clone())?;
     let rank = e.rank();
     let mut start = 0u64;
     if let Some((st, next)) = hooks.resume(rank)? {

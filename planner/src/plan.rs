@@ -69,7 +69,36 @@ pub struct ShardPlan {
     pub fingerprint: String,
 }
 
+/// The read buffer of a weight load (bytes): a loader reads element ranges through a staging
+/// buffer of at most this size, which [`ShardPlan::init_bytes`] counts.
+pub const LOAD_STAGING_BYTES: u64 = 1 << 20;
+
 impl ShardPlan {
+    /// Bytes one rank holds at most while it builds its initial shards (a seeded random
+    /// initialisation or a load of published weights), before the first step. Two moments:
+    /// - filling: every f32 master shard (`4 * shard_numel` per flat parameter) plus `staging`
+    ///   (the loader's read buffer, bytes) plus, when rank 0 `broadcast`s the initial weights,
+    ///   one whole padded flat parameter (the largest) in every rank;
+    /// - building the units: the model states ([`MemoryPlan::model_states`]: master shards,
+    ///   gradient shards, optimizer state) plus one flat parameter's shard in transit (a
+    ///   device copy, or the per-parameter tensors of an unsharded flat parameter).
+    ///
+    /// The result is the larger of the two. No rank ever holds the whole model unless the model
+    /// is one flat parameter or the world is one rank.
+    pub fn init_bytes(&self, staging: Bytes, broadcast: bool) -> Bytes {
+        let flats = || self.units.iter().flat_map(|u| &u.flat_params);
+        let masters: u64 = flats().map(|f| 4 * f.shard_numel().0).sum();
+        let shard = flats().map(|f| 4 * f.shard_numel().0).max().unwrap_or(0);
+        let whole = if broadcast {
+            flats().map(|f| 4 * f.padded_numel.0).max().unwrap_or(0)
+        } else {
+            0
+        };
+        let filling = Bytes(masters + whole) + staging;
+        let building = self.memory.model_states + Bytes(shard);
+        filling.max(building)
+    }
+
     /// Whether the engine overlaps gradient reductions with the next backward step: prefetch
     /// depth >= 1, more than one rank, sharded gradients (see `memory` module doc, "Overlap").
     /// The memory plan counts the in-flight reduction's buffers exactly when this holds.

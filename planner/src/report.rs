@@ -4,7 +4,7 @@
 use crate::config::Strategy;
 use crate::error::PlanError;
 use crate::memory::{Category, Phase};
-use crate::plan::{min_world_sizes, MinWorld, ShardPlan};
+use crate::plan::{min_world_sizes, MinWorld, ShardPlan, LOAD_STAGING_BYTES};
 use crate::spec::{Architecture, ModelSpec};
 use fsdp_types::{group_thousands, Bytes};
 use serde::{Deserialize, Serialize};
@@ -250,6 +250,12 @@ pub fn render_table(plan: &ShardPlan, fit: Option<&FitReport>) -> String {
         m.peak_unit,
         m.model_states
     );
+    let _ = writeln!(
+        o,
+        "init       {} to initialise or load weights (model states + one shard in transit + a {} read buffer)",
+        plan.init_bytes(Bytes(LOAD_STAGING_BYTES), false),
+        Bytes(LOAD_STAGING_BYTES)
+    );
     if matches!(plan.arch, Architecture::Generic) {
         let _ = writeln!(
             o,
@@ -366,6 +372,7 @@ pub fn render_json(plan: &ShardPlan, fit: Option<&FitReport>) -> serde_json::Val
             "phases": phases,
             "peak": {"bytes": m.peak, "phase": m.peak_phase, "unit": m.peak_unit},
             "model_states": m.model_states,
+            "init_bytes": plan.init_bytes(Bytes(LOAD_STAGING_BYTES), false),
             "timeline": m.timeline,
         },
         "fit": fit,

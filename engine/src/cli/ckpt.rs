@@ -684,8 +684,11 @@ pub struct TrainCkptArgs {
     /// new checkpoints and `latest` never mix with them.
     #[arg(long, value_name = "STEP|latest-valid", requires = "ckpt_dir")]
     pub resume_from: Option<String>,
-    /// Start from the parameters of a full safetensors file (e.g. `fsdp ckpt consolidate`
-    /// output), strict key matching; fresh optimizer state.
+    /// Start from published weights: a Hugging Face model directory (its config.json is the
+    /// model unless --model or --hf-config is given), a model.safetensors, a sharded
+    /// model.safetensors.index.json, or `fsdp ckpt consolidate` output; f32, bf16 or f16
+    /// stored. Strict name and shape matching; every rank reads only its own shards' bytes;
+    /// fresh optimizer state.
     #[arg(long, conflicts_with_all = ["resume", "resume_from"])]
     pub init_from: Option<PathBuf>,
 }
@@ -961,60 +964,35 @@ fn check_parent_exists(flag: &str, path: &Path) -> Result<(), CliError> {
     Ok(())
 }
 
-/// Reads `--init-from FILE` for `spec`: strict key matching (missing, unexpected or misshapen
-/// tensors are errors naming the parameter), returned as `[unit][non-tied param][element]`.
+/// Checks `--init-from` against the run's model before any rank starts: opens the weight
+/// files (headers only) and binds every tensor to a parameter strictly
+/// ([`crate::init::FileWeights::open`]). Each rank later reads only its own shards' bytes.
 ///
-/// Errors: every `CkptError` of [`fsdp_checkpoints::read_full`] and
-/// [`fsdp_checkpoints::FullState::check_strict`]; `InvalidArgument` naming the first tensor
-/// that holds an infinite or NaN value.
-pub fn init_params_from_file(
-    path: &std::path::Path,
-    spec: &fsdp_planner::ModelSpec,
-) -> Result<Vec<Vec<Vec<f32>>>, CkptError> {
-    let full = fsdp_checkpoints::read_full(path)?;
-    full.check_strict(spec)?;
-    // Initial weights are where a non-finite value would enter without any gradient.
-    for p in spec.units.iter().flat_map(|u| &u.params) {
-        let Some(t) = full.tensors.get(&p.name) else {
-            continue;
-        };
-        if let Some(i) = t.data.iter().position(|v| !v.is_finite()) {
-            return Err(CkptError::InvalidArgument(format!(
-                "{}: tensor {} holds {} at element {i}: initial weights must be finite",
-                path.display(),
-                p.name,
-                t.data[i]
-            )));
-        }
+/// Errors: [`CliError::Usage`] (exit 2) naming the file and the tensor: a missing, unexpected
+/// or mis-shaped tensor (with the model's name and how to name the right configuration), a
+/// truncated or malformed file, a per-rank shard file.
+pub fn check_init_from(o: &crate::train::TrainOptions) -> Result<(), CliError> {
+    let Some(p) = &o.init_from else {
+        return Ok(());
+    };
+    let model = crate::train::model_of(o).map_err(super::train::cli_error)?;
+    match crate::init::FileWeights::open(p, crate::runtime::StagedModel::spec(&model)) {
+        Ok(_) => Ok(()),
+        Err(
+            e @ (CkptError::MissingKey { .. }
+            | CkptError::UnexpectedKey { .. }
+            | CkptError::ShapeMismatch { .. }),
+        ) => Err(CliError::Usage(format!(
+            "{e}. The weights do not match model {}{}: pass the config.json they were saved \
+             with (--hf-config), or the model directory itself as --init-from without --model",
+            model.name(),
+            o.hf_config
+                .as_ref()
+                .map(|c| format!(" (from {})", c.display()))
+                .unwrap_or_default()
+        ))),
+        Err(e) => Err(e.into()),
     }
-    Ok(spec
-        .units
-        .iter()
-        .map(|u| {
-            u.params
-                .iter()
-                .filter(|p| p.tied_to.is_none())
-                .map(|p| full.tensors[&p.name].data.clone())
-                .collect()
-        })
-        .collect())
-}
-
-/// Applies `--init-from FILE` to `o` (the full parameters of the run's model, strict keys).
-///
-/// Errors: [`CliError::Usage`] (exit 2) naming the file and the problem.
-pub fn apply_init_from(
-    a: &TrainCkptArgs,
-    o: &mut crate::train::TrainOptions,
-) -> Result<(), CliError> {
-    if let Some(p) = &a.init_from {
-        let model = crate::train::model_of(o).map_err(super::train::cli_error)?;
-        o.init_params = Some(init_params_from_file(
-            p,
-            crate::runtime::StagedModel::spec(&model),
-        )?);
-    }
-    Ok(())
 }
 
 /// The checkpoint layer of `fsdp train` ([`crate::train::TrainHooks`]): resumes every rank

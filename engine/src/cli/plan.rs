@@ -300,7 +300,12 @@ pub fn model_from_args(a: &PlanArgs) -> Result<ModelSpec, CliError> {
         return preset(m).map_err(usage);
     }
     if let Some(p) = &a.hf_config {
-        return hf::read_hf_config(p).map_err(usage);
+        // The model `fsdp train --hf-config` trains, or the same refusal: a Llama-family
+        // config whose math or parameters the layout does not describe (biases, head_dim,
+        // another rope scaling) is not planned with the wrong shapes.
+        return crate::model::decoder::Decoder::from_hf_config(p)
+            .map(|m| crate::runtime::StagedModel::spec(&m).clone())
+            .map_err(|e| CliError::Usage(e.to_string()));
     }
     if let Some(p) = &a.safetensors {
         return hf::read_safetensors_model(p).map_err(usage);

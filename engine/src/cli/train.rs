@@ -123,6 +123,10 @@ pub enum NonFiniteArg {
     Error,
 }
 
+/// The preset `fsdp train` trains when neither `--model`, `--hf-config` nor an `--init-from`
+/// model directory names a model.
+pub const DEFAULT_MODEL: &str = "tiny";
+
 /// Arguments of `fsdp train`.
 #[derive(Debug, clap::Args)]
 pub struct TrainArgs {
@@ -133,12 +137,14 @@ pub struct TrainArgs {
     pub data: Option<PathBuf>,
     /// Model preset: tiny (0.89M params), mini (3.55M), small (11.2M), base (43.7M), gpt2
     /// (124M), gpt2-medium, gpt2-large, gpt2-xl, llama-tiny (0.80M), llama-mini (3.03M),
-    /// llama2-7b, llama3-8b, llama3-70b.
-    #[arg(long, default_value = "tiny")]
-    pub model: String,
-    /// A Hugging Face config.json (GPT-2, Llama, Mistral, Qwen2) to train instead of a preset,
-    /// with random weights: the model `fsdp plan --hf-config` plans, the same fingerprint for
-    /// the same flags. Bytes are tokens, so its vocab_size must be at least 256.
+    /// llama2-7b, llama3-8b, llama3-70b. Default: tiny, or the config.json of an
+    /// `--init-from` model directory.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// A Hugging Face config.json (GPT-2, Llama, Mistral, Qwen2) to train instead of a preset:
+    /// the model `fsdp plan --hf-config` plans, the same fingerprint for the same flags, with
+    /// random weights unless `--init-from` gives them. Bytes are tokens, so its vocab_size
+    /// must be at least 256.
     #[arg(long, value_name = "config.json", conflicts_with = "model")]
     pub hf_config: Option<PathBuf>,
     /// Number of ranks (threads on the in-process backend).
@@ -289,8 +295,14 @@ impl TrainArgs {
         }
         Ok(TrainOptions {
             data: self.data.clone(),
-            model: self.model.clone(),
-            hf_config: self.hf_config.clone(),
+            model: self.model.clone().unwrap_or_else(|| DEFAULT_MODEL.into()),
+            hf_config: self.hf_config.clone().or_else(|| {
+                // `--init-from DIR` of a model directory: its config.json is the model, as
+                // `from_pretrained(DIR)` reads it, unless --model or --hf-config says otherwise.
+                let dir = self.ckpt.init_from.as_ref().filter(|d| d.is_dir())?;
+                let cfg = dir.join(fsdp_checkpoints::hfdir::CONFIG_FILE);
+                (self.model.is_none() && cfg.is_file()).then_some(cfg)
+            }),
             world_size: self.world_size,
             strategy,
             micro_batch: self.micro_batch,
@@ -322,7 +334,7 @@ impl TrainArgs {
                 Some(NonFiniteArg::Error) => crate::runtime::NonFinitePolicy::Error,
             },
             max_skipped: Some(self.max_skipped),
-            init_params: None,
+            init_from: self.ckpt.init_from.clone(),
             placement: match self.device {
                 DeviceArg::Cpu => Placement::Host,
                 DeviceArg::Cuda => {
@@ -356,9 +368,10 @@ pub const SHARD_OPTIMIZER_PLAN_ONLY: &str = "--strategy shard-optimizer (zero1) 
 /// Maps an engine error to the CLI's exit codes: bad input 2, failed run 1.
 pub fn cli_error(e: EngineError) -> CliError {
     match e {
-        EngineError::Config(_) | EngineError::Plan(_) | EngineError::Data(_) => {
-            CliError::Usage(e.to_string())
-        }
+        EngineError::Config(_)
+        | EngineError::Plan(_)
+        | EngineError::Data(_)
+        | EngineError::Init(_) => CliError::Usage(e.to_string()),
         EngineError::NonFinite(_) => CliError::Failed(format!(
             "{e}. Every rank stopped before updating anything: the newest checkpoint (if \
              --ckpt-dir was given) is intact and `--resume` restarts from it; lower --lr or \
@@ -845,7 +858,7 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
     if let Some(h) = &hosts {
         preflight_mpi(&opts, plan_peak(&opts)?, h)?;
     }
-    super::ckpt::apply_init_from(&args.ckpt, &mut opts)?;
+    super::ckpt::check_init_from(&opts)?;
     let mut hooks = super::ckpt::CheckpointHooks::new(&args.ckpt, &opts)?;
     // A checkpoint already at or past --steps leaves no step to run: say so and succeed
     // (exit 0) rather than print a summary of zero steps (no loss, no speed to report).

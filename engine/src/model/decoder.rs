@@ -101,6 +101,15 @@ impl Decoder {
             Decoder::Llama(l) => l.max_exact_seq_len().map(|w| (w, "sliding_window")),
         }
     }
+
+    /// The seeded random initialisation of the model, read shard by shard
+    /// ([`crate::init::RandomInit`]; the model's own rules).
+    pub fn random_init(&self, seed: u64) -> crate::init::RandomInit {
+        match self {
+            Decoder::Gpt(g) => g.random_init(seed),
+            Decoder::Llama(l) => l.random_init(seed),
+        }
+    }
 }
 
 impl StagedModel for Decoder {

@@ -34,12 +34,10 @@
 //! causal attention; a longer sequence is an error (not silently computed with full
 //! attention).
 
-use super::{composite, ops, ModelError, OpsPath, PolarNormal, Stage, INIT_STD};
+use super::{composite, ops, ModelError, OpsPath, Stage, INIT_STD};
 use candle_core::{DType, Device, Tensor, D};
 use fsdp_planner::presets::{llama_config, llama_numerics, llama_spec};
 use fsdp_planner::{LlamaConfig, LlamaNumerics, ModelSpec};
-use rand_chacha::rand_core::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 
 #[derive(Debug, Clone, Copy)]
 struct ProjIdx {
@@ -285,39 +283,30 @@ impl Llama {
         self.numerics.sliding_window
     }
 
-    /// Deterministic initialisation from `seed`, as `transformers`' `LlamaPreTrainedModel`:
+    /// The initial-value rule of parameter `p`, as `transformers`' `LlamaPreTrainedModel`:
     /// embeddings and every projection weight ~ N(0, 0.02), q/k/v biases 0, RMSNorm gains 1.
-    /// Returns `[unit][non-tied param][element]` (row-major). Randomness as
-    /// [`super::Gpt::init_params`]: per unit a ChaCha8 stream keyed by `seed` and the unit
-    /// index, Marsaglia's polar method with an IEEE-only logarithm, so every platform gives
-    /// the same values.
-    pub fn init_params(&self, seed: u64) -> Vec<Vec<Vec<f32>>> {
-        self.spec
-            .units
-            .iter()
-            .enumerate()
-            .map(|(u, unit)| {
-                let mut key = [0u8; 32];
-                key[..8].copy_from_slice(&seed.to_le_bytes());
-                key[8..16].copy_from_slice(&(u as u64).to_le_bytes());
-                let mut normal = PolarNormal::new(ChaCha8Rng::from_seed(key));
-                unit.params
-                    .iter()
-                    .filter(|p| p.tied_to.is_none())
-                    .map(|p| {
-                        let n = p.numel().0 as usize;
-                        if p.shape.len() == 1 {
-                            let gain = p.name.ends_with("norm.weight");
-                            vec![if gain { 1.0 } else { 0.0 }; n]
-                        } else {
-                            (0..n)
-                                .map(|_| (normal.sample() * INIT_STD) as f32)
-                                .collect()
-                        }
-                    })
-                    .collect()
+    pub fn init_rule(&self, p: &fsdp_planner::ParamSpec) -> crate::init::InitRule {
+        use crate::init::InitRule;
+        if p.shape.len() == 1 {
+            InitRule::Constant(if p.name.ends_with("norm.weight") {
+                1.0
+            } else {
+                0.0
             })
-            .collect()
+        } else {
+            InitRule::Normal { std: INIT_STD }
+        }
+    }
+
+    /// The seeded initialisation ([`crate::init::RandomInit`] with [`Llama::init_rule`]).
+    pub fn random_init(&self, seed: u64) -> crate::init::RandomInit {
+        crate::init::RandomInit::new(&self.spec, seed, |p| self.init_rule(p))
+    }
+
+    /// The full initial values of [`Llama::random_init`]: `[unit][non-tied param][element]`
+    /// (row-major).
+    pub fn init_params(&self, seed: u64) -> Vec<Vec<Vec<f32>>> {
+        self.random_init(seed).full(&self.spec)
     }
 
     /// Whether the fused CPU ops serve `t`. Errors: `Fused` off the CPU.

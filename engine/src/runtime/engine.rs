@@ -28,9 +28,11 @@
 //! DDP is the same path with a shard group of one; hybrid sharding has both groups above one.
 
 use crate::error::{EngineError, Result};
+use crate::init::{FullValues, ParamSource};
 use crate::memory::{MemoryLedger, PhasePeak, LEDGER_CATEGORIES};
 use crate::optim::Optimizer;
 use crate::runtime::collectives::{f64_chunks_to_u64, u64_to_f64_chunks, Collectives};
+use crate::runtime::init_shards::init_shards;
 use crate::runtime::staged::{MicroBatch, StagedModel};
 use crate::runtime::unit::{owned_bytes, with_f32, FsdpUnit, Placement};
 use candle_core::{Tensor, Var};
@@ -451,6 +453,31 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         init: &[Vec<Vec<f32>>],
         placement: Placement,
     ) -> Result<Self> {
+        let values = FullValues::new(init, model.spec()).map_err(EngineError::Config)?;
+        Self::new_from(model, plan, comm, cfg, &values, placement)
+    }
+
+    /// [`RankEngine::new_on`] with the initial values read from `source`, shard by shard: this
+    /// rank asks `source` only for the element ranges of its own flat-parameter shards (the
+    /// slices [`fsdp_planner::FlatParamLayout::shard_slices`] gives), so it never holds the
+    /// whole model. Under [`InitSync::BroadcastFromRank0`] rank 0 reads each flat parameter
+    /// whole, one at a time, and broadcasts it.
+    ///
+    /// Before training the ranks all-gather `source`'s fingerprint, a checksum of each rank's
+    /// shards and whether its reads succeeded: ranks whose fingerprint differs from rank 0's,
+    /// or replicas of one shard whose checksums differ, are [`EngineError::RankMismatch`]
+    /// ([`InitSync::Verify`]); a failed read on any rank is [`EngineError::Init`] on every
+    /// rank, with the failing rank's message.
+    ///
+    /// Errors: as [`RankEngine::new_on`]; [`EngineError::Init`].
+    pub fn new_from(
+        model: &'a M,
+        plan: &'a ShardPlan,
+        comm: &'a dyn Communicator,
+        cfg: EngineConfig,
+        source: &dyn ParamSource,
+        placement: Placement,
+    ) -> Result<Self> {
         if plan.strategy.replicated_params_and_grads() {
             return Err(EngineError::Config(format!(
                 "strategy {} (ZeRO-1: replicated params and grads, sharded optimizer state) is planned by `fsdp plan` but this engine does not execute it; use full-shard, shard-grad-op, no-shard or hybrid",
@@ -525,12 +552,11 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                 "the model's stages use units {stage_units:?}, the plan's schedule {planned:?}"
             )));
         }
-        if spec.units.len() != plan.units.len() || init.len() != spec.units.len() {
+        if spec.units.len() != plan.units.len() {
             return Err(EngineError::Config(format!(
-                "model has {} units, plan {}, initial values {}",
+                "model has {} units, plan {}",
                 spec.units.len(),
-                plan.units.len(),
-                init.len()
+                plan.units.len()
             )));
         }
 
@@ -551,88 +577,21 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             });
         }
 
-        // Full initial flat parameters, per unit per flat.
-        let mut full: Vec<Vec<Vec<f32>>> = Vec::with_capacity(spec.units.len());
-        for (u, (us, ul)) in spec.units.iter().zip(&plan.units).enumerate() {
-            let nontied: Vec<usize> = us
-                .params
-                .iter()
-                .enumerate()
-                .filter(|(_, p)| p.tied_to.is_none())
-                .map(|(i, _)| i)
-                .collect();
-            if init[u].len() != nontied.len() {
-                return Err(EngineError::Config(format!(
-                    "unit {}: {} initial tensors for {} parameters",
-                    us.name,
-                    init[u].len(),
-                    nontied.len()
-                )));
-            }
-            let mut flats = Vec::with_capacity(ul.flat_params.len());
-            for fl in &ul.flat_params {
-                let mut parts: Vec<&[f32]> = Vec::with_capacity(fl.segments.len());
-                for seg in &fl.segments {
-                    let k = nontied
-                        .iter()
-                        .position(|&i| i == seg.param_index)
-                        .ok_or_else(|| {
-                            EngineError::Config(format!("segment {} is a tied parameter", seg.name))
-                        })?;
-                    if init[u][k].len() as u64 != seg.numel.0 {
-                        return Err(EngineError::Config(format!(
-                            "{}: {} initial values for {} elements",
-                            seg.name,
-                            init[u][k].len(),
-                            seg.numel.0
-                        )));
-                    }
-                    parts.push(&init[u][k]);
-                }
-                flats.push(fl.flatten(&parts));
-            }
-            full.push(flats);
-        }
-        match cfg.init_sync {
-            InitSync::BroadcastFromRank0 => {
-                for flats in full.iter_mut() {
-                    for f in flats.iter_mut() {
-                        comm.broadcast(Group::World, 0, BufMut::F32(f))?;
-                    }
-                }
-            }
-            InitSync::Verify => {
-                let mut h = FNV_OFFSET;
-                for f in full.iter().flatten() {
-                    fnv1a(&mut h, bytemuck::cast_slice(f));
-                }
-                let all = comm.all_gather_f64(&u64_to_f64_chunks(h))?;
-                let sums: Vec<u64> = all.iter().map(|c| f64_chunks_to_u64(c)).collect();
-                let bad: Vec<usize> = (0..sums.len()).filter(|&r| sums[r] != sums[0]).collect();
-                if !bad.is_empty() {
-                    return Err(EngineError::RankMismatch {
-                        what: "initial weights",
-                        detail: format!(
-                            "ranks {bad:?} start from weights whose checksum differs from rank 0's ({:016x} vs {:016x}); seed every rank identically or use broadcast from rank 0",
-                            sums[bad[0]], sums[0]
-                        ),
-                    });
-                }
-            }
-        }
         let shard_index = rank % topo.shard_size;
+        let shards = init_shards(spec, plan, &mut comm, cfg.init_sync, source, shard_index)?;
         let dev = match &placement {
             Placement::Host => None,
             Placement::Device(d) => Some(Arc::new(TensorKernels::new(d)?)),
         };
         let mut ledger = MemoryLedger::new();
         let mut units = Vec::with_capacity(spec.units.len());
+        let mut shards_iter = shards.into_iter();
         for (u, (us, ul)) in spec.units.iter().zip(&plan.units).enumerate() {
             units.push(FsdpUnit::new(
                 u,
                 us,
                 ul,
-                &full[u],
+                shards_iter.next().expect("one shard list per unit"),
                 shard_index as u64,
                 cfg.optimizer.state_buffers(),
                 plan.config.param_dtype,
@@ -640,7 +599,6 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                 &mut ledger,
             )?);
         }
-        drop(full);
         let m = stage_units.len();
         let mut needs_input_grad = vec![false; m];
         let mut seen_trainable = false;

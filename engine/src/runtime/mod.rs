@@ -6,6 +6,7 @@
 pub mod collectives;
 pub mod engine;
 pub mod gpt;
+mod init_shards;
 pub mod reference;
 pub mod staged;
 pub mod toy;

@@ -514,15 +514,16 @@ pub struct FsdpUnit {
 }
 
 impl FsdpUnit {
-    /// Builds the unit's shards from the full initial values `full_flat[f]` (padded flat
-    /// parameter `f`, `P_f` elements), keeping this rank's shard `shard_index`, and records
+    /// Builds the unit from this rank's initial shards `shards[f]` (shard `shard_index` of
+    /// flat parameter `f`, `shard_numel` elements, padding 0), which become the f32 master
+    /// shards, and records
     /// param/grad/optimizer shard bytes in the ledger.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         index: usize,
         spec: &UnitSpec,
         layout: &UnitLayout,
-        full_flat: &[Vec<f32>],
+        shards: Vec<Vec<f32>>,
         shard_index: u64,
         state_buffers: usize,
         param_dtype: DType,
@@ -536,8 +537,23 @@ impl FsdpUnit {
         }
         let mut flats = Vec::with_capacity(layout.flat_params.len());
         let copies = layout.flat_params.first().is_some_and(|f| f.shard_size > 1);
-        for (f, fl) in layout.flat_params.iter().enumerate() {
-            let shard = fl.shard_of(&full_flat[f], shard_index);
+        if shards.len() != layout.flat_params.len() {
+            return Err(EngineError::Config(format!(
+                "unit {}: {} initial shards for {} flat parameters",
+                spec.name,
+                shards.len(),
+                layout.flat_params.len()
+            )));
+        }
+        for (fl, shard) in layout.flat_params.iter().zip(shards) {
+            if shard.len() as u64 != fl.shard_numel().0 {
+                return Err(EngineError::Config(format!(
+                    "unit {}: an initial shard of {} elements, the layout's has {}",
+                    spec.name,
+                    shard.len(),
+                    fl.shard_numel().0
+                )));
+            }
             let n = shard.len();
             ledger.alloc(Category::ParamShards, 4 * n as u64);
             let (grad, state) = if fl.trainable {

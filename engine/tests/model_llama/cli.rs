@@ -278,3 +278,41 @@ fn llama_train_refusals_exit_2() {
         &["--model"],
     );
 }
+
+/// What `fsdp train --hf-config` refuses (math or parameters the Llama layout does not
+/// describe), `fsdp plan --hf-config` refuses too, with the same words: a plan is never made
+/// for shapes the model would not have.
+#[test]
+fn plan_refuses_what_train_refuses() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (k, extra, needle) in [
+        ("a", r#","attention_bias":true"#, "attention_bias"),
+        ("m", r#","mlp_bias":true"#, "mlp_bias"),
+        ("h", r#","head_dim":32"#, "head_dim 32"),
+        (
+            "y",
+            r#","rope_scaling":{"type":"yarn","factor":4.0}"#,
+            "yarn",
+        ),
+    ] {
+        let cfg = write_config(tmp.path(), k, extra);
+        let c = cfg.to_str().unwrap();
+        refused(&["plan", "--hf-config", c, "--world-size", "2"], &[needle]);
+        refused(&["train", "--hf-config", c, "--steps", "1"], &[needle]);
+    }
+    // The same file without the extra field plans and trains.
+    let ok = write_config(tmp.path(), "ok", "");
+    let out = fsdp(&[
+        "plan",
+        "--hf-config",
+        ok.to_str().unwrap(),
+        "--world-size",
+        "2",
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
