@@ -569,19 +569,29 @@ fn llama_learns_the_tokens_at_w2_and_its_checkpoint_records_the_tokenizer() {
             "3e-3",
             "--ckpt-dir",
             ckpt.to_str().unwrap(),
+            "--ckpt-every",
+            "15",
+            "--keep-last",
+            "0",
         ],
     ));
     assert!(o.status.success(), "{}", stderr(&o));
-    let lines: Vec<serde_json::Value> = String::from_utf8(o.stdout)
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
-    let losses: Vec<f64> = lines
-        .iter()
-        .filter(|v| v.get("step").is_some() && v.get("event").is_none())
-        .map(|v| v["loss"].as_f64().unwrap())
-        .collect();
+    let json = |o: Output| -> Vec<serde_json::Value> {
+        String::from_utf8(o.stdout)
+            .unwrap()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    };
+    let step_losses = |lines: &[serde_json::Value]| -> Vec<f64> {
+        lines
+            .iter()
+            .filter(|v| v.get("step").is_some() && v.get("event").is_none())
+            .map(|v| v["loss"].as_f64().unwrap())
+            .collect()
+    };
+    let lines = json(o);
+    let losses = step_losses(&lines);
     assert_eq!(losses.len(), 30);
     println!("losses: first {:.3}, last {:.3}", losses[0], losses[29]);
     // Random weights start near ln(500) = 6.21 nats per token.
@@ -602,4 +612,33 @@ fn llama_learns_the_tokens_at_w2_and_its_checkpoint_records_the_tokenizer() {
     assert_eq!(extra["data_tokenizer_sha256"], h.tokenizer_hex());
     assert_eq!(extra["data_vocab_size"], "500");
     assert_eq!(extra["data_tokens"], c.ids.len().to_string());
+
+    // Resumed from step 15 on the same token file: steps 16..30 give the same losses, bit for
+    // bit, and nothing about the data is noted.
+    let o = fsdp(&train_args(
+        cfg.to_str().unwrap(),
+        bin.to_str().unwrap(),
+        &[
+            "--world-size",
+            "2",
+            "--steps",
+            steps,
+            "--micro-batch",
+            "4",
+            "--warmup",
+            "3",
+            "--lr",
+            "3e-3",
+            "--ckpt-dir",
+            ckpt.to_str().unwrap(),
+            "--resume-from",
+            "15",
+        ],
+    ));
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(!err.contains("note: resuming with"), "{err}");
+    let resumed = step_losses(&json(o));
+    assert_eq!(resumed.len(), 15);
+    assert_eq!(resumed, losses[15..], "resumed losses");
 }

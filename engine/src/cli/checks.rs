@@ -306,4 +306,44 @@ mod tests {
         };
         assert!(resume_changes(&extra, 1, 20, &same).is_empty());
     }
+
+    #[test]
+    fn resume_changes_name_another_tokenizer() {
+        use crate::data::tokens::TokenWriter;
+        let dir = tempfile::tempdir().unwrap();
+        let file = |name: &str, sha: u8| {
+            let p = dir.path().join(name);
+            let mut w = TokenWriter::create(&p, 500, [sha; 32]).unwrap();
+            w.push(&[1, 2, 3]).unwrap();
+            w.finish().unwrap();
+            p
+        };
+        let (a, b) = (file("a.bin", 0xaa), file("b.bin", 0xbb));
+        let on = |p: &std::path::Path| TrainOptions {
+            data: Some(p.to_path_buf()),
+            ..TrainOptions::default()
+        };
+        let saved = data_extra(&on(&a));
+        assert_eq!(saved[DATA_TOKENIZER_KEY], "aa".repeat(32));
+        assert_eq!(saved["data_tokens"], "3");
+        assert_eq!(saved["data_vocab_size"], "500");
+        let mut extra = saved.clone();
+        extra.insert("data".into(), a.display().to_string());
+        assert!(resume_changes(&extra, 1, 5, &on(&a)).is_empty());
+        // The same path rewritten by another tokenizer.
+        std::fs::copy(&b, &a).unwrap();
+        let l = resume_changes(&extra, 1, 5, &on(&a));
+        assert_eq!(l.len(), 1, "{l:?}");
+        assert!(
+            l[0].contains(
+                "another tokenizer (sha256 bbbbbbbbbbbb.., the checkpoint's aaaaaaaaaaaa..)"
+            ),
+            "{l:?}"
+        );
+        // Text after a token file.
+        let text = dir.path().join("t.txt");
+        std::fs::write(&text, "text").unwrap();
+        let l = resume_changes(&extra, 1, 5, &on(&text));
+        assert!(l.iter().any(|x| x.starts_with("text as bytes")), "{l:?}");
+    }
 }
