@@ -1,4 +1,4 @@
-//! Training text and the distributed sampler.
+//! Training text and token files, and the distributed sampler.
 //!
 //! - [`TextData`]: a text file, pipe, FIFO or standard input read whole into memory when it is
 //!   opened (or the project's own source and documentation embedded at build time,
@@ -6,12 +6,15 @@
 //!   id = byte value (`u8 -> u32`, vocabulary 256). The last 10% of the bytes
 //!   (`len / 10`, rounded down) are the held-out validation split; the first 90% are the
 //!   training split.
+//! - [`tokens::TokenFile`]: a token file written by `fsdp data tokenize` (format in
+//!   [`tokens`]), read window by window from disk; the same split over its tokens.
+//! - [`TokenSource`]: either of the two, the sequence of token ids the sampler cuts.
 //! - [`Sampler`]: PyTorch `DistributedSampler` semantics over fixed windows. The training
-//!   split is cut into non-overlapping windows of `seq_len + 1` bytes at stride `seq_len`
-//!   (consecutive windows share one byte: window `w`'s last byte, a target, is window `w + 1`'s
-//!   first input), so it holds `n = (train_len - 1) / seq_len` windows. Epoch `e` visits them in
-//!   a seeded random order (Fisher-Yates over ChaCha8 keyed by `seed + e`); the epochs'
-//!   orders concatenated form one global stream of windows. Global micro-batch
+//!   split is cut into non-overlapping windows of `seq_len + 1` tokens at stride `seq_len`
+//!   (consecutive windows share one token: window `w`'s last token, a target, is window
+//!   `w + 1`'s first input), so it holds `n = (train_len - 1) / seq_len` windows. Epoch `e`
+//!   visits them in a seeded random order (Fisher-Yates over ChaCha8 keyed by `seed + e`); the
+//!   epochs' orders concatenated form one global stream of windows. Global micro-batch
 //!   `g = (step * grad_accum + k) * world + rank` takes stream positions `g*B .. (g+1)*B`,
 //!   wrapping into the next epoch. So within a step every rank's micro-batches are disjoint,
 //!   every rank runs the same number of steps (the stream never ends), and the single-process
@@ -24,6 +27,8 @@ use rand_chacha::ChaCha8Rng;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+
+pub mod tokens;
 
 /// The embedded default corpus: every `*.rs`, `*.md`, `*.toml` file of this workspace at build
 /// time (see `engine/build.rs`), each preceded by a `// ---- path ----` line.
@@ -75,19 +80,108 @@ pub enum DataError {
         /// The limit in bytes.
         limit: u64,
     },
-    /// A split is too short for one window of `seq_len + 1` bytes.
-    #[error("{source_name}: the {split} split has {bytes} bytes, fewer than one window of seq_len + 1 = {need} bytes (the file has {total} bytes; validation is the last 10%)")]
+    /// A split is too short for one window of `seq_len + 1` tokens.
+    #[error("{source_name}: the {split} split has {bytes} {unit}, fewer than one window of seq_len + 1 = {need} {unit} (the file has {total} {unit}; validation is the last 10%)")]
     TooShort {
         /// The file path or [`EMBEDDED_NAME`].
         source_name: String,
         /// `train` or `validation`.
         split: &'static str,
-        /// Bytes in the split.
+        /// Tokens in the split (bytes of a text).
         bytes: usize,
-        /// Bytes needed (`seq_len + 1`).
+        /// Tokens needed (`seq_len + 1`).
         need: usize,
-        /// Bytes in the whole text.
+        /// Tokens in the whole source.
         total: usize,
+        /// `bytes` (a text) or `tokens` (a token file).
+        unit: &'static str,
+    },
+    /// A file named as a token file (`*.bin`) does not start with the token-file magic, or is
+    /// shorter than the header.
+    #[error("{path} is not a token file: {detail}; write one with `fsdp data tokenize --tokenizer tokenizer.json TEXT -o {path}` (a text file named *.bin: rename it to train on its bytes)")]
+    NotTokenFile {
+        /// The path given.
+        path: PathBuf,
+        /// What was found instead.
+        detail: String,
+    },
+    /// A token file of a format version this build does not read.
+    #[error("{path}: token file format version {version} is not supported (this fsdp reads version {v}); re-run `fsdp data tokenize` with this fsdp", v = tokens::VERSION)]
+    TokenVersion {
+        /// The path given.
+        path: PathBuf,
+        /// The version in the header.
+        version: u32,
+    },
+    /// A token file whose header names an unknown token dtype.
+    #[error("{path}: unknown token dtype code {code} in the header (known: 2 = u16, 4 = u32): the file is damaged; re-run `fsdp data tokenize`")]
+    TokenDtype {
+        /// The path given.
+        path: PathBuf,
+        /// The dtype code in the header.
+        code: u32,
+    },
+    /// A token file header with impossible values.
+    #[error(
+        "{path}: bad token file header: {detail}; the file is damaged: re-run `fsdp data tokenize`"
+    )]
+    BadTokenHeader {
+        /// The path given.
+        path: PathBuf,
+        /// The values and the rule they break.
+        detail: String,
+    },
+    /// A token file whose length is not `64 + count * size` bytes (shorter: truncated).
+    #[error("{path}: the header records {count} {dtype} tokens, {expected} bytes with the 64-byte header, but the file has {actual} bytes ({how}); re-run `fsdp data tokenize` to rewrite it", how = if actual < expected { "truncated" } else { "trailing bytes: damaged" })]
+    TokenFileSize {
+        /// The path given.
+        path: PathBuf,
+        /// Tokens in the header.
+        count: u64,
+        /// Token dtype in the header.
+        dtype: tokens::TokenDtype,
+        /// Bytes the header implies.
+        expected: u64,
+        /// Bytes of the file.
+        actual: u64,
+    },
+    /// Reading a range of a token file failed (truncated or changed since it was opened).
+    #[error("{path}: cannot read tokens {start}..{end} (from byte {offset}): {source}; rewrite it with `fsdp data tokenize` and restart (with --resume to continue from a checkpoint)", end = start + count)]
+    TokenRead {
+        /// The path given.
+        path: PathBuf,
+        /// First token of the range.
+        start: u64,
+        /// Tokens in the range.
+        count: u64,
+        /// Byte offset of the range.
+        offset: u64,
+        /// The operating-system error.
+        source: std::io::Error,
+    },
+    /// A token id in a token file is not below the file's vocabulary size.
+    #[error("{path}: token id {id} at token {position} is >= the vocabulary size {vocab_size} in the header: the file is damaged; rewrite it with `fsdp data tokenize`")]
+    TokenOutOfRange {
+        /// The path given.
+        path: PathBuf,
+        /// Token position in the file (0-based).
+        position: u64,
+        /// The id found.
+        id: u32,
+        /// The header's vocabulary size.
+        vocab_size: u64,
+    },
+    /// The data's vocabulary is larger than the model's: some token ids have no embedding row.
+    #[error("{source_name} holds token ids of a vocabulary of {vocab_size}, but model {model} has vocab_size {model_vocab}: use a model whose vocab_size is at least {vocab_size} (e.g. --hf-config with \"vocab_size\": {vocab_size}), or a tokenizer with at most {model_vocab} tokens")]
+    VocabTooLarge {
+        /// The file path.
+        source_name: String,
+        /// The data's vocabulary size.
+        vocab_size: u64,
+        /// The model's name.
+        model: String,
+        /// The model's vocabulary size.
+        model_vocab: u64,
     },
     /// A sampler parameter is out of range (`seq_len`, `micro_batch`, `grad_accum`,
     /// `world_size` must be >= 1; `rank < world_size`; `k < grad_accum`).
@@ -295,6 +389,150 @@ impl TextData {
     }
 }
 
+/// The token ids a [`Sampler`] cuts into windows: a byte-tokenised text in memory, or a token
+/// file read window by window. Cloning is cheap (shared). Both split the same way: the last
+/// `len / 10` tokens are the validation split.
+#[derive(Debug, Clone)]
+pub enum TokenSource {
+    /// Bytes as tokens (vocabulary 256).
+    Bytes(TextData),
+    /// A token file (vocabulary from its header).
+    File(tokens::TokenFile),
+    /// Token ids in memory (tests, generated data), made by [`TokenSource::from_ids`]: every
+    /// id is `< vocab_size`.
+    Ids {
+        /// Name in messages.
+        name: String,
+        /// The ids.
+        ids: Arc<Vec<u32>>,
+        /// Vocabulary size.
+        vocab_size: u64,
+    },
+}
+
+impl From<TextData> for TokenSource {
+    fn from(t: TextData) -> Self {
+        TokenSource::Bytes(t)
+    }
+}
+
+impl From<tokens::TokenFile> for TokenSource {
+    fn from(f: tokens::TokenFile) -> Self {
+        TokenSource::File(f)
+    }
+}
+
+impl TokenSource {
+    /// Opens `--data path`: a token file when the file starts with the token-file magic
+    /// ([`tokens::probe`]; only its header is read now), otherwise a text read whole as bytes
+    /// ([`TextData::open`]).
+    ///
+    /// Errors: those of [`tokens::probe`], [`tokens::TokenFile::open`] and
+    /// [`TextData::open`], each naming the path.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, DataError> {
+        let path = path.as_ref();
+        match tokens::probe(path)? {
+            Some(_) => Ok(TokenSource::File(tokens::TokenFile::open(path)?)),
+            None => Ok(TokenSource::Bytes(TextData::open(path)?)),
+        }
+    }
+
+    /// Token ids held in memory, named `name` in messages.
+    ///
+    /// Panics if an id is `>= vocab_size` (naming the position and the id).
+    pub fn from_ids(name: impl Into<String>, ids: Vec<u32>, vocab_size: u64) -> Self {
+        if let Some(i) = ids.iter().position(|&id| id as u64 >= vocab_size) {
+            panic!(
+                "token id {} at token {i} is >= the vocabulary size {vocab_size}",
+                ids[i]
+            );
+        }
+        TokenSource::Ids {
+            name: name.into(),
+            ids: Arc::new(ids),
+            vocab_size,
+        }
+    }
+
+    /// The source name: the path, or [`EMBEDDED_NAME`].
+    pub fn name(&self) -> &str {
+        match self {
+            TokenSource::Bytes(t) => t.name(),
+            TokenSource::File(f) => f.name(),
+            TokenSource::Ids { name, .. } => name,
+        }
+    }
+
+    /// Number of tokens (bytes of a text).
+    pub fn len(&self) -> usize {
+        match self {
+            TokenSource::Bytes(t) => t.len(),
+            TokenSource::File(f) => f.len(),
+            TokenSource::Ids { ids, .. } => ids.len(),
+        }
+    }
+
+    /// Whether there is no token.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Vocabulary size: 256 for bytes, the header's for a token file. Every id is below it.
+    pub fn vocab_size(&self) -> u64 {
+        match self {
+            TokenSource::Bytes(_) => 256,
+            TokenSource::File(f) => f.header().vocab_size,
+            TokenSource::Ids { vocab_size, .. } => *vocab_size,
+        }
+    }
+
+    /// `bytes` or `tokens`, the unit of [`TokenSource::len`] in messages.
+    pub fn unit(&self) -> &'static str {
+        match self {
+            TokenSource::Bytes(_) => "bytes",
+            TokenSource::File(_) | TokenSource::Ids { .. } => "tokens",
+        }
+    }
+
+    /// Token index where the validation split starts: `len - len / 10`.
+    pub fn split_at(&self) -> usize {
+        self.len() - self.len() / 10
+    }
+
+    /// Appends tokens `start .. start + n` to `out` (`u8 -> u32` for bytes).
+    ///
+    /// Errors: a token file's read errors ([`tokens::TokenFile::read_into`]); none for tokens
+    /// in memory. Panics if the range is beyond the end of tokens in memory.
+    pub fn read_into(&self, start: usize, n: usize, out: &mut Vec<u32>) -> Result<(), DataError> {
+        match self {
+            TokenSource::Bytes(t) => {
+                out.extend(t.bytes()[start..start + n].iter().map(|&x| x as u32));
+                Ok(())
+            }
+            TokenSource::File(f) => f.read_into(start, n, out),
+            TokenSource::Ids { ids, .. } => {
+                out.extend_from_slice(&ids[start..start + n]);
+                Ok(())
+            }
+        }
+    }
+
+    /// Checks that every id can index a model of vocabulary `model_vocab` (named `model`).
+    ///
+    /// Errors: [`DataError::VocabTooLarge`] when [`TokenSource::vocab_size`] exceeds it.
+    pub fn check_vocab(&self, model: &str, model_vocab: u64) -> Result<(), DataError> {
+        if self.vocab_size() > model_vocab {
+            return Err(DataError::VocabTooLarge {
+                source_name: self.name().to_string(),
+                vocab_size: self.vocab_size(),
+                model: model.to_string(),
+                model_vocab,
+            });
+        }
+        Ok(())
+    }
+}
+
 /// Most bytes a training text may take in memory: half of the memory the kernel says is
 /// available (`MemAvailable`), or `u64::MAX` where that is unknown.
 pub fn text_memory_limit() -> u64 {
@@ -342,7 +580,7 @@ pub fn file_stamp(path: &Path) -> Option<(u64, std::time::SystemTime)> {
 /// Shape of the data stream: the same on every rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SamplerConfig {
-    /// Tokens per sequence `T` (each window is `T + 1` bytes).
+    /// Tokens per sequence `T` (each window is `T + 1` tokens).
     pub seq_len: usize,
     /// Sequences per micro-batch `B`, per rank.
     pub micro_batch: usize,
@@ -357,15 +595,16 @@ pub struct SamplerConfig {
 /// One micro-batch: `B` sequences of `T` tokens, row-major.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Batch {
-    /// Input token ids `[B * T]` (row `b` = window bytes `0..T`).
+    /// Input token ids `[B * T]` (row `b` = window tokens `0..T`).
     pub inputs: Vec<u32>,
-    /// Target token ids `[B * T]` (row `b` = window bytes `1..T+1`: the next byte).
+    /// Target token ids `[B * T]` (row `b` = window tokens `1..T+1`: the next token).
     pub targets: Vec<u32>,
     /// Sequences `B`.
     pub batch: usize,
     /// Tokens per sequence `T`.
     pub seq_len: usize,
-    /// The windows used, by index into their split (window `w` starts at byte `w * T`).
+    /// The windows used, by index into their split (window `w` starts at token `w * T` of
+    /// the split).
     pub windows: Vec<usize>,
 }
 
@@ -387,7 +626,7 @@ impl Batch {
 
 /// The seeded distributed sampler (see the module docs for the exact order).
 pub struct Sampler {
-    data: TextData,
+    data: TokenSource,
     cfg: SamplerConfig,
     n_train: usize,
     n_val: usize,
@@ -442,11 +681,13 @@ pub fn epoch_order(n: usize, seed: u64, epoch: u64) -> Vec<u32> {
 }
 
 impl Sampler {
-    /// A sampler over `data` with `cfg`.
+    /// A sampler over `data` (a [`TextData`], a [`tokens::TokenFile`] or a [`TokenSource`])
+    /// with `cfg`.
     ///
     /// Errors: [`DataError::BadConfig`] if a size is 0; [`DataError::TooShort`] if the
-    /// training or validation split holds less than one window of `seq_len + 1` bytes.
-    pub fn new(data: TextData, cfg: SamplerConfig) -> Result<Self, DataError> {
+    /// training or validation split holds less than one window of `seq_len + 1` tokens.
+    pub fn new(data: impl Into<TokenSource>, cfg: SamplerConfig) -> Result<Self, DataError> {
+        let data = data.into();
         for (what, v) in [
             ("seq_len", cfg.seq_len),
             ("micro_batch", cfg.micro_batch),
@@ -462,11 +703,12 @@ impl Sampler {
             }
         }
         let t = cfg.seq_len;
-        let n_train = windows_in(data.train().len(), t);
-        let n_val = windows_in(data.val().len(), t);
+        let (train_len, val_len) = (data.split_at(), data.len() - data.split_at());
+        let n_train = windows_in(train_len, t);
+        let n_val = windows_in(val_len, t);
         for (split, n, bytes) in [
-            ("train", n_train, data.train().len()),
-            ("validation", n_val, data.val().len()),
+            ("train", n_train, train_len),
+            ("validation", n_val, val_len),
         ] {
             if n == 0 {
                 return Err(DataError::TooShort {
@@ -475,6 +717,7 @@ impl Sampler {
                     bytes,
                     need: t + 1,
                     total: data.len(),
+                    unit: data.unit(),
                 });
             }
         }
@@ -492,8 +735,8 @@ impl Sampler {
         &self.cfg
     }
 
-    /// The text.
-    pub fn data(&self) -> &TextData {
+    /// The token ids sampled.
+    pub fn data(&self) -> &TokenSource {
         &self.data
     }
 
@@ -541,30 +784,43 @@ impl Sampler {
             .collect()
     }
 
-    fn batch_of(&self, bytes: &[u8], windows: Vec<usize>) -> Batch {
+    /// The batch of `windows` of the split starting at token `base`: window `w` is tokens
+    /// `base + w*T .. base + w*T + T + 1`.
+    fn batch_of(&self, base: usize, windows: Vec<usize>) -> Result<Batch, DataError> {
         let t = self.cfg.seq_len;
         let b = windows.len();
         let mut inputs = Vec::with_capacity(b * t);
         let mut targets = Vec::with_capacity(b * t);
+        let mut win = Vec::with_capacity(t + 1);
         for &w in &windows {
-            let win = &bytes[w * t..w * t + t + 1];
-            inputs.extend(win[..t].iter().map(|&x| x as u32));
-            targets.extend(win[1..].iter().map(|&x| x as u32));
+            win.clear();
+            self.data.read_into(base + w * t, t + 1, &mut win)?;
+            inputs.extend_from_slice(&win[..t]);
+            targets.extend_from_slice(&win[1..]);
         }
-        Batch {
+        Ok(Batch {
             inputs,
             targets,
             batch: b,
             seq_len: t,
             windows,
-        }
+        })
     }
 
     /// Micro-batch `k` (`0 <= k < grad_accum`) of optimizer step `step` (0-based) on `rank`:
     /// the `B` training windows at stream positions `g*B .. (g+1)*B`,
     /// `g = (step * grad_accum + k) * W + rank`. Panics if `rank >= W` or `k >= grad_accum`
-    /// (caller bugs, not data errors).
+    /// (caller bugs, not data errors), or if a token file cannot be read: use
+    /// [`Sampler::try_micro_batch`] for a token file.
     pub fn micro_batch(&self, step: u64, k: usize, rank: usize) -> Batch {
+        self.try_micro_batch(step, k, rank)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// As [`Sampler::micro_batch`], with the errors of reading a token file
+    /// ([`DataError::TokenRead`], [`DataError::TokenOutOfRange`]) returned; a text in memory
+    /// never fails.
+    pub fn try_micro_batch(&self, step: u64, k: usize, rank: usize) -> Result<Batch, DataError> {
         assert!(
             rank < self.cfg.world_size,
             "rank {rank} >= world size {}",
@@ -578,7 +834,7 @@ impl Sampler {
         let b = self.cfg.micro_batch;
         let g = self.global_index(step, k, rank);
         let windows = self.stream_windows(g * b as u64, b);
-        self.batch_of(self.data.train(), windows)
+        self.batch_of(0, windows)
     }
 
     /// Number of validation micro-batches each rank evaluates given a cap `max_per_rank`:
@@ -598,19 +854,31 @@ impl Sampler {
     /// rank `r` takes `v = j * W + r` for `j < val_batches_per_rank(max_per_rank)`. Every
     /// rank gets the same number of batches; window indices wrap modulo the number of
     /// validation windows when the split is smaller than `W * B` windows. The validation loss
-    /// is the token-weighted mean over all ranks' batches. Panics if `rank >= W`.
+    /// is the token-weighted mean over all ranks' batches. Panics if `rank >= W`, or if a
+    /// token file cannot be read: use [`Sampler::try_val_batches`] for a token file.
     pub fn val_batches(&self, rank: usize, max_per_rank: usize) -> Vec<Batch> {
+        self.try_val_batches(rank, max_per_rank)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// As [`Sampler::val_batches`], with the errors of reading a token file returned.
+    pub fn try_val_batches(
+        &self,
+        rank: usize,
+        max_per_rank: usize,
+    ) -> Result<Vec<Batch>, DataError> {
         assert!(
             rank < self.cfg.world_size,
             "rank {rank} >= world size {}",
             self.cfg.world_size
         );
         let (b, w) = (self.cfg.micro_batch, self.cfg.world_size);
+        let base = self.data.split_at();
         (0..self.val_batches_per_rank(max_per_rank))
             .map(|j| {
                 let v = j * w + rank;
                 let windows = (v * b..(v + 1) * b).map(|q| q % self.n_val).collect();
-                self.batch_of(self.data.val(), windows)
+                self.batch_of(base, windows)
             })
             .collect()
     }

@@ -7,7 +7,7 @@
 //! own rayon pool of `max(1, cores / W)` threads (candle's matmul and kernels use the current
 //! rayon pool), so `W` ranks never oversubscribe the cores.
 
-use crate::data::{Batch, Sampler, SamplerConfig, TextData};
+use crate::data::{Batch, Sampler, SamplerConfig, TextData, TokenSource};
 use crate::error::{EngineError, Result};
 use crate::init::{FileWeights, ParamSource};
 use crate::memory::{CountingAllocator, PhasePeak, PHASES};
@@ -28,7 +28,8 @@ use std::time::Instant;
 /// Everything `fsdp train` can be told.
 #[derive(Debug, Clone)]
 pub struct TrainOptions {
-    /// Text file to train on (bytes are tokens); `None`: the embedded project corpus.
+    /// Text file to train on (bytes are tokens) or token file (`fsdp data tokenize`, read
+    /// window by window); `None`: the embedded project corpus.
     pub data: Option<PathBuf>,
     /// Model preset (`tiny`, `mini`, `small`, `base`, `llama-tiny`, ...); ignored when
     /// `hf_config` is set.
@@ -273,14 +274,34 @@ pub struct DeviceMemoryReport {
 pub const BYTE_VOCAB: u64 = 256;
 
 /// The model `o` names (`o.hf_config`, else the preset `o.model`), checked against what the
-/// run feeds it: byte tokens need a vocabulary of at least [`BYTE_VOCAB`], and `o.seq_len` may
-/// not exceed a Llama's sliding window (Mistral), within which attention is exact.
+/// run feeds it: byte tokens need a vocabulary of at least [`BYTE_VOCAB`], a token file one of
+/// at least its header's vocabulary size (only the header of `o.data` is read), and
+/// `o.seq_len` may not exceed a Llama's sliding window (Mistral), within which attention is
+/// exact.
 ///
-/// Errors: [`EngineError::Config`] naming the model, the field and the fix.
+/// Errors: [`EngineError::Config`] naming the model, the field and the fix;
+/// [`EngineError::Data`] for a token file whose header is bad or whose vocabulary is larger
+/// than the model's.
 pub fn model_of(o: &TrainOptions) -> Result<Decoder> {
     let model = Decoder::resolve(&o.model, o.hf_config.as_deref())
         .map_err(|e| EngineError::Config(e.to_string()))?;
-    if model.vocab_size() < BYTE_VOCAB {
+    let token_file = match &o.data {
+        Some(p) => crate::data::tokens::probe(p).map_err(|e| EngineError::Data(e.to_string()))?,
+        None => None,
+    };
+    if let (Some(h), Some(p)) = (token_file, &o.data) {
+        if h.vocab_size > model.vocab_size() {
+            return Err(EngineError::Data(
+                crate::data::DataError::VocabTooLarge {
+                    source_name: p.display().to_string(),
+                    vocab_size: h.vocab_size,
+                    model: model.name().to_string(),
+                    model_vocab: model.vocab_size(),
+                }
+                .to_string(),
+            ));
+        }
+    } else if model.vocab_size() < BYTE_VOCAB {
         return Err(EngineError::Config(format!(
             "model {}: vocab_size {} is smaller than {BYTE_VOCAB}: fsdp train feeds bytes as              token ids (0..=255); use a model with a vocabulary of at least {BYTE_VOCAB}",
             model.name(),
@@ -539,9 +560,11 @@ pub fn train_with(
     let model = model_of(o)?;
     let plan: ShardPlan = plan(model.spec(), &plan_config(o))?;
     let text = match &o.data {
-        Some(p) => TextData::open(p).map_err(|e| EngineError::Data(e.to_string()))?,
-        None => TextData::embedded(),
+        Some(p) => TokenSource::open(p).map_err(|e| EngineError::Data(e.to_string()))?,
+        None => TextData::embedded().into(),
     };
+    text.check_vocab(model.name(), model.vocab_size())
+        .map_err(|e| EngineError::Data(e.to_string()))?;
     let data_name = text.name().to_string();
     let sampler = Sampler::new(
         text,
@@ -640,6 +663,13 @@ pub fn train_with(
     for (rank, r) in results.into_iter().enumerate() {
         match r {
             Ok(Ok(x)) => outcomes.push(x),
+            // A data error (a token file truncated or damaged under the run) is the cause;
+            // the other ranks then only saw their peer leave.
+            Ok(Err(e @ EngineError::Data(_))) => {
+                if !matches!(first_err, Some(EngineError::Data(_))) {
+                    first_err = Some(e);
+                }
+            }
             Ok(Err(e)) => {
                 first_err.get_or_insert(e);
             }
@@ -762,8 +792,10 @@ fn run_rank(
     }
     // Every rank trains the same number of steps; say so loudly if not (BC-10a).
     e.check_batch_counts((o.steps - start.min(o.steps)) * o.grad_accum as u64)?;
+    let data_err = |e: crate::data::DataError| EngineError::Data(format!("rank {rank}: {e}"));
     let val: Vec<MicroBatch> = sampler
-        .val_batches(rank, o.eval_batches)
+        .try_val_batches(rank, o.eval_batches)
+        .map_err(data_err)?
         .iter()
         .map(to_micro_batch)
         .collect::<Result<_>>()?;
@@ -775,7 +807,7 @@ fn run_rank(
     e.reset_device_memory_peak()?;
     for step in start..o.steps {
         let mbs: Vec<MicroBatch> = (0..o.grad_accum)
-            .map(|k| to_micro_batch(&sampler.micro_batch(step, k, rank)))
+            .map(|k| to_micro_batch(&sampler.try_micro_batch(step, k, rank).map_err(data_err)?))
             .collect::<Result<_>>()?;
         // The schedule advances on applied updates only: a skipped step is retried at the
         // same learning rate (DeepSpeed does the same on an f16 overflow).

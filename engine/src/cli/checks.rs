@@ -130,9 +130,10 @@ pub fn warmup_note(o: &TrainOptions) -> Option<String> {
 
 /// What a resume changes, given the checkpoint's saved flags (`extra`, the manifest's
 /// `train.extra`), its world size `saved_world` and completed `step`, against the run's
-/// options: one line per changed setting (the data file, `--seq-len`, `--micro-batch`,
-/// `--grad-accum`, the world size), with where this run's sample stream starts against where
-/// the checkpoint's stopped (samples skipped or seen twice). Empty when nothing changes.
+/// options: one line per changed setting (the data file, the tokenizer of a token file,
+/// `--seq-len`, `--micro-batch`, `--grad-accum`, the world size), with where this run's sample
+/// stream starts against where the checkpoint's stopped (samples skipped or seen twice). Empty
+/// when nothing changes.
 pub fn resume_changes(
     extra: &std::collections::BTreeMap<String, String>,
     saved_world: u64,
@@ -153,6 +154,27 @@ pub fn resume_changes(
              the new text, so steps from {} see other windows than an uninterrupted run",
             step + 1
         ));
+    }
+    let tokens_now = data_extra(o);
+    let tokenizer_now = tokens_now.get(DATA_TOKENIZER_KEY);
+    match (get(DATA_TOKENIZER_KEY), tokenizer_now) {
+        (Some(was), Some(now)) if was != *now => lines.push(format!(
+            "a token file made with another tokenizer (sha256 {}.., the checkpoint's {}..): \
+             its token ids name other pieces of text than the ones the model learned",
+            &now[..now.len().min(12)],
+            &was[..was.len().min(12)]
+        )),
+        (Some(_), None) => lines.push(
+            "text as bytes (the checkpoint trained on a token file): byte values are read \
+             as the token ids the model learned"
+                .into(),
+        ),
+        (None, Some(_)) if get("data").is_some() => lines.push(
+            "a token file (the checkpoint trained on text as bytes): its token ids are not \
+             the byte values the model learned"
+                .into(),
+        ),
+        _ => {}
     }
     let seq_now = o.seq_len as u64;
     if let Some(was) = num("seq_len").filter(|w| *w != seq_now) {
@@ -214,6 +236,27 @@ pub fn resume_changes(
     lines
 }
 
+/// The checkpoint key recording the SHA-256 of the tokenizer a token file `--data` was made
+/// with (64 hex digits, from the file's header).
+pub const DATA_TOKENIZER_KEY: &str = "data_tokenizer_sha256";
+
+/// What the checkpoint records about a token file `--data` (empty for text): its tokenizer
+/// hash ([`DATA_TOKENIZER_KEY`]), token count (`data_tokens`) and vocabulary size
+/// (`data_vocab_size`), from the header. Text and the embedded corpus record nothing here.
+pub fn data_extra(o: &TrainOptions) -> std::collections::BTreeMap<String, String> {
+    let mut m = std::collections::BTreeMap::new();
+    if let Some(h) = o
+        .data
+        .as_deref()
+        .and_then(|p| crate::data::tokens::probe(p).ok().flatten())
+    {
+        m.insert(DATA_TOKENIZER_KEY.to_string(), h.tokenizer_hex());
+        m.insert("data_tokens".to_string(), h.count.to_string());
+        m.insert("data_vocab_size".to_string(), h.vocab_size.to_string());
+    }
+    m
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -262,5 +305,45 @@ mod tests {
             ..o
         };
         assert!(resume_changes(&extra, 1, 20, &same).is_empty());
+    }
+
+    #[test]
+    fn resume_changes_name_another_tokenizer() {
+        use crate::data::tokens::TokenWriter;
+        let dir = tempfile::tempdir().unwrap();
+        let file = |name: &str, sha: u8| {
+            let p = dir.path().join(name);
+            let mut w = TokenWriter::create(&p, 500, [sha; 32]).unwrap();
+            w.push(&[1, 2, 3]).unwrap();
+            w.finish().unwrap();
+            p
+        };
+        let (a, b) = (file("a.bin", 0xaa), file("b.bin", 0xbb));
+        let on = |p: &std::path::Path| TrainOptions {
+            data: Some(p.to_path_buf()),
+            ..TrainOptions::default()
+        };
+        let saved = data_extra(&on(&a));
+        assert_eq!(saved[DATA_TOKENIZER_KEY], "aa".repeat(32));
+        assert_eq!(saved["data_tokens"], "3");
+        assert_eq!(saved["data_vocab_size"], "500");
+        let mut extra = saved.clone();
+        extra.insert("data".into(), a.display().to_string());
+        assert!(resume_changes(&extra, 1, 5, &on(&a)).is_empty());
+        // The same path rewritten by another tokenizer.
+        std::fs::copy(&b, &a).unwrap();
+        let l = resume_changes(&extra, 1, 5, &on(&a));
+        assert_eq!(l.len(), 1, "{l:?}");
+        assert!(
+            l[0].contains(
+                "another tokenizer (sha256 bbbbbbbbbbbb.., the checkpoint's aaaaaaaaaaaa..)"
+            ),
+            "{l:?}"
+        );
+        // Text after a token file.
+        let text = dir.path().join("t.txt");
+        std::fs::write(&text, "text").unwrap();
+        let l = resume_changes(&extra, 1, 5, &on(&text));
+        assert!(l.iter().any(|x| x.starts_with("text as bytes")), "{l:?}");
     }
 }

@@ -1155,6 +1155,7 @@ impl CheckpointHooks {
         ] {
             extra.insert(k.to_string(), v);
         }
+        extra.extend(super::checks::data_extra(o));
         if let Some(t) = hf_config_text(&model, o.hf_config.as_deref())? {
             extra.insert(HF_CONFIG_KEY.to_string(), t);
         }

@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 
 pub mod checks;
 pub mod ckpt;
+pub mod data;
 pub mod launch;
 pub mod plan;
 pub mod progress;
@@ -47,8 +48,12 @@ pub enum Command {
     Plan(plan::PlanArgs),
     /// Inspect, consolidate or reshard a sharded checkpoint (offline).
     Ckpt(ckpt::CkptArgs),
-    /// Train a byte-level GPT on text with W rank threads under a sharding strategy.
+    /// Train a GPT or Llama on text (bytes as tokens) or a token file with W rank threads under
+    /// a sharding strategy.
     Train(train::TrainArgs),
+    /// Prepare training data: `fsdp data tokenize` encodes a text with a Hugging Face
+    /// tokenizer into a token file for `fsdp train --data`.
+    Data(data::DataArgs),
     /// Start N processes of one job on this node (torchrun's environment), prefix their output
     /// with their rank, stop all when one fails.
     Launch(launch::LaunchArgs),
@@ -60,6 +65,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Plan(a) => plan::run(a),
         Command::Ckpt(a) => ckpt::run(a),
         Command::Train(a) => train::run(a, None),
+        Command::Data(a) => data::run(a),
         Command::Launch(a) => match launch::run(a)? {
             0 => Ok(()),
             code => Err(CliError::Failed(format!("a rank exited with code {code}"))),

@@ -1,5 +1,6 @@
 //! `fsdp train`'s progress without a terminal: a plain line every `--log-every` steps or 30
-//! seconds, and a watch on the `--data` file, which training reads whole at the start.
+//! seconds, and a watch on the `--data` file, which training reads whole at the start (a text)
+//! or window by window (a token file).
 
 use crate::train::StepReport;
 use std::path::PathBuf;
@@ -9,6 +10,8 @@ pub struct PlainLog {
     every: u64,
     last: std::sync::Mutex<std::time::Instant>,
     data: Option<(PathBuf, (u64, std::time::SystemTime))>,
+    /// Whether `data` is a token file (read as training goes, not copied at the start).
+    token_file: bool,
     warned: std::sync::atomic::AtomicBool,
 }
 
@@ -19,10 +22,14 @@ impl PlainLog {
     /// A log of a line every `every` steps (or 30 s) that watches the `--data` file `data`.
     pub fn new(every: u64, data: Option<PathBuf>) -> Self {
         let data = data.and_then(|p| crate::data::file_stamp(&p).map(|st| (p, st)));
+        let token_file = data
+            .as_ref()
+            .is_some_and(|(p, _)| matches!(crate::data::tokens::probe(p), Ok(Some(_))));
         PlainLog {
             every,
             last: std::sync::Mutex::new(std::time::Instant::now()),
             data,
+            token_file,
             warned: std::sync::atomic::AtomicBool::new(false),
         }
     }
@@ -43,7 +50,8 @@ impl PlainLog {
     }
 
     /// Warns once on stderr when the `--data` file changed on disk (truncated, rewritten,
-    /// replaced) since the run read it: training goes on with the copy in memory.
+    /// replaced) since the run read it: training goes on with the copy in memory (a text), or
+    /// reads on from the file it opened (a token file: a truncated one stops the run).
     pub fn watch_data(&self, step: u64) {
         use std::sync::atomic::Ordering;
         let Some((path, stamp)) = &self.data else {
@@ -58,9 +66,15 @@ impl PlainLog {
             let size = now.map_or("gone".to_string(), |(n, _)| {
                 format!("{} bytes", fsdp_types::group_thousands(n))
             });
+            let how = if self.token_file {
+                "training reads windows from the file it opened: a file moved over it is not \
+                 seen, a truncated one stops the run with an error"
+            } else {
+                "training continues on the copy read at the start"
+            };
             eprintln!(
                 "warning: --data {} changed on disk by step {step} (was {} bytes, now {size}); \
-                 training continues on the copy read at the start",
+                 {how}",
                 path.display(),
                 fsdp_types::group_thousands(stamp.0)
             );

@@ -131,8 +131,9 @@ pub const DEFAULT_MODEL: &str = "tiny";
 #[derive(Debug, clap::Args)]
 pub struct TrainArgs {
     /// Text to train on (bytes are tokens): a file, or a pipe, FIFO or `/dev/stdin`, read whole
-    /// into memory at the start. Default: this project's own source code and documentation,
-    /// embedded at build time.
+    /// into memory at the start; or a token file from `fsdp data tokenize` (recognised by its
+    /// header; a `*.bin` file must be one), read window by window. Default: this project's own
+    /// source code and documentation, embedded at build time.
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// Model preset: tiny (0.89M params), mini (3.55M), small (11.2M), base (43.7M), gpt2
@@ -143,8 +144,8 @@ pub struct TrainArgs {
     pub model: Option<String>,
     /// A Hugging Face config.json (GPT-2, Llama, Mistral, Qwen2) to train instead of a preset:
     /// the model `fsdp plan --hf-config` plans, the same fingerprint for the same flags, with
-    /// random weights unless `--init-from` gives them. Bytes are tokens, so its vocab_size
-    /// must be at least 256.
+    /// random weights unless `--init-from` gives them. Its vocab_size must be at least 256 on
+    /// text (bytes are tokens), at least the token file's vocabulary on a token file.
     #[arg(long, value_name = "config.json", conflicts_with = "model")]
     pub hf_config: Option<PathBuf>,
     /// Number of ranks (threads on the in-process backend).
