@@ -377,3 +377,99 @@ fn hf_config_run_exports_its_own_config() {
     assert_eq!(rc, 0, "{stdout}\n{err}");
     assert_eq!(config(&again)["model_type"], "qwen2");
 }
+
+/// A GPT-2 checkpoint exports as a model directory too (`GPT2LMHeadModel`'s config and
+/// names), and that directory is a valid `--init-from`: a run started
+/// from it with a negligible learning rate saves exactly the exported weights.
+#[test]
+fn gpt2_exports_a_model_directory_that_init_from_reads_back() {
+    let t = tempfile::tempdir().unwrap();
+    let ck = t.path().join("ck");
+    train(&ck, &["--model", "tiny"]);
+    let out = t.path().join("gpt2-out");
+    let (rc, stdout, err) = fsdp(&["ckpt", "consolidate", s(&ck), "-o", s(&out)]);
+    assert_eq!(rc, 0, "{stdout}\n{err}");
+    assert_eq!(entries(&out), ["config.json", "model.safetensors"]);
+    let c = config(&out);
+    assert_eq!(c["model_type"], "gpt2");
+    assert_eq!(c["architectures"][0], "GPT2LMHeadModel");
+    assert_eq!(c["activation_function"], "gelu_new");
+    // `tiny` has an untied head.
+    assert_eq!(c["tie_word_embeddings"], false);
+    let ck_arch = Checkpoint::open(&ck, Verify::Checksums)
+        .unwrap()
+        .manifest()
+        .spec
+        .arch;
+    let text = std::fs::read_to_string(out.join("config.json")).unwrap();
+    assert_eq!(
+        fsdp_planner::hf::parse_hf_arch(&text, "config.json").unwrap(),
+        ck_arch
+    );
+    let found = read_full(&out.join("model.safetensors")).unwrap().tensors;
+    let want = ckpt_tensors(&ck);
+    assert_eq!(found.len(), want.len());
+    for (name, f) in &found {
+        assert!(
+            name.starts_with("transformer.") || name == "lm_head.weight",
+            "{name}"
+        );
+        assert_same(f, &want[name]);
+    }
+    // Read back: the directory's config.json is the model, the weights its start.
+    let (rc, o, err) = fsdp(&[
+        "train",
+        "--init-from",
+        s(&out),
+        "--steps",
+        "1",
+        "--micro-batch",
+        "1",
+        "--seq-len",
+        "16",
+        "--eval-batches",
+        "1",
+        "--lr",
+        "1e-30",
+        "--min-lr",
+        "1e-30",
+        "--warmup",
+        "0",
+        "--ckpt-dir",
+        s(&t.path().join("again")),
+    ]);
+    assert_eq!(rc, 0, "{o}\n{err}");
+    let again = ckpt_tensors(&t.path().join("again"));
+    for (name, f) in &found {
+        assert_same(f, &again[name]);
+    }
+    // A GPT-2 config this engine does not compute is refused, by plan and train alike.
+    let bad = t.path().join("bad");
+    std::fs::create_dir(&bad).unwrap();
+    let mut v = c.clone();
+    v["activation_function"] = "relu".into();
+    std::fs::write(bad.join("config.json"), v.to_string()).unwrap();
+    for cmd in [
+        vec![
+            "plan",
+            "--hf-config",
+            s(&bad.join("config.json")),
+            "--world-size",
+            "2",
+        ],
+        vec![
+            "train",
+            "--hf-config",
+            s(&bad.join("config.json")),
+            "--steps",
+            "1",
+        ],
+    ] {
+        let (rc, _, err) = fsdp(&cmd);
+        assert_eq!(rc, 2, "{cmd:?}: {err}");
+        assert!(
+            err.contains("activation_function") && err.contains("relu"),
+            "{err}"
+        );
+    }
+}

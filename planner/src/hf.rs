@@ -402,6 +402,91 @@ pub fn parse_llama_numerics(text: &str, file: &str) -> Result<LlamaNumerics, Pla
     Ok(out)
 }
 
+/// The Hugging Face `config.json` (as JSON) that rebuilds a GPT-2 model of `cfg` in
+/// `transformers` (`GPT2LMHeadModel`): sizes, heads, `n_positions`, the tanh-approximated GELU
+/// (`gelu_new`), LayerNorm epsilon 1e-5 and `tie_word_embeddings`; `torch_dtype` `float32`.
+/// `None` for a model without biases, which `GPT2LMHeadModel` cannot express.
+pub fn gpt2_hf_config(cfg: &Gpt2Config) -> Option<Value> {
+    if !cfg.bias {
+        return None;
+    }
+    Some(serde_json::json!({
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.n_positions,
+        "n_embd": cfg.d_model,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_inner": Value::Null,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": cfg.tied_head,
+        "torch_dtype": "float32",
+    }))
+}
+
+/// [`check_gpt2_numerics`] of the `config.json` at `path`. Errors: `Io`; as
+/// [`check_gpt2_numerics`].
+pub fn read_gpt2_numerics(path: &Path) -> Result<(), PlanError> {
+    let text = std::fs::read_to_string(path).map_err(|e| io(path, e))?;
+    check_gpt2_numerics(&text, &path.display().to_string())
+}
+
+/// Refuses a GPT-2 `config.json` whose math this engine's GPT does not compute, so that a
+/// model is never trained or exported with other math than its file says: an
+/// `activation_function` other than the tanh-approximated GELU (`gelu_new`,
+/// `gelu_pytorch_tanh`), a `layer_norm_epsilon` other than 1e-5, an `n_inner` other than
+/// `4 * n_embd`, `scale_attn_weights: false` or `scale_attn_by_inverse_layer_idx: true`.
+///
+/// Errors: `BadFile` naming the field and the value.
+pub fn check_gpt2_numerics(text: &str, file: &str) -> Result<(), PlanError> {
+    let v: Value =
+        serde_json::from_str(text).map_err(|e| bad(file, format!("not valid JSON: {e}")))?;
+    let Some(o) = v.as_object() else {
+        return Err(bad(file, "expected a JSON object at the top level"));
+    };
+    let get = |k: &str| o.get(k).filter(|x| !x.is_null());
+    if let Some(a) = get("activation_function") {
+        if !matches!(a.as_str(), Some("gelu_new" | "gelu_pytorch_tanh")) {
+            return Err(bad(
+                file,
+                format!("activation_function {a} is not supported: the GPT computes the tanh-approximated GELU (`gelu_new`)"),
+            ));
+        }
+    }
+    if let Some(e) = get("layer_norm_epsilon") {
+        if e.as_f64() != Some(1e-5) {
+            return Err(bad(
+                file,
+                format!("layer_norm_epsilon {e} is not supported: the GPT's LayerNorm uses 1e-5"),
+            ));
+        }
+    }
+    if let (Some(n), Some(d)) = (get("n_inner"), get("n_embd").and_then(Value::as_u64)) {
+        if n.as_u64() != Some(4 * d) {
+            return Err(bad(
+                file,
+                format!(
+                    "n_inner {n} is not 4 * n_embd = {}, which the planned MLP shapes assume",
+                    4 * d
+                ),
+            ));
+        }
+    }
+    for (k, ok) in [
+        ("scale_attn_weights", true),
+        ("scale_attn_by_inverse_layer_idx", false),
+    ] {
+        if let Some(x) = get(k) {
+            if x.as_bool() != Some(ok) {
+                return Err(bad(file, format!("`{k}: {x}` is not supported")));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The Hugging Face `config.json` (as JSON) that rebuilds a Llama-family model of `cfg` with
 /// numerics `n` in `transformers`: `LlamaForCausalLM` (`model_type` `llama`), or
 /// `Qwen2ForCausalLM` when `cfg.qkv_bias` (Qwen2's q/k/v biases), or `MistralForCausalLM` when
@@ -465,19 +550,16 @@ pub fn llama_hf_config(cfg: &LlamaConfig, n: &LlamaNumerics) -> Value {
     Value::Object(o)
 }
 
-/// The `config.json` to write next to exported f32 weights of a model of architecture `arch`:
-/// the config text `text` (from the file `file`, named in errors), checked to describe exactly
-/// `arch` (same sizes, heads, head tying, biases) with valid Llama numerics, with
+/// The `config.json` to write next to exported f32 weights of a model of architecture `arch`
+/// (GPT-2 or Llama family): the config text `text` (from the file `file`, named in errors),
+/// checked to describe exactly `arch` (same sizes, heads, head tying, biases) with numerics
+/// this engine computes ([`parse_llama_numerics`], [`check_gpt2_numerics`]), with
 /// `torch_dtype` (and `dtype`, the newer spelling, when present) set to `float32` and an
 /// `architectures` entry added when missing.
 ///
-/// Errors: `BadFile` when `text` is not a Llama-family config, describes another model than
-/// `arch` (naming both), or has numerics [`parse_llama_numerics`] refuses.
-pub fn export_llama_config(
-    text: &str,
-    file: &str,
-    arch: &Architecture,
-) -> Result<Value, PlanError> {
+/// Errors: `BadFile` when `text` is not a GPT-2 or Llama-family config, describes another
+/// model than `arch` (naming both), or has numerics this engine does not compute.
+pub fn export_hf_config(text: &str, file: &str, arch: &Architecture) -> Result<Value, PlanError> {
     let found = parse_hf_arch(text, file)?;
     if found != *arch {
         return Err(bad(
@@ -485,18 +567,25 @@ pub fn export_llama_config(
             format!("describes {found:?}, but the checkpoint holds {arch:?}"),
         ));
     }
-    parse_llama_numerics(text, file)?;
+    let gpt2 = matches!(found, Architecture::Gpt2(_));
+    if gpt2 {
+        check_gpt2_numerics(text, file)?;
+    } else {
+        parse_llama_numerics(text, file)?;
+    }
     let mut v: Value =
         serde_json::from_str(text).map_err(|e| bad(file, format!("not valid JSON: {e}")))?;
     let o = v.as_object_mut().expect("parse_hf_arch checked the object");
     let model_type = o
         .get("model_type")
         .and_then(Value::as_str)
-        .unwrap_or("llama")
+        .filter(|t| !t.is_empty())
+        .unwrap_or(if gpt2 { "gpt2" } else { "llama" })
         .to_string();
     o.insert("model_type".into(), model_type.clone().into());
     if !o.contains_key("architectures") {
         let a = match model_type.as_str() {
+            "gpt2" => "GPT2LMHeadModel",
             "qwen2" => "Qwen2ForCausalLM",
             "mistral" => "MistralForCausalLM",
             _ => "LlamaForCausalLM",

@@ -381,22 +381,22 @@ fn llama_hf_config_reads_back_to_the_same_model() {
     assert_eq!(tiny["rms_norm_eps"], 1e-5);
 }
 
-/// `export_llama_config` refuses a config of another model than the checkpoint's and
+/// `export_hf_config` refuses a config of another model than the checkpoint's and
 /// normalises the dtype.
 #[test]
-fn export_llama_config_checks_the_model() {
-    use fsdp_planner::hf::export_llama_config;
+fn export_hf_config_checks_the_model() {
+    use fsdp_planner::hf::export_hf_config;
     use fsdp_planner::presets::llama_config;
     let cfg = llama_config("llama-tiny").unwrap();
     let arch = fsdp_planner::Architecture::Llama(cfg);
     let text = r#"{"model_type": "llama", "vocab_size": 256, "hidden_size": 128,
         "intermediate_size": 352, "num_hidden_layers": 4, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 256, "torch_dtype": "bfloat16"}"#;
-    let v = export_llama_config(text, "c.json", &arch).unwrap();
+    let v = export_hf_config(text, "c.json", &arch).unwrap();
     assert_eq!(v["torch_dtype"], "float32");
     assert_eq!(v["architectures"][0], "LlamaForCausalLM");
     let other = text.replace("\"num_hidden_layers\": 4", "\"num_hidden_layers\": 3");
-    let e = export_llama_config(&other, "c.json", &arch)
+    let e = export_hf_config(&other, "c.json", &arch)
         .unwrap_err()
         .to_string();
     assert!(e.contains("c.json") && e.contains("n_layer: 3"), "{e}");

@@ -42,13 +42,15 @@ pub enum CkptAction {
     },
     /// Write the full fp32 model with the original parameter names and shapes (tied
     /// parameters once, under the target's name, as Hugging Face does): one safetensors file,
-    /// or for a Llama-family model (Llama, Mistral, Qwen2) a Hugging Face model directory that
+    /// or for a GPT-2 or Llama-family model (Llama, Mistral, Qwen2) a Hugging Face model
+    /// directory that
     /// `from_pretrained` loads (`config.json`, `model.safetensors` or shards with
     /// `model.safetensors.index.json`).
     Consolidate {
         /// Checkpoint directory or root.
         dir: PathBuf,
-        /// Output: a safetensors file, or for a Llama-family model a new or empty directory
+        /// Output: a new or empty directory for a GPT-2 or Llama-family model, else a
+        /// safetensors file
         /// (a path ending in `.safetensors` writes the single file instead).
         #[arg(short, long)]
         output: PathBuf,
@@ -246,18 +248,22 @@ pub fn run(args: CkptArgs) -> Result<(), CliError> {
                 check_output_file("--optimizer-out", o)?;
             }
             let ck = Checkpoint::open(&dir, Verify::Checksums)?;
-            let llama = matches!(
-                ck.manifest().spec.arch,
-                fsdp_planner::Architecture::Llama(_)
-            );
+            // GPT-2 (with biases, as GPT2LMHeadModel has) and the Llama family export as a
+            // model directory; a GPT without biases only as one state-dict file.
+            let has_dir_form = match ck.manifest().spec.arch {
+                fsdp_planner::Architecture::Llama(_) => true,
+                fsdp_planner::Architecture::Gpt2(c) => c.bias,
+                fsdp_planner::Architecture::Generic => false,
+            };
             let to_file =
-                !llama || output.extension().and_then(|e| e.to_str()) == Some("safetensors");
+                !has_dir_form || output.extension().and_then(|e| e.to_str()) == Some("safetensors");
             if to_file {
                 if max_shard.is_some() || hf_config.is_some() {
                     return Err(CliError::Usage(format!(
                         "--max-shard-size and --hf-config apply to a model directory, which \
-                         is written for Llama-family models to an -o path not ending in \
-                         .safetensors; -o {} writes one safetensors file: leave them out",
+                         is written for GPT-2 and Llama-family models to an -o path not \
+                         ending in .safetensors; -o {} writes one safetensors file: leave them \
+                         out",
                         output.display()
                     )));
                 }
@@ -307,7 +313,7 @@ pub fn run(args: CkptArgs) -> Result<(), CliError> {
                 }
                 return emit(&text);
             }
-            if llama {
+            if has_dir_form {
                 eprintln!(
                     "note: writing one safetensors state dict; -o DIR (a path not ending in \
                      .safetensors) writes a Hugging Face model directory with config.json"
@@ -844,9 +850,9 @@ pub fn parse_max_shard_size(s: &str) -> Result<Bytes, CliError> {
 pub fn check_output_model_dir(path: &Path) -> Result<(), CliError> {
     if path.is_file() {
         return Err(CliError::Usage(format!(
-            "-o {}: is a file; a Llama-family model is exported as a Hugging Face model \
-             directory: give a new or empty directory, or a path ending in .safetensors for one \
-             state-dict file",
+            "-o {}: is a file; a GPT-2 or Llama-family model is exported as a Hugging Face \
+             model directory: give a new or empty directory, or a path ending in .safetensors \
+             for one state-dict file",
             path.display()
         )));
     }
@@ -871,30 +877,32 @@ pub const HF_CONFIG_KEY: &str = "hf_config";
 
 /// The `config.json` text to record for `model`, trained from the `config.json` at
 /// `hf_config` (its text, as given) or a preset (generated from the preset's sizes and
-/// numerics); `None` for a GPT (its export is one safetensors file).
+/// numerics); `None` for a GPT without biases (its export is one safetensors file).
 ///
 /// Errors: [`CliError::Usage`] when `hf_config` cannot be read.
 pub fn hf_config_text(
     model: &crate::model::decoder::Decoder,
     hf_config: Option<&Path>,
 ) -> Result<Option<String>, CliError> {
-    let crate::model::decoder::Decoder::Llama(l) = model else {
-        return Ok(None);
-    };
     if let Some(p) = hf_config {
         return std::fs::read_to_string(p)
             .map(Some)
             .map_err(|e| CliError::Usage(format!("--hf-config {}: {e}", p.display())));
     }
-    Ok(Some(
-        fsdp_planner::hf::llama_hf_config(&l.cfg, &l.numerics).to_string(),
-    ))
+    Ok(match model {
+        crate::model::decoder::Decoder::Llama(l) => {
+            Some(fsdp_planner::hf::llama_hf_config(&l.cfg, &l.numerics).to_string())
+        }
+        crate::model::decoder::Decoder::Gpt(g) => {
+            fsdp_planner::hf::gpt2_hf_config(&g.cfg).map(|v| v.to_string())
+        }
+    })
 }
 
-/// The `config.json` of a Llama-family checkpoint's model directory: `--hf-config FILE` when
+/// The `config.json` of a GPT-2 or Llama-family checkpoint's model directory: `--hf-config FILE` when
 /// given, else the text `fsdp train` recorded in the manifest ([`HF_CONFIG_KEY`]), else the
 /// preset of the checkpoint's model name; checked to describe the checkpoint's model
-/// ([`fsdp_planner::hf::export_llama_config`]).
+/// ([`fsdp_planner::hf::export_hf_config`]).
 ///
 /// Errors: [`CliError::Usage`] (exit 2) when none is available (naming `--hf-config`) or the
 /// config describes another model.
@@ -918,6 +926,15 @@ fn export_config(ck: &Checkpoint, hf_config: Option<&Path>) -> Result<serde_json
             fsdp_planner::hf::llama_hf_config(&c, &n).to_string(),
             format!("preset {}", m.model_name),
         )
+    } else if let Some(v) = match m.spec.arch {
+        fsdp_planner::Architecture::Gpt2(c) => fsdp_planner::hf::gpt2_hf_config(&c),
+        _ => None,
+    } {
+        // A GPT-2's sizes are all in its architecture; its numerics are fixed.
+        (
+            v.to_string(),
+            format!("the checkpoint's GPT-2 model {}", m.model_name),
+        )
     } else {
         return Err(CliError::Usage(format!(
             "{}: the checkpoint does not record its model's config.json (model {}); pass \
@@ -926,7 +943,7 @@ fn export_config(ck: &Checkpoint, hf_config: Option<&Path>) -> Result<serde_json
             m.model_name
         )));
     };
-    fsdp_planner::hf::export_llama_config(&text, &file, &m.spec.arch)
+    fsdp_planner::hf::export_hf_config(&text, &file, &m.spec.arch)
         .map_err(|e| CliError::Usage(e.to_string()))
 }
 

@@ -47,7 +47,10 @@ impl Decoder {
     pub fn from_hf_config(path: &Path) -> Result<Self, ModelError> {
         let spec = hf::read_hf_config(path)?;
         let model = match spec.arch {
-            Architecture::Gpt2(c) => Decoder::Gpt(Gpt::new(&spec.name, c)?),
+            Architecture::Gpt2(c) => {
+                hf::read_gpt2_numerics(path)?;
+                Decoder::Gpt(Gpt::new(&spec.name, c)?)
+            }
             Architecture::Llama(c) => {
                 let n = hf::read_llama_numerics(path)?;
                 Decoder::Llama(Llama::new(&spec.name, c, n)?)

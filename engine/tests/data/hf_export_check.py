@@ -68,7 +68,10 @@ def main():
     a = ap.parse_args()
     data = open(a.data, "rb").read()
     batches = val_batches(data, a.seq_len, a.micro_batch, a.eval_batches, a.world_size)
-    model = AutoModelForCausalLM.from_pretrained(a.model_dir, attn_implementation="eager")
+    # float32 whatever the files store (a bf16 checkpoint is upcast, as fsdp-rs's master is).
+    model = AutoModelForCausalLM.from_pretrained(
+        a.model_dir, attn_implementation="eager", dtype=torch.float32
+    )
     model.eval()
     vocab = model.config.vocab_size
     l32 = mean_loss(model, batches, vocab)
