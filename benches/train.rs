@@ -2,10 +2,15 @@
 //! measured on the same 2-core machine: PyTorch FSDP2 (gloo, 2 ranks x 1 thread, fp32, AdamW,
 //! GPT with byte vocabulary) and PyTorch's best single process on the same cores.
 //!
-//! Two workloads, fp32 AdamW on tinyshakespeare:
+//! Three workloads, fp32 AdamW on tinyshakespeare:
 //! - `mini`: d_model 256, 4 layers, seq 128, micro-batch 8 per rank (PyTorch FSDP2 5,500
 //!   tokens/s, best single process 7,540);
-//! - `base`: d_model 768, 6 layers, seq 256, micro-batch 4 per rank (620 and 777).
+//! - `base`: d_model 768, 6 layers, seq 256, micro-batch 4 per rank (620 and 777);
+//! - `llama`: the Llama-family model of `benches/llama-bench/config.json` (d_model 512, 8
+//!   layers, 8 heads, 4 key/value heads, SwiGLU 1376, byte vocabulary), seq 256, micro-batch 4
+//!   per rank, against `transformers`' `LlamaForCausalLM` of the same config.json in PyTorch
+//!   (`benches/pytorch_llama_cpu.py`, run by hand; figures in
+//!   benches/results/2026-12-01-llama-cpu.md).
 //!
 //! Per workload: world size 2 under full shard (without unit-level activation checkpointing,
 //! the default, and with it: `full-shard-ac`), shard-grad-op and DDP (no-shard), and one process
@@ -16,8 +21,8 @@
 //! Each configuration runs in a child process of this bench (candle sizes its CPU thread pools
 //! once per process from `RAYON_NUM_THREADS` / `CANDLE_NUM_THREADS`: `cores / W` per rank).
 //! Prints a table and one JSON line per configuration. Environment: `FSDP_BENCH_MODEL` (`mini`,
-//! `base` or `all`, default `all`), `FSDP_BENCH_STEPS` (default 12 for mini, 6 for base; the
-//! first 2 are warm-up and not counted).
+//! `base`, `llama` or `all`, default `all`), `FSDP_BENCH_STEPS` (default 12 for mini, 6 for
+//! base and llama; the first 2 are warm-up and not counted).
 
 use fsdp::train::{train, NoHooks, TrainOptions};
 use fsdp_planner::Strategy;
@@ -26,10 +31,14 @@ mod child;
 
 const CHILD: &str = "FSDP_BENCH_CHILD";
 
-/// One workload of the guide: model preset, sequence length, micro-batch per rank at W=2, and
-/// PyTorch's figures on this machine (FSDP2 at W=2, best single process), in tokens/s.
+/// One workload: model preset (or the name of a config.json under `benches/`), sequence
+/// length, micro-batch per rank at W=2, and PyTorch's figures on this machine (FSDP2 at W=2,
+/// best single process), in tokens/s.
 struct Workload {
     model: &'static str,
+    /// A Hugging Face config.json (relative to the repository root) to build the model from
+    /// instead of the preset `model`.
+    hf_config: Option<&'static str>,
     seq_len: usize,
     micro_batch: usize,
     steps: u64,
@@ -37,9 +46,10 @@ struct Workload {
     pytorch_single: f64,
 }
 
-const WORKLOADS: [Workload; 2] = [
+const WORKLOADS: [Workload; 3] = [
     Workload {
         model: "mini",
+        hf_config: None,
         seq_len: 128,
         micro_batch: 8,
         steps: 12,
@@ -48,13 +58,29 @@ const WORKLOADS: [Workload; 2] = [
     },
     Workload {
         model: "base",
+        hf_config: None,
         seq_len: 256,
         micro_batch: 4,
         steps: 6,
         pytorch_fsdp2: 620.0,
         pytorch_single: 777.0,
     },
+    Workload {
+        model: "llama",
+        hf_config: Some("benches/llama-bench/config.json"),
+        seq_len: 256,
+        micro_batch: 4,
+        steps: 6,
+        pytorch_fsdp2: PYTORCH_LLAMA_FSDP2,
+        pytorch_single: PYTORCH_LLAMA_SINGLE,
+    },
 ];
+
+/// `benches/pytorch_llama_cpu.py --modes fsdp2,single` on this machine (tokens/s; see
+/// benches/results/2026-12-01-llama-cpu.md).
+const PYTORCH_LLAMA_FSDP2: f64 = 416.0;
+/// See [`PYTORCH_LLAMA_FSDP2`].
+const PYTORCH_LLAMA_SINGLE: f64 = 607.0;
 
 fn data() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/tinyshakespeare.txt")
@@ -84,9 +110,15 @@ fn child(spec: &str) {
         p[5].parse().expect("steps"),
     );
     let (strategy, activation_checkpointing) = strategy(strat);
+    let hf_config = WORKLOADS
+        .iter()
+        .find(|wl| wl.model == model)
+        .and_then(|wl| wl.hf_config)
+        .map(|p| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(p));
     let opts = TrainOptions {
         data: Some(data()),
         model: model.to_string(),
+        hf_config,
         world_size: w,
         strategy,
         activation_checkpointing,

@@ -6,7 +6,11 @@
 //! - column sums (bias and LayerNorm gradients) follow the documented partition: blocks of
 //!   `ops::SUM_BLOCK_ROWS` rows summed in row order, block sums added in block order;
 //! - the fused causal attention (module `attention`): f32 against f64 within its stated bound,
-//!   bits across thread counts and batch splits, bf16, against the composite path.
+//!   bits across thread counts and batch splits, bf16, against the composite path;
+//! - the Llama family's fused RMSNorm, rotary embedding (packed with the repeated key/value
+//!   heads) and SwiGLU gate (module `llama`): forward and gradients against the composite
+//!   reference of `fsdp::model::llama` in f32 and bf16 within stated bounds, and a whole
+//!   Llama's loss and gradients on the fused path against the composite path.
 
 use candle_core::{DType, Device, Tensor, Var};
 use fsdp::model::ops;
@@ -349,6 +353,40 @@ fn ops_bitwise_equal_across_thread_counts() {
                 Box::new(|t: &[Tensor]| ops::layer_norm(&t[0], &t[1], Some(&t[2]), 1e-5).unwrap()),
             ),
             (
+                "rms_norm",
+                vec![
+                    tensor(&mut r, &[n, d], 3.0, dt),
+                    tensor(&mut r, &[d], 1.0, dt),
+                ],
+                tensor(&mut r, &[n, d], 1.0, dt),
+                vec![true, true],
+                Box::new(|t: &[Tensor]| ops::rms_norm(&t[0], &t[1], 1e-5).unwrap()),
+            ),
+            (
+                "swiglu",
+                vec![
+                    tensor(&mut r, &[n, f], 6.0, dt),
+                    tensor(&mut r, &[n, f], 2.0, dt),
+                ],
+                tensor(&mut r, &[n, f], 1.0, dt),
+                vec![true, true],
+                Box::new(|t: &[Tensor]| ops::swiglu(&t[0], &t[1]).unwrap()),
+            ),
+            (
+                "rope_qkv",
+                vec![
+                    tensor(&mut r, &[5 * 40, 8 * 16], 2.0, dt),
+                    tensor(&mut r, &[5 * 40, 2 * 16], 2.0, dt),
+                    tensor(&mut r, &[5 * 40, 2 * 16], 2.0, dt),
+                ],
+                tensor(&mut r, &[5 * 40, 3 * 8 * 16], 1.0, dt),
+                vec![true, true, true],
+                Box::new(|t: &[Tensor]| {
+                    let (c, s) = llama::angles(40, 16);
+                    ops::rope_qkv(&t[0], &t[1], &t[2], &c, &s, 40, 8, 2).unwrap()
+                }),
+            ),
+            (
                 "causal_softmax",
                 vec![tensor(&mut r, &[2, 5, 70, 70], 6.0, dt)],
                 tensor(&mut r, &[2, 5, 70, 70], 1.0, dt),
@@ -473,3 +511,6 @@ mod bench;
 
 #[path = "model_ops_accuracy/attention.rs"]
 mod attention;
+
+#[path = "model_ops_accuracy/llama.rs"]
+mod llama;

@@ -157,8 +157,8 @@ impl FromStr for GradSync {
 /// a CUDA device runs) keeps every primitive's output, in f32 inside the ops for bf16/f16, so
 /// its activations are about 2.4x (f32) to 5.6x (bf16) those of the fused path for a GPT-2 block
 /// (the fused path runs the whole causal self-attention as one op).
-/// Only GPT-2 architectures differ; Llama (not run by this engine) and generic specs plan the
-/// same bytes under both.
+/// Only GPT-2 architectures differ; Llama (planned with the terms of its fused CPU ops under
+/// both) and generic specs plan the same bytes under both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ActivationModel {

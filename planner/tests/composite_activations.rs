@@ -209,7 +209,8 @@ fn plan_composes_composite_estimates() {
     }
 }
 
-/// Llama (not run by this engine) and generic specs plan the same bytes under both models.
+/// Llama (whose terms are those of its fused CPU ops) and generic specs plan the same bytes
+/// under both models.
 #[test]
 fn only_gpt2_differs() {
     let spec = preset("llama2-7b").unwrap();

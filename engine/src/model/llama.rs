@@ -18,12 +18,15 @@
 //! The head is the final RMSNorm and `lm_head` (`[V, D]`, tied to the token embedding when the
 //! config says so), followed by the summed cross-entropy.
 //!
-//! Ops paths ([`OpsPath`], as the GPT): on the CPU the causal attention runs as the fused op
-//! [`ops::causal_attention`] on the rotated queries and the (repeated) keys and values packed as
-//! `[B·T, 3D]` rows, and the cross-entropy as [`ops::cross_entropy_sum`]; RMSNorm, rotary
-//! embeddings and SwiGLU are candle primitives on both paths. The composite path (the CUDA
-//! path, and available on the CPU) computes attention with candle matmuls around
-//! [`composite::causal_softmax`] and the loss with [`composite::cross_entropy_sum`].
+//! Ops paths ([`OpsPath`], as the GPT): on the CPU RMSNorm is the fused op [`ops::rms_norm`],
+//! the rotary embedding with the key/value heads repeated and packed as `[B·T, 3D]` rows is
+//! [`ops::rope_qkv`], whose output the fused [`ops::causal_attention`] reads, the SwiGLU gate
+//! is [`ops::swiglu`], the q/k/v biases [`ops::bias_add`] and the cross-entropy
+//! [`ops::cross_entropy_sum`] (each one pass forward and one backward, hand-written
+//! gradients). The composite path (the CUDA path, and available on the CPU as the reference)
+//! composes the candle primitives of [`rms_norm`], [`rope`], `repeat_kv` and [`swiglu`]
+//! below, computes attention with candle matmuls around [`composite::causal_softmax`] and the
+//! loss with [`composite::cross_entropy_sum`].
 //!
 //! Dtypes: a unit computes in the dtype of its parameters (f32, bf16, f16; f64 for gradient
 //! checks). Matrix products run in that dtype; RMSNorm, the rotary embedding, SiLU and the
@@ -472,14 +475,9 @@ impl Llama {
         Ok(())
     }
 
-    /// `cos` and `sin` of the rotary angles `pos · inv_freq[i]`, `[T, hd/2]` each, computed in
-    /// f64 and rounded once to `dtype` (the platform's `cos`/`sin`; deterministic in a process).
-    fn rope_tables(
-        &self,
-        t: usize,
-        dtype: DType,
-        device: &Device,
-    ) -> candle_core::Result<(Tensor, Tensor)> {
+    /// `cos` and `sin` of the rotary angles `pos · inv_freq[i]`, `[T · hd/2]` each (row `pos`),
+    /// in f64 (the platform's `cos`/`sin`; deterministic in a process).
+    fn rope_angles(&self, t: usize) -> (Vec<f64>, Vec<f64>) {
         let half = self.inv_freq.len();
         let mut c = Vec::with_capacity(t * half);
         let mut s = Vec::with_capacity(t * half);
@@ -490,9 +488,31 @@ impl Llama {
                 s.push(a.sin());
             }
         }
+        (c, s)
+    }
+
+    /// The angles of [`Llama::rope_angles`] as `[T, hd/2]` tensors, rounded once to `dtype`.
+    fn rope_tables(
+        &self,
+        t: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let half = self.inv_freq.len();
+        let (c, s) = self.rope_angles(t);
         let c = Tensor::from_vec(c, (t, half), device)?.to_dtype(dtype)?;
         let s = Tensor::from_vec(s, (t, half), device)?.to_dtype(dtype)?;
         Ok((c, s))
+    }
+
+    /// RMSNorm of `x` `[N, D]` with gain `w`: the fused op or the composite reference.
+    fn norm(&self, fused: bool, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+        let eps = self.numerics.rms_norm_eps;
+        if fused {
+            ops::rms_norm(x, w, eps)
+        } else {
+            rms_norm(x, w, eps)
+        }
     }
 
     fn block_fwd(
@@ -508,31 +528,25 @@ impl Llama {
             self.cfg.n_kv_head as usize,
             self.head_dim(),
         );
-        let eps = self.numerics.rms_norm_eps;
         let fz = self.fused(x)?;
         let x2 = x.reshape((b * t, d))?;
         // Attention sub-block.
-        let a = rms_norm(&x2, &p[ix.input_layernorm], eps)?;
+        let a = self.norm(fz, &x2, &p[ix.input_layernorm])?;
         let q = linear_t(fz, &a, &p[ix.q.w], ix.q.b.map(|i| &p[i]))?; // [BT, H hd]
         let k = linear_t(fz, &a, &p[ix.k.w], ix.k.b.map(|i| &p[i]))?; // [BT, KV hd]
         let v = linear_t(fz, &a, &p[ix.v.w], ix.v.b.map(|i| &p[i]))?;
-        let cdt = ops::compute_dtype(x.dtype());
-        let (cos, sin) = self.rope_tables(t, cdt, x.device())?;
-        let q = rope(&q.reshape((b, t, h, hd))?, &cos, &sin)?; // [B, T, H, hd]
-        let k = rope(&k.reshape((b, t, kv, hd))?, &cos, &sin)?; // [B, T, KV, hd]
-        let v = v.reshape((b, t, kv, hd))?;
-        let (k, v) = (repeat_kv(&k, h / kv)?, repeat_kv(&v, h / kv)?); // [B, T, H, hd]
         let y = if fz {
-            let qkv = Tensor::cat(
-                &[
-                    q.reshape((b * t, d))?,
-                    k.reshape((b * t, d))?,
-                    v.reshape((b * t, d))?,
-                ],
-                1,
-            )?; // [BT, 3D]
+            // Rotary embedding, repeated key/value heads and the [BT, 3D] packing in one op.
+            let (cos, sin) = self.rope_angles(t);
+            let qkv = ops::rope_qkv(&q, &k, &v, &cos, &sin, t, h, kv)?;
             ops::causal_attention(&qkv, b, t, h)?
         } else {
+            let cdt = ops::compute_dtype(x.dtype());
+            let (cos, sin) = self.rope_tables(t, cdt, x.device())?;
+            let q = rope(&q.reshape((b, t, h, hd))?, &cos, &sin)?; // [B, T, H, hd]
+            let k = rope(&k.reshape((b, t, kv, hd))?, &cos, &sin)?; // [B, T, KV, hd]
+            let v = v.reshape((b, t, kv, hd))?;
+            let (k, v) = (repeat_kv(&k, h / kv)?, repeat_kv(&v, h / kv)?); // [B, T, H, hd]
             let q = q.transpose(1, 2)?.contiguous()?; // [B, H, T, hd]
             let k = k.transpose(1, 2)?.contiguous()?;
             let v = v.transpose(1, 2)?.contiguous()?;
@@ -543,10 +557,14 @@ impl Llama {
         let y = y.matmul(&p[ix.o].t()?)?;
         let x2 = (x2 + y)?;
         // SwiGLU MLP sub-block.
-        let m = rms_norm(&x2, &p[ix.post_attention_layernorm], eps)?;
+        let m = self.norm(fz, &x2, &p[ix.post_attention_layernorm])?;
         let g = m.matmul(&p[ix.gate].t()?)?;
         let u = m.matmul(&p[ix.up].t()?)?;
-        let f = swiglu(&g, &u)?;
+        let f = if fz {
+            ops::swiglu(&g, &u)?
+        } else {
+            swiglu(&g, &u)?
+        };
         let y = f.matmul(&p[ix.down].t()?)?;
         (x2 + y)?.reshape((b, t, d))
     }
@@ -554,11 +572,8 @@ impl Llama {
     /// `rms_norm(x) @ lm_head^T` as `[B·T, V]`.
     fn logits(&self, p: &[Tensor], x: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t, d) = x.dims3()?;
-        let hn = rms_norm(
-            &x.reshape((b * t, d))?,
-            &p[self.norm],
-            self.numerics.rms_norm_eps,
-        )?;
+        let fz = self.fused(x)?;
+        let hn = self.norm(fz, &x.reshape((b * t, d))?, &p[self.norm])?;
         hn.matmul(&p[self.lm_head].t()?)
     }
 }

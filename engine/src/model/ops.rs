@@ -2,7 +2,9 @@
 //! candle's autograd calls: LayerNorm, causal self-attention ([`causal_attention`]: qkv rows
 //! to the attention output through strided GEMMs, its own module), causal softmax, bias +
 //! GELU, summed cross-entropy, token + position embedding, bias add (with its column-sum
-//! backward) and the backward seed.
+//! backward) and the backward seed; and for the Llama family (their own modules) RMSNorm
+//! ([`rms_norm`]), the rotary embedding packed for the attention ([`rope_qkv`]) and the SwiGLU
+//! gate ([`swiglu`]).
 //!
 //! Composed from candle primitives, each of these is 5-10 full passes over memory and as many
 //! temporaries in the autograd graph; fused, it is one pass forward and one backward. Inputs
@@ -1769,6 +1771,17 @@ pub fn bias_add(x: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
 
 mod attention;
 pub use attention::{causal_attention, ATTN_BLOCK_ROWS};
+
+// ---------------------------------------------------------------------------------------------
+// The Llama family's fused ops (their own files): RMSNorm, rotary embedding packed for the
+// attention, SwiGLU gate.
+
+mod rms_norm;
+mod rope;
+mod swiglu;
+pub use rms_norm::rms_norm;
+pub use rope::rope_qkv;
+pub use swiglu::swiglu;
 
 // ---------------------------------------------------------------------------------------------
 // Backward seed: a scalar whose gradient with respect to `y` is exactly `g`.
