@@ -119,3 +119,55 @@ mod data_sources;
 /// `--log-every` lines and checkpoint save reports without a terminal.
 #[path = "cli_train_messages/progress.rs"]
 mod progress;
+
+/// A negative value after a flag is a value, refused by its rule (not "unexpected argument").
+#[test]
+fn a_negative_value_is_refused_by_its_rule() {
+    let (code, _, err) = fsdp(&["train", "--steps", "1", "--lr", "-1"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--lr") && err.contains("-1"), "{err}");
+    assert!(!err.contains("unexpected argument"), "{err}");
+}
+
+/// Consolidating into a file while stdout is a closed pipe (`| head -0`) writes the file and
+/// exits 0 without a panic.
+#[test]
+fn consolidate_to_a_closed_pipe_does_not_panic() {
+    let t = tempfile::tempdir().unwrap();
+    let ck = t.path().join("ck");
+    let (code, _, err) = fsdp(&[
+        "train",
+        "--steps",
+        "1",
+        "--seq-len",
+        "16",
+        "--micro-batch",
+        "1",
+        "--eval-batches",
+        "1",
+        "--warmup",
+        "0",
+        "--ckpt-dir",
+        ck.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let out = t.path().join("m.safetensors");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fsdp"))
+        .args([
+            "ckpt",
+            "consolidate",
+            ck.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(fsdp_checkpoints::read_full(&out).is_ok());
+}

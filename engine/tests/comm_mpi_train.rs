@@ -246,6 +246,73 @@ fn mpi_train_2_processes_bitwise_equals_threads_and_reference() {
     println!("MPI == threads == reference over {STEPS} steps: losses {mpi:?}");
 }
 
+/// A Llama started from a Hugging Face model directory under MPI: every process reads only its
+/// own shards' bytes of the directory, and 2 MPI processes give the same losses, bit for bit,
+/// as 2 rank threads starting from the same directory.
+#[test]
+fn mpi_train_llama_from_a_model_directory_equals_threads() {
+    let Some(mpirun) = mpirun() else {
+        println!("SKIPPED: mpirun not found (install openmpi-bin)");
+        return;
+    };
+    let _one = JOBS.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = std::env::temp_dir().join(format!("fsdp-mpi-llama-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    let llama = |extra: &[&str]| -> Vec<String> {
+        let mut a = train_args(extra);
+        let i = a.iter().position(|x| x == "tiny").unwrap();
+        a[i] = "llama-tiny".into();
+        a
+    };
+    // Weights to start from: a short run's checkpoint, exported as a model directory.
+    let ck = tmp.join("ck");
+    let out = Command::new(env!("CARGO_BIN_EXE_fsdp"))
+        .args(llama(&[
+            "--ckpt-dir",
+            ck.to_str().unwrap(),
+            "--ckpt-every",
+            "5",
+        ]))
+        .output()
+        .unwrap();
+    steps(&out, "fsdp train --model llama-tiny");
+    let dir = tmp.join("hf");
+    let st = Command::new(env!("CARGO_BIN_EXE_fsdp"))
+        .args([
+            "ckpt",
+            "consolidate",
+            ck.to_str().unwrap(),
+            "-o",
+            dir.to_str().unwrap(),
+        ])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let from = ["--init-from", dir.to_str().unwrap()];
+    let child = mpi_command(
+        &mpirun,
+        2,
+        &llama(&[&["--backend", "mpi"], &from[..]].concat()),
+    )
+    .spawn()
+    .expect("start mpirun");
+    let (out, _) = wait_bounded(child, Duration::from_secs(180), "mpirun -n 2 fsdp train");
+    let mpi = steps(&out, "mpirun -n 2 fsdp train --backend mpi --init-from");
+    let out = Command::new(env!("CARGO_BIN_EXE_fsdp"))
+        .args(llama(&[&["--world-size", "2"], &from[..]].concat()))
+        .output()
+        .unwrap();
+    let threads = steps(&out, "fsdp train --world-size 2 --init-from");
+    let bits = |v: &[(f64, Option<f64>)]| v.iter().map(|x| x.0.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&mpi),
+        bits(&threads),
+        "MPI {mpi:?} vs threads {threads:?}"
+    );
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
 /// PIDs of the direct children of `pid` (the MPI processes of a single-node `mpirun`).
 fn children(pid: u32) -> Vec<u32> {
     let mut v = Vec::new();

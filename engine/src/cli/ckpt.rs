@@ -320,7 +320,10 @@ pub fn run(args: CkptArgs) -> Result<(), CliError> {
                 );
             }
             let rep = consolidate_to_file(&ck, &output)?;
-            println!(
+            use std::fmt::Write as _;
+            let mut text = String::new();
+            let _ = writeln!(
+                text,
                 "consolidated {} (step {}, world size {}) -> {}: {} tensors, {} elements, {}",
                 ck.dir().display(),
                 ck.manifest().train.step,
@@ -331,13 +334,17 @@ pub fn run(args: CkptArgs) -> Result<(), CliError> {
                 Bytes(rep.bytes)
             );
             for (tied, target) in &rep.tied_omitted {
-                println!("  `{tied}` is tied to `{target}`: written once, as `{target}`");
+                let _ = writeln!(
+                    text,
+                    "  `{tied}` is tied to `{target}`: written once, as `{target}`"
+                );
             }
             if let Some(o) = optimizer_out {
                 let n = consolidate_optimizer_to_file(&ck, &o)?;
-                println!("  optimizer state -> {}: {n} tensors", o.display());
+                let _ = writeln!(text, "  optimizer state -> {}: {n} tensors", o.display());
             }
-            Ok(())
+            // A closed pipe (`| head`) is not an error: the files are written.
+            emit(&text)
         }
         CkptAction::Reshard {
             dir,

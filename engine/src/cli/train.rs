@@ -127,8 +127,10 @@ pub enum NonFiniteArg {
 /// model directory names a model.
 pub const DEFAULT_MODEL: &str = "tiny";
 
-/// Arguments of `fsdp train`.
+/// Arguments of `fsdp train`. Negative numbers are read as values (`--lr -1` is refused by the
+/// value check naming the rule, not by the parser as an unknown flag).
 #[derive(Debug, clap::Args)]
+#[command(allow_negative_numbers = true)]
 pub struct TrainArgs {
     /// Text to train on (bytes are tokens): a file, or a pipe, FIFO or `/dev/stdin`, read whole
     /// into memory at the start; or a token file from `fsdp data tokenize` (recognised by its
