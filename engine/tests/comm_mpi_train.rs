@@ -276,7 +276,11 @@ fn mpi_train_llama_from_a_model_directory_equals_threads() {
         ]))
         .output()
         .unwrap();
-    steps(&out, "fsdp train --model llama-tiny");
+    assert!(
+        out.status.success(),
+        "fsdp train --model llama-tiny --ckpt-dir: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let dir = tmp.join("hf");
     let st = Command::new(env!("CARGO_BIN_EXE_fsdp"))
         .args([
