@@ -45,6 +45,8 @@
 //! [`Checkpoint::load_rank`] loads any rank of any target layout by intersecting the source
 //! and target layouts, reading only the needed ranges through `memmap2`.
 
+#![warn(missing_docs)]
+
 pub mod error;
 pub mod full;
 mod header;

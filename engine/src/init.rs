@@ -76,7 +76,7 @@ pub(crate) const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 ///
 /// Method: a counter-based generator in the sense of Salmon et al. 2011 ("Parallel random
 /// numbers: as easy as 1, 2, 3"): the 64-bit word for counter `c` is
-/// `mix64(mix64(mix64(seed) ^ key) ^ c)` ([`mix64`], SplitMix64's mixer), so any element is
+/// `mix64(mix64(mix64(seed) ^ key) ^ c)` (`mix64`, SplitMix64's mixer), so any element is
 /// computed without the ones before it. Element `index` uses counters `2 (8 index + j)` and
 /// `2 (8 index + j) + 1` for its `j`-th attempt of Marsaglia's polar method (Marsaglia & Bray
 /// 1964): `u, v` uniform in `(-1, 1)` from 53 bits each, accepted when `0 < s = u^2 + v^2 < 1`,

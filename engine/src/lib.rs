@@ -2,6 +2,8 @@
 //! (all-gather) each FSDP unit just before use, compute, reshard, reduce-scatter gradients, and
 //! step the optimizer on the local shard.
 
+#![warn(missing_docs)]
+
 pub mod cli;
 pub mod data;
 pub mod error;

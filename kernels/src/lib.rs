@@ -25,6 +25,8 @@
 //! the same [`AdamWScalars`] and span validation, tested against these functions on random
 //! inputs; its host-side logic (span tiles, launch grids, the device probe) builds everywhere.
 
+#![warn(missing_docs)]
+
 pub mod buffer;
 pub mod cast;
 pub mod cuda;

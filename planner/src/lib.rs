@@ -10,6 +10,8 @@
 //! (Korthikanti et al. 2022). Readers of model descriptions (`hf`) are the only code that does
 //! I/O, and they only produce a `ModelSpec`.
 
+#![warn(missing_docs)]
+
 pub mod config;
 pub mod error;
 pub mod hf;

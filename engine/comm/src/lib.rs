@@ -17,6 +17,8 @@
 //! the default and the reference). The [`conformance`] suite runs against any backend through a
 //! [`conformance::Launcher`].
 
+#![warn(missing_docs)]
+
 mod buf;
 mod comm;
 pub mod conformance;

@@ -660,7 +660,7 @@ pub struct EncodeStats {
 }
 
 /// Encodes the UTF-8 text of `input` with `tokenizer` into `out`, a piece at a time, never
-/// holding more than [`PIECES_PER_BATCH`] (16) pieces of the text in memory.
+/// holding more than 16 (`PIECES_PER_BATCH`) pieces of the text in memory.
 ///
 /// Pieces: the text is cut only after a `\n` that is both preceded and followed by a
 /// character that is not whitespace (Unicode `White_Space`), so that the whitespace around the

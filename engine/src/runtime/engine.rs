@@ -768,7 +768,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
     /// token count once). Collective: every rank must call it with the same number of
     /// micro-batches, else [`EngineError::RankMismatch`] on every rank.
     ///
-    /// Errors: [`EngineError::RankMismatch`], [`EngineError::NonFiniteLoss`],
+    /// Errors: [`EngineError::RankMismatch`], [`EngineError::NonFinite`],
     /// [`EngineError::MemoryOverPlan`], [`EngineError::Compute`], [`EngineError::Comm`].
     pub fn accumulate(&mut self, mbs: &[MicroBatch]) -> Result<Accumulated> {
         let local_tokens: u64 = mbs.iter().map(|m| m.count).sum();

@@ -870,7 +870,7 @@ impl FsdpUnit {
     }
 
     /// Whether the unit's parameter tensors are parked: their memory freed by a reshard while a
-    /// kept forward graph refers to them (see [`FsdpUnit::reshard`]).
+    /// kept forward graph refers to them (see `FsdpUnit::reshard`).
     pub fn is_parked(&self) -> bool {
         !self.parked.is_empty()
     }

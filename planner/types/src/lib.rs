@@ -4,6 +4,8 @@
 //! never be confused. [`Numel`] counts tensor elements, [`Bytes`] counts bytes; converting one into
 //! the other always goes through a [`DType`].
 
+#![warn(missing_docs)]
+
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::ops::{Add, AddAssign, Mul, Sub};
