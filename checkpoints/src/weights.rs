@@ -139,7 +139,15 @@ impl WeightFiles {
     /// (truncated), an index naming a file that does not exist or a tensor its file lacks;
     /// `NotAFullCheckpoint` for a per-rank shard file of a sharded fsdp-rs checkpoint.
     pub fn open(path: &Path) -> Result<WeightFiles> {
-        let meta = std::fs::metadata(path).map_err(io_err(path, "open"))?;
+        let meta =
+            match std::fs::metadata(path) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(bad_file(
+                    path,
+                    "does not exist: pass a Hugging Face model directory, a .safetensors file or \
+                     a model.safetensors.index.json",
+                )),
+                r => r.map_err(io_err(path, "open"))?,
+            };
         let (weights, config) = if meta.is_dir() {
             let single = path.join(SINGLE_WEIGHTS_FILE);
             let index = path.join(INDEX_FILE);
@@ -148,6 +156,19 @@ impl WeightFiles {
                 (single, config)
             } else if index.is_file() {
                 (index, config)
+            } else if path.join(crate::MANIFEST_FILE).is_file()
+                || path.join(crate::LATEST_FILE).is_file()
+                || crate::list_checkpoints(path).is_ok_and(|l| !l.is_empty())
+            {
+                return Err(bad_file(
+                    path,
+                    format!(
+                        "is a sharded fsdp-rs checkpoint, not a model: continue it with \
+                         --ckpt-dir {0} --resume, or consolidate it first (fsdp ckpt \
+                         consolidate {0} -o model-dir) and start from that",
+                        path.display()
+                    ),
+                ));
             } else if path.join("pytorch_model.bin").exists()
                 || path.join("pytorch_model.bin.index.json").exists()
             {
@@ -251,6 +272,14 @@ impl WeightFiles {
     }
 
     fn add_file(&mut self, path: &Path) -> Result<()> {
+        // A FIFO or device would block or never end: weights are regular files.
+        let kind = std::fs::metadata(path).map_err(io_err(path, "open"))?;
+        if !kind.is_file() {
+            return Err(bad_file(
+                path,
+                "is not a regular file: weights are read from .safetensors files on disk",
+            ));
+        }
         let file = File::open(path).map_err(io_err(path, "open"))?;
         let len = file.metadata().map_err(io_err(path, "stat"))?.len();
         if len < 8 {
@@ -303,6 +332,7 @@ impl WeightFiles {
         let data_start = 8 + n;
         let data_len = len - data_start;
         let fi = self.files.len();
+        let first = self.tensors.len();
         let mut entries: BTreeMap<&String, &serde_json::Value> = BTreeMap::new();
         for (name, t) in obj {
             if name != "__metadata__" {
@@ -391,6 +421,30 @@ impl WeightFiles {
                 shape,
                 begin: data_start + b,
             });
+        }
+        // Tensors may not share bytes (safetensors requires disjoint ranges).
+        let mut ranges: Vec<(u64, u64, &str)> = self.tensors[first..]
+            .iter()
+            .map(|t| {
+                (
+                    t.begin,
+                    t.begin + t.numel() * t.dtype.size(),
+                    t.name.as_str(),
+                )
+            })
+            .collect();
+        ranges.sort_unstable();
+        for w in ranges.windows(2) {
+            if w[1].0 < w[0].1 {
+                return Err(bad_file(
+                    path,
+                    format!(
+                        "tensors `{}` and `{}` overlap in the file's data: not a valid \
+                         safetensors file",
+                        w[0].2, w[1].2
+                    ),
+                ));
+            }
         }
         fnv1a(&mut self.fingerprint, &len.to_le_bytes());
         fnv1a(&mut self.fingerprint, &header);

@@ -303,21 +303,31 @@ pub fn model_of(o: &TrainOptions) -> Result<Decoder> {
         }
     } else if model.vocab_size() < BYTE_VOCAB {
         return Err(EngineError::Config(format!(
-            "model {}: vocab_size {} is smaller than {BYTE_VOCAB}: fsdp train feeds bytes as              token ids (0..=255); use a model with a vocabulary of at least {BYTE_VOCAB}",
+            "model {}: vocab_size {} is smaller than {BYTE_VOCAB}: fsdp train feeds bytes as token ids (0..=255); use a model with a vocabulary of at least {BYTE_VOCAB}",
             model.name(),
             model.vocab_size()
         )));
     }
-    if let (Decoder::Llama(_), Some((w, field))) = (&model, model.max_seq_len()) {
-        if o.seq_len as u64 > w {
+    check_seq_len(&model, o.seq_len as u64)?;
+    Ok(model)
+}
+
+/// Refuses a sequence length beyond a Llama-family model's sliding window (Mistral), within
+/// which its attention is exact; `fsdp plan` and `fsdp train` refuse alike.
+///
+/// Errors: [`EngineError::Config`] naming the model, the window and the fix.
+pub fn check_seq_len(model: &Decoder, seq_len: u64) -> Result<()> {
+    if let (Decoder::Llama(_), Some((w, field))) = (model, model.max_seq_len()) {
+        if seq_len > w {
             return Err(EngineError::Config(format!(
-                "--seq-len {} exceeds model {}'s {field} {w}: attention is exact only within                  the window (sliding-window attention beyond it is not implemented); use                  --seq-len {w} or less",
-                o.seq_len,
+                "--seq-len {seq_len} exceeds model {}'s {field} {w}: attention is exact only \
+                 within the window (sliding-window attention beyond it is not implemented); use \
+                 --seq-len {w} or less",
                 model.name()
             )));
         }
     }
-    Ok(model)
+    Ok(())
 }
 
 /// Builds the plan configuration of `o`.

@@ -302,7 +302,7 @@ fn outputs_that_cannot_be_written_are_refused() {
     let (rc, _, err) = run(&["-o", s(&base.join("never")), "--hf-config", s(&other)]);
     assert_eq!(rc, 2, "{err}");
     assert!(
-        err.contains("other.json") && err.contains("n_layer: 3"),
+        err.contains("other.json") && err.contains("3 layers"),
         "{err}"
     );
     assert!(!base.join("never").exists());
@@ -343,6 +343,27 @@ fn hf_config_run_exports_its_own_config() {
     for (name, w) in &want {
         assert_same(&found[name], w);
     }
+
+    // A --hf-config with the same shapes but other math than the recorded one is refused.
+    let other = d.path().join("other.json");
+    let text = std::fs::read_to_string(&cfg_path)
+        .unwrap()
+        .replace("1000000.0", "1234.0");
+    std::fs::write(&other, text).unwrap();
+    let (rc, _, err) = fsdp(&[
+        "ckpt",
+        "consolidate",
+        s(&ck),
+        "-o",
+        s(&d.path().join("o2")),
+        "--hf-config",
+        s(&other),
+    ]);
+    assert_eq!(rc, 2, "{err}");
+    assert!(
+        err.contains("rope_theta 1234") && err.contains("rope_theta 1000000"),
+        "{err}"
+    );
 
     // A checkpoint without the recorded config (an older build) needs --hf-config.
     let step = Checkpoint::open(&ck, Verify::Checksums)

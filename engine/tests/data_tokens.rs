@@ -447,7 +447,11 @@ fn tokenize_refuses_bad_inputs_with_exit_2() {
         (
             "missing tokenizer",
             vec!["--tokenizer", "/no/such/tokenizer.json", &txt, "-o", &o],
-            vec!["/no/such/tokenizer.json", "No such file", "tokenizer.json"],
+            vec![
+                "/no/such/tokenizer.json",
+                "does not exist",
+                "tokenizer.json",
+            ],
         ),
         (
             "not a tokenizer",
@@ -457,7 +461,7 @@ fn tokenize_refuses_bad_inputs_with_exit_2() {
         (
             "missing input",
             vec!["--tokenizer", &tok, "/no/such/input.txt", "-o", &o],
-            vec!["/no/such/input.txt", "No such file"],
+            vec!["/no/such/input.txt", "does not exist"],
         ),
         (
             "missing output directory",
@@ -641,4 +645,51 @@ fn llama_learns_the_tokens_at_w2_and_its_checkpoint_records_the_tokenizer() {
     let resumed = step_losses(&json(o));
     assert_eq!(resumed.len(), 15);
     assert_eq!(resumed, losses[15..], "resumed losses");
+}
+
+/// `-o` naming the input text (or the tokenizer) would replace it with the token file: refused,
+/// the file untouched.
+#[test]
+fn tokenize_never_writes_over_its_input() {
+    let t = tempfile::tempdir().unwrap();
+    let tok = t.path().join("tokenizer.json");
+    std::fs::write(
+        &tok,
+        r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+        "normalizer":null,"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,
+        "decoder":null,"model":{"type":"WordLevel","vocab":{"a":0,"b":1,"[UNK]":2},
+        "unk_token":"[UNK]"}}"#,
+    )
+    .unwrap();
+    let text = t.path().join("in.txt");
+    std::fs::write(&text, "a b a\nb a b\n").unwrap();
+    let link = t.path().join("link.txt");
+    std::fs::hard_link(&text, &link).unwrap();
+    for out in [&text, &link, &tok] {
+        let o = fsdp(&[
+            "data",
+            "tokenize",
+            "--tokenizer",
+            tok.to_str().unwrap(),
+            text.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(err.contains("would replace it"), "{err}");
+    }
+    assert_eq!(std::fs::read_to_string(&text).unwrap(), "a b a\nb a b\n");
+    // The same tokenizer to another path works.
+    let ok = t.path().join("in.bin");
+    let o = fsdp(&[
+        "data",
+        "tokenize",
+        "--tokenizer",
+        tok.to_str().unwrap(),
+        text.to_str().unwrap(),
+        "-o",
+        ok.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
 }

@@ -8,6 +8,7 @@ use fsdp::model::decoder::Decoder;
 use fsdp::optim::{AdamWConfig, Optimizer};
 use fsdp::runtime::{EngineConfig, InitSync, Placement, RankEngine, StagedModel};
 use fsdp::EngineError;
+use fsdp_checkpoints::WeightFiles;
 use fsdp_comm::{run_threads, Topology};
 use fsdp_planner::{plan, PlanConfig, Strategy};
 use safetensors::{Dtype, View};
@@ -350,6 +351,54 @@ fn bad_weight_files_are_refused_naming_the_tensor_and_the_file() {
         e.contains("model.safetensors.index.json")
             && e.contains("model-00002-of-00003.safetensors")
             && e.contains("incomplete"),
+        "{e}"
+    );
+
+    // Two tensors sharing bytes: the header is edited so the second starts inside the first.
+    write(&f, &tensors[..2]);
+    let bytes = std::fs::read(&f).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let second = &tensors[1].0;
+    let len = header[second]["data_offsets"][1].as_u64().unwrap()
+        - header[second]["data_offsets"][0].as_u64().unwrap();
+    header[second]["data_offsets"] = serde_json::json!([0, len]);
+    let first = &tensors[0].0;
+    let flen = header[first]["data_offsets"][1].as_u64().unwrap()
+        - header[first]["data_offsets"][0].as_u64().unwrap();
+    header[first]["data_offsets"] = serde_json::json!([0, flen]);
+    let mut h = serde_json::to_vec(&header).unwrap();
+    while !h.len().is_multiple_of(8) {
+        h.push(b' ');
+    }
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend(&h);
+    out.extend(&bytes[8 + n..]);
+    std::fs::write(&f, out).unwrap();
+    let e = WeightFiles::open(&f).unwrap_err().to_string();
+    assert!(e.contains("overlap"), "{e}");
+    std::fs::remove_file(&f).unwrap();
+
+    // A FIFO (it would block forever), a path that does not exist, a sharded checkpoint.
+    let fifo = tmp.path().join("fifo.safetensors");
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let e = open_err(&fifo, &model);
+    assert!(e.contains("not a regular file"), "{e}");
+    let e = open_err(&tmp.path().join("nope"), &model);
+    assert!(
+        e.contains("does not exist") && !e.contains("os error"),
+        "{e}"
+    );
+    let ck = tmp.path().join("ck");
+    std::fs::create_dir(&ck).unwrap();
+    std::fs::write(ck.join("latest"), "step-00000001").unwrap();
+    let e = open_err(&ck, &model);
+    assert!(
+        e.contains("sharded fsdp-rs checkpoint") && e.contains("consolidate"),
         "{e}"
     );
 

@@ -402,6 +402,35 @@ pub fn parse_llama_numerics(text: &str, file: &str) -> Result<LlamaNumerics, Pla
     Ok(out)
 }
 
+/// `arch` in words for messages: the family and every size that decides parameter shapes.
+pub fn describe_arch(arch: &Architecture) -> String {
+    match arch {
+        Architecture::Gpt2(c) => format!(
+            "a GPT-2 (vocab {}, n_embd {}, {} layers, {} heads, {} positions, {} head{})",
+            c.vocab_size,
+            c.d_model,
+            c.n_layer,
+            c.n_head,
+            c.n_positions,
+            if c.tied_head { "tied" } else { "untied" },
+            if c.bias { "" } else { ", no biases" }
+        ),
+        Architecture::Llama(c) => format!(
+            "a Llama-family model (vocab {}, hidden {}, {} layers, {} heads, {} key/value heads, \
+             intermediate {}, {} head{})",
+            c.vocab_size,
+            c.d_model,
+            c.n_layer,
+            c.n_head,
+            c.n_kv_head,
+            c.ffn_hidden,
+            if c.tied_head { "tied" } else { "untied" },
+            if c.qkv_bias { ", q/k/v biases" } else { "" }
+        ),
+        Architecture::Generic => "a model of unknown architecture".into(),
+    }
+}
+
 /// The Hugging Face `config.json` (as JSON) that rebuilds a GPT-2 model of `cfg` in
 /// `transformers` (`GPT2LMHeadModel`): sizes, heads, `n_positions`, the tanh-approximated GELU
 /// (`gelu_new`), LayerNorm epsilon 1e-5 and `tie_word_embeddings`; `torch_dtype` `float32`.
@@ -564,7 +593,12 @@ pub fn export_hf_config(text: &str, file: &str, arch: &Architecture) -> Result<V
     if found != *arch {
         return Err(bad(
             file,
-            format!("describes {found:?}, but the checkpoint holds {arch:?}"),
+            format!(
+                "describes {}, but the checkpoint holds {}: pass the config.json the checkpoint \
+                 was trained from",
+                describe_arch(&found),
+                describe_arch(arch)
+            ),
         ));
     }
     let gpt2 = matches!(found, Architecture::Gpt2(_));

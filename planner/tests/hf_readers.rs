@@ -399,5 +399,5 @@ fn export_hf_config_checks_the_model() {
     let e = export_hf_config(&other, "c.json", &arch)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("c.json") && e.contains("n_layer: 3"), "{e}");
+    assert!(e.contains("c.json") && e.contains("3 layers"), "{e}");
 }

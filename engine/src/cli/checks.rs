@@ -176,6 +176,37 @@ pub fn resume_changes(
         ),
         _ => {}
     }
+    // The model's math beyond its shapes (rotary base, norm epsilon, scaling, window): the
+    // checkpoint's shapes were checked, these are not in them.
+    let cfg_now = o
+        .hf_config
+        .as_ref()
+        .and_then(|p| std::fs::read_to_string(p).ok());
+    if let (Some(was), Some(now)) = (get(super::ckpt::HF_CONFIG_KEY), cfg_now) {
+        let parse = |t: &str| fsdp_planner::hf::parse_llama_numerics(t, "config.json").ok();
+        if let (Some(a), Some(b)) = (parse(&was), parse(&now)) {
+            if a != b {
+                lines.push(format!(
+                    "--hf-config {} computes another model than the checkpoint's config.json \
+                     (rms_norm_eps {} was {}, rope_theta {} was {}, rope_scaling {} was {}, \
+                     sliding_window {:?} was {:?}): the same weights give other outputs",
+                    o.hf_config
+                        .as_ref()
+                        .map_or(String::new(), |p| p.display().to_string()),
+                    b.rms_norm_eps,
+                    a.rms_norm_eps,
+                    b.rope_theta,
+                    a.rope_theta,
+                    b.rope_scaling
+                        .map_or("none".into(), |s| format!("llama3 x{}", s.factor)),
+                    a.rope_scaling
+                        .map_or("none".into(), |s| format!("llama3 x{}", s.factor)),
+                    b.sliding_window,
+                    a.sliding_window
+                ));
+            }
+        }
+    }
     let seq_now = o.seq_len as u64;
     if let Some(was) = num("seq_len").filter(|w| *w != seq_now) {
         lines.push(format!(
@@ -257,6 +288,22 @@ pub fn data_extra(o: &TrainOptions) -> std::collections::BTreeMap<String, String
     m
 }
 
+/// An I/O error in plain words, without the operating system's error number: "does not
+/// exist", "permission denied", else the error's own text.
+pub fn io_words(e: &std::io::Error) -> String {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => "does not exist".into(),
+        std::io::ErrorKind::PermissionDenied => "permission denied".into(),
+        _ => {
+            let t = e.to_string();
+            match t.find(" (os error") {
+                Some(i) => t[..i].to_string(),
+                None => t,
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -279,6 +326,34 @@ mod tests {
         assert_eq!(cap_threads(None, 2, 2), (None, None));
         // One thread per rank is never lowered, even with more ranks than cores.
         assert_eq!(cap_threads(Some(1), 4, 2), (Some(1), None));
+    }
+
+    #[test]
+    fn resume_changes_name_other_model_math() {
+        let t = tempfile::tempdir().unwrap();
+        let cfg = |theta: &str| {
+            format!(
+                r#"{{"model_type":"llama","vocab_size":256,"hidden_size":32,
+                "intermediate_size":64,"num_hidden_layers":1,"num_attention_heads":2,
+                "rope_theta":{theta}}}"#
+            )
+        };
+        let mut extra = std::collections::BTreeMap::new();
+        extra.insert(
+            super::super::ckpt::HF_CONFIG_KEY.to_string(),
+            cfg("10000.0"),
+        );
+        let p = t.path().join("config.json");
+        std::fs::write(&p, cfg("10000.0")).unwrap();
+        let o = TrainOptions {
+            hf_config: Some(p.clone()),
+            ..TrainOptions::default()
+        };
+        assert!(resume_changes(&extra, 1, 5, &o).is_empty());
+        std::fs::write(&p, cfg("1234.0")).unwrap();
+        let l = resume_changes(&extra, 1, 5, &o);
+        assert_eq!(l.len(), 1, "{l:?}");
+        assert!(l[0].contains("rope_theta 1234 was 10000"), "{l:?}");
     }
 
     #[test]

@@ -919,6 +919,37 @@ fn export_config(ck: &Checkpoint, hf_config: Option<&Path>) -> Result<serde_json
     let (text, file) = if let Some(p) = hf_config {
         let t = std::fs::read_to_string(p)
             .map_err(|e| CliError::Usage(format!("--hf-config {}: {e}", p.display())))?;
+        // A recorded config is the model trained: another file may not change its math.
+        if let Some(recorded) = m.train.extra.get(HF_CONFIG_KEY) {
+            let f = p.display().to_string();
+            let same_shapes = fsdp_planner::hf::parse_hf_arch(&t, &f).ok() == Some(m.spec.arch);
+            if let (fsdp_planner::Architecture::Llama(_), true) = (m.spec.arch, same_shapes) {
+                let given = fsdp_planner::hf::parse_llama_numerics(&t, &f)
+                    .map_err(|e| CliError::Usage(e.to_string()))?;
+                let was = fsdp_planner::hf::parse_llama_numerics(recorded, "the manifest")
+                    .map_err(|e| CliError::Usage(e.to_string()))?;
+                if given != was {
+                    let words = |n: &fsdp_planner::LlamaNumerics| {
+                        format!(
+                            "rms_norm_eps {}, rope_theta {}, rope_scaling {}, sliding_window {}",
+                            n.rms_norm_eps,
+                            n.rope_theta,
+                            n.rope_scaling
+                                .map_or("none".into(), |s| format!("llama3 x{}", s.factor)),
+                            n.sliding_window.map_or("none".into(), |w| w.to_string())
+                        )
+                    };
+                    return Err(CliError::Usage(format!(
+                        "--hf-config {f}: its numerics ({}) are not those the checkpoint was \
+                         trained with ({}, recorded in {}); transformers would compute another \
+                         model. Leave --hf-config out to write the recorded config.json",
+                        words(&given),
+                        words(&was),
+                        manifest.display()
+                    )));
+                }
+            }
+        }
         (t, p.display().to_string())
     } else if let Some(t) = m.train.extra.get(HF_CONFIG_KEY) {
         (
@@ -1006,15 +1037,58 @@ pub fn check_init_from(o: &crate::train::TrainOptions) -> Result<(), CliError> {
             e @ (CkptError::MissingKey { .. }
             | CkptError::UnexpectedKey { .. }
             | CkptError::ShapeMismatch { .. }),
-        ) => Err(CliError::Usage(format!(
-            "{e}. The weights do not match model {}{}: pass the config.json they were saved \
-             with (--hf-config), or the model directory itself as --init-from without --model",
-            model.name(),
-            o.hf_config
-                .as_ref()
-                .map(|c| format!(" (from {})", c.display()))
-                .unwrap_or_default()
-        ))),
+        ) => {
+            let model_desc = format!(
+                "model {}{}",
+                model.name(),
+                o.hf_config
+                    .as_ref()
+                    .map(|c| format!(" (from {})", c.display()))
+                    .unwrap_or_else(|| " (a preset)".into())
+            );
+            // What the files hold, to point at the right model.
+            let family = fsdp_checkpoints::WeightFiles::open(p).ok().map(|w| {
+                let names = w.tensors();
+                if names.iter().any(|t| t.name.contains("model.layers.")) {
+                    "Llama-family names (model.layers.N....)"
+                } else if names
+                    .iter()
+                    .any(|t| t.name.starts_with("transformer.") || t.name.starts_with("h."))
+                {
+                    "GPT-2 names"
+                } else {
+                    "names of another model"
+                }
+            });
+            let sibling = p
+                .parent()
+                .map(|d| d.join(fsdp_checkpoints::hfdir::CONFIG_FILE))
+                .filter(|c| !p.is_dir() && c.is_file() && o.hf_config.as_deref() != Some(c));
+            let fix = match (&sibling, o.hf_config.is_some()) {
+                (Some(c), _) => format!(
+                    "pass the config.json beside them (--hf-config {}), or their directory as \
+                     --init-from",
+                    c.display()
+                ),
+                (None, true) => "pass the config.json they were saved with (--hf-config)".into(),
+                (None, false) => "name their model: --hf-config with the config.json they were \
+                     saved with, --model with the preset they were trained as, or their model \
+                     directory as --init-from"
+                    .into(),
+            };
+            let why = if matches!(e, CkptError::MissingKey { .. }) {
+                "Either the weights are incomplete (a file or an index entry missing) or they \
+                 belong to another model than"
+            } else {
+                "The weights belong to another model than"
+            };
+            Err(CliError::Usage(format!(
+                "{e}. {why} {model_desc}{}: {fix}",
+                family
+                    .map(|f| format!("; the files hold {f}"))
+                    .unwrap_or_default()
+            )))
+        }
         Err(e) => Err(e.into()),
     }
 }

@@ -61,10 +61,11 @@ fn tokenize(a: TokenizeArgs) -> Result<(), CliError> {
     let tok = &a.tokenizer;
     match std::fs::metadata(tok) {
         Err(e) => {
+            let e = crate::cli::checks::io_words(&e);
             return usage(format!(
                 "--tokenizer {}: {e}; pass the tokenizer.json of a Hugging Face tokenizer (saved by `tokenizers`, e.g. from a model repository)",
                 tok.display()
-            ))
+            ));
         }
         Ok(m) if m.is_dir() && tok.join("tokenizer.json").is_file() => {
             return usage(format!(
@@ -96,10 +97,11 @@ fn tokenize(a: TokenizeArgs) -> Result<(), CliError> {
     }
     let input_meta = match std::fs::metadata(&a.input) {
         Err(e) => {
+            let e = crate::cli::checks::io_words(&e);
             return usage(format!(
                 "{}: {e}; pass the text file to tokenize",
                 a.input.display()
-            ))
+            ));
         }
         Ok(m) if m.is_dir() => {
             return usage(format!(
@@ -110,6 +112,18 @@ fn tokenize(a: TokenizeArgs) -> Result<(), CliError> {
         Ok(m) => m,
     };
     check_output(&a.output)?;
+    // Writing over the text (or the tokenizer) would destroy it: the output replaces its path
+    // only once complete, so the same path would lose the input.
+    for (what, p) in [("the input text", &a.input), ("the tokenizer", tok)] {
+        if same_file(p, &a.output) {
+            return usage(format!(
+                "-o {} is {what}: writing the token file there would replace it; choose another \
+                 output path, e.g. -o {}",
+                a.output.display(),
+                a.output.with_extension("bin").display()
+            ));
+        }
+    }
     let sha = tokens::sha256_file(tok)
         .map_err(|e| CliError::Usage(format!("--tokenizer {}: {e}", tok.display())))?;
     let input = std::fs::File::open(&a.input)
@@ -168,6 +182,16 @@ fn tokenize(a: TokenizeArgs) -> Result<(), CliError> {
         }
     }
     Ok(())
+}
+
+/// Whether `a` and `b` name the same existing file (same device and inode: links and relative
+/// paths included).
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
+        _ => false,
+    }
 }
 
 /// The output's directory must exist and the output may not be a directory.

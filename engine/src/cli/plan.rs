@@ -327,7 +327,27 @@ pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
         super::ckpt::check_output_file("-o", o)?;
     }
     let spec = model_from_args(&args)?;
-    args.seq_len = Some(args.seq_len.unwrap_or_else(|| default_seq_len(&spec)));
+    // A Llama-family model with a sliding window (Mistral) trains only within it: the default
+    // sequence stays inside, and a longer one is refused as `fsdp train` refuses it.
+    let decoder = match &args.hf_config {
+        Some(p) => crate::model::decoder::Decoder::from_hf_config(p).ok(),
+        None => args
+            .model
+            .as_deref()
+            .and_then(|m| crate::model::decoder::Decoder::from_preset(m).ok()),
+    };
+    let window = decoder
+        .as_ref()
+        .and_then(|d| d.max_seq_len())
+        .filter(|(_, f)| *f == "sliding_window")
+        .map(|(w, _)| w);
+    args.seq_len = Some(args.seq_len.unwrap_or_else(|| {
+        let d = default_seq_len(&spec);
+        window.map_or(d, |w| d.min(w))
+    }));
+    if let (Some(d), Some(t)) = (&decoder, args.seq_len) {
+        crate::train::check_seq_len(d, t).map_err(|e| CliError::Usage(e.to_string()))?;
+    }
     let cfg = config_from_args(&args)?;
     let p = plan(&spec, &cfg).map_err(usage)?;
     let text = match args.format {

@@ -300,6 +300,21 @@ fn plan_refuses_what_train_refuses() {
         refused(&["plan", "--hf-config", c, "--world-size", "2"], &[needle]);
         refused(&["train", "--hf-config", c, "--steps", "1"], &[needle]);
     }
+    // Mistral's sliding window (64 in these files): plan refuses a longer sequence as train
+    // does, and its default sequence stays inside the window.
+    let window = write_config(tmp.path(), "w", "");
+    let w = window.to_str().unwrap();
+    refused(
+        &["plan", "--hf-config", w, "--seq-len", "128"],
+        &["--seq-len 128", "sliding_window 64", "--seq-len 64 or less"],
+    );
+    let out = fsdp(&["plan", "--hf-config", w]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // The same file without the extra field plans and trains.
     let ok = write_config(tmp.path(), "ok", "");
     let out = fsdp(&[

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The by-hand round trip from published weights and back (needs PyTorch and transformers):
-#   python make_models.py /tmp/hf && bash run.sh /tmp/hf/llama-bf16
+#   python make_models.py /tmp/hf && PYTHON=python bash run.sh /tmp/hf/llama-bf16
 # 1. `fsdp train --init-from DIR` with a negligible learning rate: fsdp-rs's validation loss of
 #    the loaded weights against transformers' on the same windows (hf_export_check.py);
 # 2. 30 steps of training, `fsdp ckpt consolidate` to a model directory, and the validation
@@ -11,13 +11,14 @@ repo=$(cd "$here/../../../.." && pwd)
 fsdp=${FSDP:-$repo/target/release/fsdp}
 data=$repo/testdata/tinyshakespeare.txt
 model=$1
+python=${PYTHON:-python3}   # one with torch and transformers
 work=$(mktemp -d)
 common=(--data "$data" --world-size 2 --seq-len 64 --micro-batch 2 --eval-batches 4 --json)
 check() {
-    python "$here/../hf_export_check.py" "$1" "$data" --seq-len 64 --micro-batch 2 \
+    "$python" "$here/../hf_export_check.py" "$1" "$data" --seq-len 64 --micro-batch 2 \
         --eval-batches 4 --world-size 2 --expect "$2"
 }
-val() { tail -1 "$1" | python -c 'import json,sys; print(json.load(sys.stdin)["final_val_loss"])'; }
+val() { tail -1 "$1" | "$python" -c 'import json,sys; print(json.load(sys.stdin)["final_val_loss"])'; }
 "$fsdp" train --init-from "$model" "${common[@]}" --steps 1 --lr 1e-30 --min-lr 1e-30 \
     --warmup 0 > "$work/import.json"
 check "$model" "$(val "$work/import.json")"
