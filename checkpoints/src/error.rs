@@ -93,7 +93,7 @@ pub enum CkptError {
         problem: String,
     },
     /// A per-rank shard file given where a full (consolidated) checkpoint is expected
-    /// (real-world case BC-08).
+    /// (a shard file must never pass for a full model).
     #[error("{file}: this is a per-rank SHARD file (rank {rank} of world size {world_size}) of a sharded fsdp-rs checkpoint, not a full checkpoint; run `fsdp ckpt consolidate <checkpoint dir> -o model.safetensors` first")]
     NotAFullCheckpoint {
         /// The file.
@@ -103,7 +103,7 @@ pub enum CkptError {
         /// The saving run's world size.
         world_size: String,
     },
-    /// A full state dict lacks a parameter of the model (strict loading, BC-12).
+    /// A full state dict lacks a parameter of the model (strict loading).
     #[error("{file}: missing parameter `{name}` (shape {shape:?})")]
     MissingKey {
         /// The full file.
@@ -150,7 +150,7 @@ pub enum CkptError {
         found: u64,
     },
     /// A shard whose padding elements are not zero: an engine bug that would otherwise leak
-    /// into a norm or a consolidated file (BC-01).
+    /// into a norm or a consolidated file.
     #[error("rank {rank}, unit {unit} flat param {flat}, {what}: {count} padding element(s) are non-zero (first at shard element {first}); padding must stay 0.0")]
     NonZeroPadding {
         /// Rank.

@@ -47,7 +47,8 @@ impl View for F32View<'_> {
 /// full` plus `extra`. Returns the file size (bytes).
 ///
 /// Errors: `InvalidArgument` for a tensor whose length is not the product of its shape or a
-/// zero-size shape (never written: BC-08), `BadFile` / `Io` when writing.
+/// zero-size shape (never written: a "full" file of empty placeholders cannot be loaded,
+/// <https://github.com/huggingface/transformers/issues/20082>), `BadFile` / `Io` when writing.
 pub fn write_full(path: &Path, tensors: &[FullTensor], extra: &[(&str, String)]) -> Result<u64> {
     for t in tensors {
         let n: u64 = t.shape.iter().product();
@@ -222,8 +223,8 @@ fn check_safetensors_sizes(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Reads a full safetensors file (F32, F16, BF16 or F64 tensors, converted to f32).
 ///
-/// Errors: `NotAFullCheckpoint` for a per-rank shard file of a sharded checkpoint (BC-08);
-/// `BadFile` for a malformed file or another dtype; `Io`.
+/// Errors: `NotAFullCheckpoint` for a per-rank shard file of a sharded checkpoint (never taken for
+/// a full model); `BadFile` for a malformed file or another dtype; `Io`.
 pub fn read_full(path: &Path) -> Result<FullState> {
     let file = std::fs::File::open(path).map_err(io_err(path, "open"))?;
     // SAFETY: read-only map of a file we do not modify.
@@ -284,9 +285,9 @@ pub fn read_full(path: &Path) -> Result<FullState> {
 }
 
 impl FullState {
-    /// Strict key matching against `spec` (BC-12): every non-tied parameter present with its
-    /// exact shape, no tensor that is not a parameter; a tied parameter may be present only
-    /// with the same shape and values as its target.
+    /// Strict key matching against `spec` (the model's own names): every non-tied parameter present
+    /// with its exact shape, no tensor that is not a parameter; a tied parameter may be present
+    /// only with the same shape and values as its target.
     ///
     /// Errors: `MissingKey`, `UnexpectedKey`, `ShapeMismatch`, `BadFile` (tied copy differs).
     pub fn check_strict(&self, spec: &ModelSpec) -> Result<()> {
@@ -390,8 +391,9 @@ impl FullState {
 
 /// Assembles the full parameters of `layout` from in-memory shards (`shards[i][u][k]` is shard
 /// index `i`'s param shard of flat `k` of unit `u`, for `i` in `0..S`) and writes them with
-/// [`write_full`]: the engine's "save full model" path, which never writes placeholder or
-/// empty tensors (BC-08). Returns the file size (bytes).
+/// [`write_full`]: the engine's "save full model" path, which never writes placeholder or empty
+/// tensors (<https://github.com/huggingface/transformers/issues/20082>). Returns the file size
+/// (bytes).
 ///
 /// Errors: `InvalidArgument` for a wrong number or length of shards; as [`write_full`].
 pub fn write_full_from_shards(

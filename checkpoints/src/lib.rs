@@ -22,11 +22,11 @@
 //!   shard) and, if trainable, `units.{u}.flat{k}.exp_avg` / `.exp_avg_sq` (AdamW moments).
 //!   Each holds only the shard's REAL elements (its parameter slices concatenated; padding is
 //!   never written; an all-padding shard has no tensor). `__metadata__`: `format =
-//!   fsdp-rs-shard` (so it can never be taken for a full model, BC-08), `fsdp_rs.kind = shard`,
+//!   fsdp-rs-shard` (so it can never be taken for a full model), `fsdp_rs.kind = shard`,
 //!   format version, world / shard / replicate size, rank, shard index, model name, plan
 //!   fingerprint, and `fsdp_rs.shards`: JSON mapping each tensor to its shard range and each
 //!   parameter slice to (name, full shape, offset in the parameter, offset in the shard,
-//!   offset in the tensor) (BC-12).
+//!   offset in the tensor), with the model's own names, never wrapper or flat-buffer names.
 //! * **Manifest** (JSON, [`Manifest`]): format name and version, model name, model and plan
 //!   fingerprints, world / shard / replicate sizes, alignment, dtype, the `ModelSpec`, per
 //!   unit the flat-parameter layout (names, shapes, offsets, real and padding element counts,

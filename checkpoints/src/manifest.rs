@@ -68,7 +68,7 @@ pub struct TrainState {
 /// One parameter inside a flat parameter, as recorded in the manifest.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SegmentRecord {
-    /// The model's own parameter name (no wrapper or flat-buffer segments, BC-12).
+    /// The model's own parameter name (no wrapper or flat-buffer segments).
     pub name: String,
     /// Full shape (elements).
     pub shape: Vec<u64>,

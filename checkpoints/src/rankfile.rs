@@ -6,7 +6,7 @@
 //! f32 tensors `units.{u}.flat{k}.param` / `.exp_avg` / `.exp_avg_sq`. A shard with no real
 //! element (possible when a flat parameter is smaller than the shard group) has no tensor. The
 //! safetensors `__metadata__` marks the file as a shard and maps each tensor back to parameter
-//! names, full shapes and offsets, so a file can be understood on its own (BC-08, BC-12).
+//! names, full shapes and offsets, so a file can be understood on its own.
 
 use crate::error::{bad_file, io_err, CkptError, Result};
 use crate::layout::{hex, tensor_name, CheckpointLayout};

@@ -266,7 +266,7 @@ fn bad_shards_are_refused_at_save() {
     let layout = CheckpointLayout::full_shard(spec.clone(), 4, 1).unwrap();
     let r = Reference::new(&spec);
     let mut ranks = r.all_ranks(&layout);
-    // Padding must be zero (BC-01): shard 3 of the unit-1 flat param ends in padding.
+    // Padding must be zero: shard 3 of the unit-1 flat param ends in padding.
     let last = ranks[3].flats[1][0].param.len() - 1;
     ranks[3].flats[1][0].param[last] = 1.0;
     let refs: Vec<_> = ranks.iter().map(|x| x.as_refs()).collect();

@@ -77,7 +77,8 @@ pub struct TrainOptions {
     /// gradient shards and optimizer state stay f32. f16 turns on dynamic loss scaling.
     pub param_dtype: fsdp_types::DType,
     /// dtype of gradients in the reduce-scatter / all-reduce (f32 or bf16; the engine refuses
-    /// f16); bf16 reductions accumulate in f32 (real-world case BC-05).
+    /// f16); bf16 reductions accumulate in f32 (bf16 reduction made training unstable at a large
+    /// world size: <https://github.com/pytorch/pytorch/issues/106395>).
     pub reduce_dtype: fsdp_types::DType,
     /// Compute threads per rank (`None`: cores / world size, at least 1).
     pub threads_per_rank: Option<usize>,
@@ -800,7 +801,7 @@ fn run_rank(
         e.import_state(&st)?;
         start = next;
     }
-    // Every rank trains the same number of steps; say so loudly if not (BC-10a).
+    // Every rank trains the same number of steps; say so loudly if not (instead of hanging).
     e.check_batch_counts((o.steps - start.min(o.steps)) * o.grad_accum as u64)?;
     let data_err = |e: crate::data::DataError| EngineError::Data(format!("rank {rank}: {e}"));
     let val: Vec<MicroBatch> = sampler

@@ -8,7 +8,8 @@ use fsdp_planner::{Architecture, ModelSpec, ParamSpec, UnitSpec};
 use std::path::Path;
 use std::process::Command;
 
-/// BC-01's parameters (46 elements) in two units, plus a frozen one.
+/// Parameters whose sizes do not divide evenly by the world size (46 elements) in two units,
+/// plus a frozen one.
 fn model() -> ModelSpec {
     let p = |n: &str, s: &[u64], t: bool| {
         let mut p = ParamSpec::new(n, s);

@@ -1,7 +1,7 @@
 //! Optimizer steps on flat fp32 buffers: AdamW and SGD with momentum.
 //!
 //! Both update only the elements inside the given [`Span`]s; padding is never read or written,
-//! so padding that starts at 0 stays exactly 0 (real-world case BC-01).
+//! so padding that starts at 0 stays exactly 0.
 //!
 //! Hyperparameters are `f64`, like Python floats in PyTorch. Every scalar a kernel needs is
 //! computed once per step in `f64` and rounded once to `f32` ([`AdamWScalars`]), which is how

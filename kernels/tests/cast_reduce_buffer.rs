@@ -217,9 +217,10 @@ proptest! {
     }
 }
 
-/// BC-01: 46 real gradient elements of 1.0, padding excluded: sqrt(sum) = 6.7823300 in fp32.
+/// Padding never enters a norm (<https://github.com/deepspeedai/DeepSpeed/pull/1380>):
+/// 46 real gradient elements of 1.0, padding excluded: sqrt(sum) = 6.7823300 in fp32.
 #[test]
-fn sum_squares_bc01_excludes_padding() {
+fn sum_squares_of_46_real_elements_excludes_padding() {
     let mut g = vec![1.0f32; 50];
     g[46..].fill(7.0); // padding that must not be read
     let spans = [

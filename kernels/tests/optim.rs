@@ -16,11 +16,12 @@ fn adamw_ref(p: &mut f64, g: f64, m: &mut f64, v: &mut f64, c: &AdamWConfig, t: 
     *p -= c.lr / bc1 * *m / denom;
 }
 
-/// BC-01 (real-world-cases.md): 46 real elements `k + 0.5` plus padding, one AdamW step with
-/// lr 0.1, weight_decay 0.1, gradient 1.0 on real elements: each v becomes 0.99*v - 0.1 in fp32
-/// (0.5 -> 0.395), padding stays exactly 0.
+/// Padding for sizes not divisible by the world size
+/// (<https://github.com/deepspeedai/DeepSpeed/pull/1380>): 46 real elements `k + 0.5` plus padding,
+/// one AdamW step with lr 0.1, weight_decay 0.1, gradient 1.0 on real elements: each v becomes
+/// 0.99*v - 0.1 in fp32 (0.5 -> 0.395), padding stays exactly 0.
 #[test]
-fn adamw_bc01_one_step_matches_case_numbers() {
+fn adamw_one_step_updates_real_elements_and_keeps_padding_zero() {
     let real = 46usize;
     let padded = 50usize; // W = 5: 4 padding elements
     let mut p: Vec<f32> = (0..padded)

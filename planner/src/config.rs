@@ -120,7 +120,9 @@ impl Optimizer {
     }
 }
 
-/// When gradients are reduced during gradient accumulation (real-world case BC-04).
+/// When gradients are reduced during gradient accumulation (deferring the reduction to the last
+/// micro-batch keeps unsharded gradients on every rank:
+/// <https://github.com/meta-pytorch/tnt/pull/1057>).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum GradSync {

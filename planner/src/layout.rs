@@ -8,7 +8,9 @@
 //! Padding elements are zero, stay zero, and are never part of a segment.
 //!
 //! Trainable and frozen parameters of one unit go into separate flat parameters, so that frozen
-//! parameters get no gradient or optimizer bytes (real-world case BC-09).
+//! parameters get no gradient or optimizer bytes (mixed in one flat parameter, they would make
+//! gradient memory as large as if nothing were frozen:
+//! <https://github.com/pytorch/pytorch/pull/104967>).
 
 use crate::error::PlanError;
 use crate::spec::{ModelSpec, UnitSpec};

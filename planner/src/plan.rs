@@ -22,7 +22,8 @@ pub struct RankPlacement {
 }
 
 /// Padding added by the layout, in elements over the whole model (all shards of all flat
-/// params; real-world case BC-01).
+/// params) for sizes not divisible by the shard count; it never changes a real value
+/// (<https://github.com/deepspeedai/DeepSpeed/pull/1380>).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PaddingReport {
     /// Real (parameter) elements in flat params: tied parameters counted once.

@@ -16,7 +16,8 @@ pub struct ParamSpec {
     /// The dtype the parameter is stored in (in a checkpoint); master weights are always f32.
     pub dtype: DType,
     /// Whether the parameter receives gradients and optimizer state. Frozen parameters get
-    /// neither (real-world case BC-09).
+    /// neither, also when they share a unit with trainable ones
+    /// (<https://github.com/pytorch/pytorch/pull/104967>).
     pub trainable: bool,
     /// Whether decoupled weight decay applies (biases and norm gains: no).
     pub weight_decay: bool,

@@ -5,9 +5,10 @@
 //! first wrong value or error. The checks cover world sizes 1..8 and hybrid topologies (2x2,
 //! 3x2, 2x3, DDP 1x4), sizes 0, 1, odd, larger than a reduction block, every dtype, every group,
 //! started (asynchronous) calls, in-place all-gather (alone and mixed with plain all-gathers of
-//! the same collective), the error cases, the real-world cases BC-05, BC-06 and
-//! BC-10 of `shared/cases/real-world-cases.md`, and the collectives on candle tensor buffers
-//! ([`OwnedBuf::Tensor`] on [`Launcher::tensor_device`], started and in place). Expected values come from an independent scalar
+//! the same collective), the error cases, three published faults (bf16 reduction accuracy,
+//! an average that sums, ranks with different batch counts), and the collectives on candle
+//! tensor buffers ([`OwnedBuf::Tensor`] on [`Launcher::tensor_device`], started and in place).
+//! Expected values come from an independent scalar
 //! reference (sequential sum in rank order, 16-bit accumulated in f32, one division for `Avg`),
 //! compared bit for bit.
 
@@ -138,14 +139,11 @@ pub const CHECKS: &[(&str, Check)] = &[
         panicking_rank_fails_its_peers,
     ),
     ("late_rank_times_out", late_rank_times_out),
+    ("bf16_wire_fp32_accumulation", bf16_wire_fp32_accumulation),
+    ("average_by_rank_count", average_by_rank_count),
     (
-        "bc_05_bf16_wire_fp32_accumulation",
-        bc_05_bf16_wire_fp32_accumulation,
-    ),
-    ("bc_06_average_by_rank_count", bc_06_average_by_rank_count),
-    (
-        "bc_10_rank_with_fewer_batches_does_not_hang",
-        bc_10_rank_with_fewer_batches_does_not_hang,
+        "rank_with_fewer_batches_does_not_hang",
+        rank_with_fewer_batches_does_not_hang,
     ),
     (
         "tensor_buffers_match_reference",
@@ -1203,7 +1201,7 @@ pub fn late_rank_times_out(l: &dyn Launcher) -> Result<(), CheckFailure> {
 
 /// Casts `values` to `wire` (round to nearest even), all-reduces them with `op` over `group`
 /// (the backend accumulates 16-bit dtypes in f32 and rounds once), and widens the result back
-/// into `values`. With `wire = BF16` this is BC-05's "bf16 on the wire, fp32 accumulation":
+/// into `values`. With `wire = BF16` this is "bf16 on the wire, fp32 accumulation":
 /// relative error at most 2^-8 at any world size.
 ///
 /// Errors: the all-reduce's [`CommError`].
@@ -1229,11 +1227,13 @@ pub fn all_reduce_on_wire(
     }
 }
 
-/// BC-05: rank 0's gradient is 1.0, every other rank's 2^-9, mean over W in {8, 64}: f32 on the
-/// wire matches the true mean to fp32 precision; bf16 on the wire with f32 accumulation is within
-/// 2^-8 relative (a bf16 accumulator would be off by 1.3 % at W=8 and 11 % at W=64).
-pub fn bc_05_bf16_wire_fp32_accumulation(l: &dyn Launcher) -> Result<(), CheckFailure> {
-    const C: &str = "bc_05_bf16_wire_fp32_accumulation";
+/// bf16 reduction must not lose accuracy as W grows
+/// (<https://github.com/pytorch/pytorch/issues/106395>): rank 0's gradient is 1.0, every other
+/// rank's 2^-9, mean over W in {8, 64}: f32 on the wire matches the true mean to fp32 precision;
+/// bf16 on the wire with f32 accumulation is within 2^-8 relative (a bf16 accumulator would be off
+/// by 1.3 % at W=8 and 11 % at W=64).
+pub fn bf16_wire_fp32_accumulation(l: &dyn Launcher) -> Result<(), CheckFailure> {
+    const C: &str = "bf16_wire_fp32_accumulation";
     for w in [8usize, 64] {
         let t = topo(w, 1);
         if !fits(l, t) {
@@ -1269,12 +1269,14 @@ pub fn bc_05_bf16_wire_fp32_accumulation(l: &dyn Launcher) -> Result<(), CheckFa
     Ok(())
 }
 
-/// BC-06: W ranks, rank r's gradient `(r+1) x ones(8)` padded with zeros to a multiple of W;
-/// average reduce-scatter then all-gather gives `(W+1)/2` on every real element (2.0 at W=3) and
-/// zero padding, for W = 1..4 and every dtype. Bug signatures: 6.0 (summed), 0.75 (divided by
-/// the element count), 0.667 (divided by the padded count).
-pub fn bc_06_average_by_rank_count(l: &dyn Launcher) -> Result<(), CheckFailure> {
-    const C: &str = "bc_06_average_by_rank_count";
+/// An average must divide by the rank count, never sum silently
+/// (<https://github.com/pytorch/pytorch/issues/162338>): W ranks, rank r's gradient
+/// `(r+1) x ones(8)` padded with zeros to a multiple of W; average reduce-scatter then all-gather
+/// gives `(W+1)/2` on every real element (2.0 at W=3) and zero padding, for W = 1..4 and every
+/// dtype. Bug signatures: 6.0 (summed), 0.75 (divided by the element count), 0.667 (divided by
+/// the padded count).
+pub fn average_by_rank_count(l: &dyn Launcher) -> Result<(), CheckFailure> {
+    const C: &str = "average_by_rank_count";
     for w in 1..=4usize {
         let t = topo(w, 1);
         if !fits(l, t) {
@@ -1311,12 +1313,13 @@ pub fn bc_06_average_by_rank_count(l: &dyn Launcher) -> Result<(), CheckFailure>
     Ok(())
 }
 
-/// BC-10: rank 2 of 4 has 8 batches, the others 4. (a) The others then stop calling; (b) the
-/// others go on to an end-of-epoch barrier. Every rank returns within a bound; the ranks whose
-/// calls all completed hold exact results, and rank 2 (and in (b) every rank) gets an error
-/// naming the mismatch.
-pub fn bc_10_rank_with_fewer_batches_does_not_hang(l: &dyn Launcher) -> Result<(), CheckFailure> {
-    const C: &str = "bc_10_rank_with_fewer_batches_does_not_hang";
+/// Ranks with different batch counts must not hang
+/// (<https://github.com/deepspeedai/DeepSpeed/issues/2223>): rank 2 of 4 has 8 batches, the
+/// others 4. (a) The others then stop calling; (b) the others go on to an end-of-epoch barrier.
+/// Every rank returns within a bound; the ranks whose calls all completed hold exact results, and
+/// rank 2 (and in (b) every rank) gets an error naming the mismatch.
+pub fn rank_with_fewer_batches_does_not_hang(l: &dyn Launcher) -> Result<(), CheckFailure> {
+    const C: &str = "rank_with_fewer_batches_does_not_hang";
     let t = topo(4, 1);
     if !fits(l, t) {
         return Ok(());

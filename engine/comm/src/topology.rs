@@ -171,9 +171,10 @@ impl fmt::Display for Topology {
 
 /// How a reduction combines the contributions of a group's ranks.
 ///
-/// Every backend sums in rank order (`((x_0 + x_1) + x_2) + ...`); `Avg` then divides by the
-/// number of ranks of the group exactly once (never by an element count; see real-world case
-/// BC-06). 16-bit inputs are accumulated in f32 and rounded once at the end.
+/// Every backend sums in rank order (`((x_0 + x_1) + x_2) + ...`); `Avg` then divides by the number
+/// of ranks of the group exactly once (never by an element count:
+/// <https://github.com/meta-pytorch/torchcomms/pull/287>). 16-bit inputs are accumulated in f32 and
+/// rounded once at the end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
     /// Element-wise sum in rank order.

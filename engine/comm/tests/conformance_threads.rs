@@ -30,9 +30,9 @@ checks!(
     mismatched_groups_are_errors_not_hangs,
     panicking_rank_fails_its_peers,
     late_rank_times_out,
-    bc_05_bf16_wire_fp32_accumulation,
-    bc_06_average_by_rank_count,
-    bc_10_rank_with_fewer_batches_does_not_hang,
+    bf16_wire_fp32_accumulation,
+    average_by_rank_count,
+    rank_with_fewer_batches_does_not_hang,
     tensor_buffers_match_reference,
     tensor_bad_buffers_are_local_errors,
 );

@@ -3,7 +3,9 @@
 //! One step (ARCHITECTURE-GUIDE "One training step"; Zhao et al. 2023, "PyTorch FSDP", sec. 3;
 //! Rajbhandari et al. 2020, "ZeRO", sec. 5):
 //! 1. All ranks exchange their micro-batch count and token count: a different count is an
-//!    error naming the ranks (real-world case BC-10a), the global token count `N` is known.
+//!    error naming the ranks instead of a hang in a later collective
+//!    (<https://github.com/deepspeedai/DeepSpeed/issues/2223>); the global token count `N` is
+//!    known.
 //! 2. Per micro-batch, forward: at each schedule position the plan's `alive` units are
 //!    unsharded (all-gathered) and the others resharded; a unit computes its stage. With
 //!    activation checkpointing (`Schedule::activation_checkpointing`) only the stage input is
@@ -15,14 +17,18 @@
 //!    unsharded flat gradient; where the plan says `reduce_scatter` the flat gradient is
 //!    sum-reduce-scattered over the shard group, all-reduced over the replicate group and
 //!    added into the fp32 gradient shard (every micro-batch, or only on the last one under
-//!    `grad_sync = last`, real-world case BC-04).
-//! 4. The gradient shards are divided by `N` exactly once (BC-03, BC-10b); the loss is the
-//!    world's loss sum over `N`. Ledger bytes above the plan stop the run on every rank. One
+//!    `grad_sync = last`, which keeps unsharded gradients:
+//!    <https://github.com/meta-pytorch/tnt/pull/1057>).
+//! 4. The gradient shards are divided by `N` exactly once (never again per accumulated
+//!    micro-batch: <https://github.com/NVIDIA/Megatron-LM/pull/3023>; `N` counts only real
+//!    samples, so an uneven last batch is weighted by them); the loss is the world's loss sum
+//!    over `N`. Ledger bytes above the plan stop the run on every rank. One
 //!    flag, all-reduced with the loss, says whether any gradient element (a rank's own
 //!    contribution, checked before each reduction, or a reduced shard, checked in the pass
 //!    that also yields the L2 norm) or the loss is not finite; then no rank updates anything
 //!    and the step is skipped or refused by [`NonFinitePolicy`].
-//! 5. Clipping by the global norm over the shard group, padding excluded (BC-02); the optimizer
+//! 5. Clipping by the global norm over the shard group, padding excluded (never a rank's local
+//!    norm: <https://github.com/areal-project/AReaL/issues/312>); the optimizer
 //!    on each flat shard with the plan's spans; gradients zeroed.
 //!
 //! DDP is the same path with a shard group of one; hybrid sharding has both groups above one.
@@ -64,7 +70,8 @@ pub struct Clip {
     pub norm: NormType,
 }
 
-/// How the engine makes sure every rank starts from the same weights (real-world case BC-11).
+/// How the engine makes sure every rank starts from the same weights (ranks initialised
+/// differently would train different models: <https://github.com/pytorch/torchtitan/issues/166>).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum InitSync {
     /// Each rank builds the initial weights itself (seeded); a 64-bit checksum of the full
@@ -717,7 +724,8 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
     }
 
     /// Exchanges the number of batches each rank will train on and errors, on every rank, if
-    /// they differ (instead of hanging in a collective later; real-world case BC-10a).
+    /// they differ (instead of hanging in a collective later:
+    /// <https://github.com/deepspeedai/DeepSpeed/issues/2223>).
     ///
     /// Errors: [`EngineError::RankMismatch`] naming the ranks and counts; [`EngineError::Comm`].
     pub fn check_batch_counts(&mut self, batches: u64) -> Result<()> {
@@ -1137,7 +1145,8 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
     /// sync-last the persistent f32 buffer, cast to reduce_dtype first if that differs): a
     /// sum-reduce-scatter over the shard group into a staging buffer of `s_f` elements, or with
     /// a shard group of one an in-place sum-all-reduce over the replicate group. 16-bit
-    /// reductions accumulate in f32 inside the collective (real-world case BC-05).
+    /// reductions accumulate in f32 inside the collective (bf16 reduction made training unstable
+    /// at a large world size: <https://github.com/pytorch/pytorch/issues/106395>).
     fn start_reduce(&mut self, u: usize, sync_last: bool) -> Result<PendingReduce> {
         let s = self.comm.group_size(Group::Shard);
         let r = self.comm.group_size(Group::Replicate);

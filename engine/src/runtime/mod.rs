@@ -1,6 +1,6 @@
 //! The FSDP runtime: FSDP units and their state transitions ([`mod@unit`]), the per-rank step loop
 //! executing a plan ([`engine`]), the model interface it runs ([`staged`]), the collectives
-//! wrapper ([`collectives`]), small models for real-world cases ([`toy`]), the GPT adapter
+//! wrapper ([`collectives`]), small models with exactly known gradients ([`toy`]), the GPT adapter
 //! ([`gpt`]) and the single-process reference used by the parity tests ([`mod@reference`]).
 
 pub mod collectives;

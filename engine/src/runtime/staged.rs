@@ -16,7 +16,7 @@ use fsdp_planner::ModelSpec;
 /// tensor for small models), `target` what the loss consumes, `count` the number of
 /// contributing tokens or samples (elements whose loss enters the sum; masked padding
 /// excluded). The gradient of a step is divided by the global sum of `count` over every rank
-/// and micro-batch (real-world cases BC-03, BC-10b).
+/// and micro-batch, exactly once (so an uneven last batch is weighted by its real samples).
 #[derive(Debug, Clone)]
 pub struct MicroBatch {
     /// Input of stage 0.

@@ -1,6 +1,7 @@
-//! Small models that run through the real engine for the real-world cases (BC-01, BC-02,
-//! BC-03, BC-09, BC-10, BC-11 in `shared/cases/real-world-cases.md`): a linear loss
-//! `dot(p, c)` whose gradient is exactly `c`, and a stack of `Linear` layers.
+//! Small models that run through the real engine in the tests of published faults (padding,
+//! global-norm clipping, gradient-accumulation scaling, frozen parameters, uneven batches,
+//! different initial weights): a linear loss `dot(p, c)` whose gradient is exactly `c`, and a
+//! stack of `Linear` layers.
 
 use crate::runtime::staged::{MicroBatch, StagedModel};
 use candle_core::{Device, Tensor};
@@ -91,7 +92,7 @@ impl StagedModel for DotModel {
 }
 
 /// A stack of `Linear` layers `y = x W^T + b` (`W` `[out, in]`), grouped into units (a unit may
-/// hold several layers, e.g. a frozen and a trainable one, BC-09), with `tanh` between layers
+/// hold several layers, e.g. a frozen and a trainable one), with `tanh` between layers
 /// (none after the last) and the loss `sum over samples of 0.5 * ||y - target||^2`.
 #[derive(Debug, Clone)]
 pub struct LinearStack {

@@ -53,7 +53,8 @@
 //! MPI's reductions add in an algorithm-dependent order and cannot add bf16/f16 at all. Moving
 //! the raw contributions with `MPI_Alltoall` and adding them locally in rank order makes every
 //! result bit-identical to [`crate::ThreadComm`] (and across runs and world layouts), with
-//! 16-bit values on the wire and f32 accumulation (real-world case BC-05). The bandwidth cost
+//! 16-bit values on the wire and f32 accumulation (bf16 reduction made training unstable at a
+//! large world size: <https://github.com/pytorch/pytorch/issues/106395>). The bandwidth cost
 //! is nil on the wire: each rank sends and receives `(g-1) x n` elements, the same as a ring or
 //! pairwise reduce-scatter; the costs are a staging buffer of `g x n` elements per rank and the
 //! local reduction of `g x n` elements (memory-bound, done by each rank for its own chunk only).

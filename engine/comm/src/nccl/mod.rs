@@ -23,16 +23,16 @@
 //! the thread and MPI backends: contributions move with grouped `ncclSend`/`ncclRecv` (an
 //! all-to-all of chunks: reduce-scatter sends `(g-1)/g` of the buffer per rank, as NCCL's ring
 //! does) and a kernel adds them in rank order — f32/f64 in their type, bf16/f16 widened to f32
-//! and rounded once (BC-05: bf16 on the wire, f32 accumulation), `Avg` one division by the
-//! group size after the sum (BC-06), `Max` NaN-propagating. All-reduce gathers every
+//! and rounded once (bf16 on the wire, f32 accumulation), `Avg` one division by the
+//! group size after the sum, `Max` NaN-propagating. All-reduce gathers every
 //! contribution (`(g-1)` buffers per rank, more than a ring's `2(g-1)/g` when g > 2) and reduces
 //! locally, so every rank computes the same bits. [`Reduction::Nccl`] uses `ncclReduceScatter` /
 //! `ncclAllReduce` with `ncclSum` / `ncclAvg` / `ncclMax` instead: fastest, but the order of the
 //! additions is NCCL's (ring or tree, varies with W and size), and for bf16/f16 NCCL adds in the
 //! 16-bit type: its device reduction `FuncSum<__nv_bfloat16>` returns a bf16 (`__hadd2` on
 //! sm_80+, i.e. float add rounded to bf16) and ring partial sums travel as bf16, so a sum over
-//! W ranks carries up to W-1 roundings to bf16 instead of BC-05's one (BC-05's example: 1.3 %
-//! off at W = 8); use it for f32 only, where the bound is NCCL's reassociation.
+//! W ranks carries up to W-1 roundings to bf16 instead of one (in the conformance suite's bf16
+//! check, up to 1.3 % off at W = 8); use it for f32 only, where the bound is NCCL's reassociation.
 //!
 //! **Errors, never hangs.** Communicators are non-blocking (see [`raw`]): every wait polls the
 //! CUDA event and `ncclCommGetAsyncError` against [`NcclOptions::timeout`]. With
@@ -152,7 +152,7 @@ impl NcclId {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Reduction {
     /// All-to-all of chunks + a rank-order kernel: bit-identical to the other backends, f32
-    /// accumulation for bf16/f16 (BC-05). The default.
+    /// accumulation for bf16/f16. The default.
     #[default]
     RankOrder,
     /// NCCL's own `ncclReduceScatter` / `ncclAllReduce` (NCCL's order, 16-bit accumulation

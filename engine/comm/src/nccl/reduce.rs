@@ -3,7 +3,7 @@
 //! j's element i), one thread per element folds them in rank order
 //! `((x_0 + x_1) + x_2) + ...` — the arithmetic of [`crate::reduce_in_rank_order`]: f32 and
 //! f64 added in their own type, bf16 and f16 widened to f32, added in f32 and rounded once to
-//! the wire type at the end (BC-05), `Avg` divided once by the group size, `Max` NaN-propagating.
+//! the wire type at the end, `Avg` divided once by the group size, `Max` NaN-propagating.
 //! Compiled by NVRTC at first use with the same IEEE options as fsdp-kernels (no FMA, explicit
 //! `_rn` intrinsics), so the result is bit-identical to the thread backend.
 

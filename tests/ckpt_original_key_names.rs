@@ -1,5 +1,6 @@
-//! BC-12 (real-world-cases.md): state-dict keys are the model's own names, never wrapper or
-//! flat-buffer names. Nested names `encoder.layers.{0,1}.linear.{weight,bias}`, `head.weight`;
+//! State-dict keys are the model's own names, never wrapper or flat-buffer names
+//! (<https://github.com/facebookresearch/dinov2/issues/544>).
+//! Nested names `encoder.layers.{0,1}.linear.{weight,bias}`, `head.weight`;
 //! each layer its own unit; W=2.
 
 use fsdp_checkpoints::{
@@ -17,7 +18,7 @@ fn model() -> ModelSpec {
         ],
     };
     ModelSpec {
-        name: "bc12".into(),
+        name: "nested".into(),
         arch: Architecture::Generic,
         units: vec![
             layer(0),
@@ -75,7 +76,7 @@ fn rank_state(layout: &CheckpointLayout, rank: u64) -> RankState {
 }
 
 #[test]
-fn bc_12_state_dict_keys_are_original_names_and_load_strictly() {
+fn state_dict_keys_are_original_names_and_load_strictly() {
     let t = tempfile::tempdir().unwrap();
     let l2 = CheckpointLayout::full_shard(model(), 2, 1).unwrap();
     let ranks: Vec<RankState> = (0..2).map(|r| rank_state(&l2, r)).collect();

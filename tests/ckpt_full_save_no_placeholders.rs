@@ -1,5 +1,6 @@
-//! BC-08 (real-world-cases.md): a "full model" save must never write empty placeholder
-//! tensors, and a per-rank / sharded file must never be taken for a full checkpoint.
+//! A "full model" save must never write empty placeholder tensors
+//! (<https://github.com/huggingface/transformers/issues/20082>), and a per-rank / sharded file
+//! must never be taken for a full checkpoint.
 //! Model: 2x Linear(8,8) with bias (one unit each), W=4 fully sharded, 1 training step.
 
 use fsdp::cli::ckpt::engine_to_ckpt;
@@ -21,14 +22,14 @@ fn header(path: &std::path::Path) -> serde_json::Value {
 }
 
 #[test]
-fn bc_08_full_save_has_true_shapes_and_shard_files_are_refused() {
+fn full_save_has_true_shapes_and_shard_files_are_refused() {
     let l = LayerDef {
         d_in: 8,
         d_out: 8,
         bias: true,
         trainable: true,
     };
-    let m = LinearStack::new("bc08", &[vec![l], vec![l]], true);
+    let m = LinearStack::new("full-save", &[vec![l], vec![l]], true);
     let mut cfg = PlanConfig::new(4);
     cfg.seq_len = 1;
     cfg.micro_batch = 2;

@@ -1,12 +1,15 @@
-//! Real-world case BC-01 (DeepSpeed PR 1380, https://github.com/pytorch/pytorch/issues/136228): sizes not divisible by the
-//! world size. Parameters `A [7,3]`, `B [5]`, `C [1,17]`, `D [3]` (46 f32 elements, element k
-//! = k + 0.5) in one unit; W in {1, 2, 3, 4, 5, 8}.
+//! Padding for parameter sizes not divisible by the world size. DeepSpeed's ZeRO-3 fp32
+//! consolidation handled such padding wrongly
+//! (<https://github.com/deepspeedai/DeepSpeed/pull/1380>), and loading a full state dict failed
+//! for a parameter with fewer rows than ranks (<https://github.com/pytorch/pytorch/issues/136228>).
+//! Parameters `A [7,3]`, `B [5]`, `C [1,17]`, `D [3]` (46 f32 elements, element k = k + 0.5) in
+//! one unit; W in {1, 2, 3, 4, 5, 8}.
 
 use fsdp_planner::{plan, Architecture, ModelSpec, ParamSpec, PlanConfig, UnitSpec};
 
-fn bc01_spec() -> ModelSpec {
+fn uneven_spec() -> ModelSpec {
     ModelSpec {
-        name: "bc01".into(),
+        name: "uneven".into(),
         units: vec![UnitSpec {
             name: "u".into(),
             params: vec![
@@ -21,9 +24,9 @@ fn bc01_spec() -> ModelSpec {
 }
 
 #[test]
-fn bc_01_padding_numbers_per_world_size() {
+fn padding_numbers_per_world_size() {
     for (w, padding) in [(1u64, 0u64), (2, 0), (3, 2), (4, 2), (5, 4), (8, 2)] {
-        let p = plan(&bc01_spec(), &PlanConfig::new(w)).unwrap();
+        let p = plan(&uneven_spec(), &PlanConfig::new(w)).unwrap();
         let f = &p.units[0].flat_params[0];
         assert_eq!(f.real_numel().0, 46);
         assert_eq!(p.padding.padding_numel.0, padding, "W={w}");
@@ -42,9 +45,9 @@ fn bc_01_padding_numbers_per_world_size() {
 }
 
 #[test]
-fn bc_01_padding_shard_unshard_is_bitwise_with_empty_shares() {
+fn padding_shard_unshard_is_bitwise_with_empty_shares() {
     for w in [1u64, 2, 3, 4, 5, 8] {
-        let p = plan(&bc01_spec(), &PlanConfig::new(w)).unwrap();
+        let p = plan(&uneven_spec(), &PlanConfig::new(w)).unwrap();
         let f = &p.units[0].flat_params[0];
         let mut k = 0.0f32;
         let data: Vec<Vec<f32>> = f

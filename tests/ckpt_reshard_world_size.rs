@@ -1,4 +1,7 @@
-//! BC-07 (real-world-cases.md): reloading a checkpoint at a different world size.
+//! Reloading a checkpoint at a different world size: a distributed-optimizer checkpoint saved on
+//! 16 GPUs failed to load on 24 (<https://github.com/NVIDIA/Megatron-LM/issues/659>), and an
+//! elastic load restored optimizer state misaligned by the padding
+//! (<https://github.com/deepspeedai/DeepSpeed/pull/5105>).
 //!
 //! Parameters `[10,3]`, `[7]`, `[5,5]` (62 elements; not divisible by 3, 4, 5 or 8). The real
 //! engine trains 3 AdamW steps (lr 1e-2) at W=2 on fixed data with the linear loss
@@ -34,7 +37,7 @@ fn model() -> DotModel {
                 .collect()
         })
         .collect();
-    DotModel::new("bc07", &PARAMS, init)
+    DotModel::new("reshard", &PARAMS, init)
 }
 
 /// The fixed gradient `c` (identical data on every rank): distinct, signed, no zeros.
@@ -137,7 +140,7 @@ fn bits(p: &[Vec<Vec<f32>>]) -> Vec<u32> {
 }
 
 #[test]
-fn bc_07_reshard_any_world_size_bitwise_then_continue() {
+fn reshard_any_world_size_bitwise_then_continue() {
     let m = model();
     let t = tempfile::tempdir().unwrap();
     let saved = t.path().join("w2");
@@ -212,13 +215,13 @@ fn bc_07_reshard_any_world_size_bitwise_then_continue() {
 }
 
 #[test]
-fn bc_07_reshard_refuses_another_model_before_changing_state() {
+fn reshard_refuses_another_model_before_changing_state() {
     let m = model();
     let t = tempfile::tempdir().unwrap();
     let p2 = plan_for(&m, 2, Strategy::FullShard);
     run(&m, &p2, None, 1, Some(t.path()));
     let other = DotModel::new(
-        "bc07-other",
+        "reshard-other",
         &[("w1", &[10, 3]), ("b1", &[8]), ("w2", &[5, 5])],
         vec![vec![0.0; 30], vec![0.0; 8], vec![0.0; 25]],
     );

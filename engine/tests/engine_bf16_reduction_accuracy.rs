@@ -1,6 +1,7 @@
-//! Real-world case BC-05 (shared/cases/real-world-cases.md; pytorch/pytorch#106395) through the
-//! real engine: low-precision gradient reduction must not lose the small contributions as the
-//! world size grows. One parameter of 4 elements; rank 0's local gradient is 1.0, every other
+//! bf16 gradient reduction that made training unstable as the world size grew
+//! (<https://github.com/pytorch/pytorch/issues/106395>), through the real engine: low-precision
+//! gradient reduction must not lose the small contributions as the world size grows. One
+//! parameter of 4 elements; rank 0's local gradient is 1.0, every other
 //! rank's 2^-9 (both exact in bf16); the engine averages by the global sample count W. With
 //! `reduce_dtype` f32 the mean is exact to f32; with bf16 on the wire the collective
 //! accumulates in f32 and rounds once, so the relative error is at most 2^-8 at every W (a bf16
@@ -17,7 +18,7 @@ use std::time::Duration;
 
 /// Mean gradient per element as every rank sees it (full shard: reassembled from the shards).
 fn mean_grad(w: usize, strategy: Strategy, param: DType, reduce: DType) -> Vec<f32> {
-    let model = DotModel::new("bc05", &[("g", &[4])], vec![vec![0.0; 4]]);
+    let model = DotModel::new("bf16-reduce", &[("g", &[4])], vec![vec![0.0; 4]]);
     let mut c = PlanConfig::new(w as u64);
     c.strategy = strategy;
     c.param_dtype = param;
@@ -66,7 +67,7 @@ fn mean_grad(w: usize, strategy: Strategy, param: DType, reduce: DType) -> Vec<f
 }
 
 #[test]
-fn bc_05_bf16_reduction_accumulates_in_f32_for_world_sizes_up_to_8() {
+fn bf16_reduction_accumulates_in_f32_for_world_sizes_up_to_8() {
     for w in 2..=8usize {
         let truth = (1.0 + (w as f64 - 1.0) * 2f64.powi(-9)) / w as f64;
         for strategy in [Strategy::FullShard, Strategy::NoShard] {
@@ -88,8 +89,8 @@ fn bc_05_bf16_reduction_accumulates_in_f32_for_world_sizes_up_to_8() {
 }
 
 #[test]
-fn bc_05_true_means_of_the_case() {
-    // The case's stated values, so the formula above cannot drift.
+fn true_means_at_w_8_and_64() {
+    // The exact means at W = 8 and 64, so the formula above cannot drift.
     let t = |w: f64| (1.0 + (w - 1.0) * 2f64.powi(-9)) / w;
     assert_eq!(t(8.0), 0.126708984375);
     assert_eq!(t(64.0), 0.017547607421875);

@@ -1,5 +1,7 @@
-//! Real-world case BC-09 (PyTorch PR 104967, https://github.com/microsoft/DeepSpeed/issues/2615): frozen parameters in the
-//! same unit as trainable ones get no gradient or optimizer bytes. 10 x Linear(1000, 1000)
+//! Frozen parameters in the same unit as trainable ones get no gradient or optimizer bytes
+//! (mixing them made gradient memory as large as if nothing were frozen:
+//! <https://github.com/pytorch/pytorch/pull/104967>; freezing by lr = 0 under ZeRO still allocated
+//! both: <https://github.com/deepspeedai/DeepSpeed/issues/2615>). 10 x Linear(1000, 1000)
 //! with bias; layers 0-8 frozen, layer 9 trainable; layers 8 and 9 share a unit; W = 4; AdamW.
 
 use fsdp_planner::{plan, Architecture, ModelSpec, ParamSpec, Phase, PlanConfig, UnitSpec};
@@ -12,7 +14,7 @@ fn linear(i: usize, trainable: bool) -> Vec<ParamSpec> {
     vec![w, b]
 }
 
-fn bc09() -> ModelSpec {
+fn frozen_spec() -> ModelSpec {
     let mut units: Vec<UnitSpec> = (0..8)
         .map(|i| UnitSpec {
             name: format!("l{i}"),
@@ -26,15 +28,15 @@ fn bc09() -> ModelSpec {
         params: mixed,
     });
     ModelSpec {
-        name: "bc09".into(),
+        name: "frozen".into(),
         units,
         arch: Architecture::Generic,
     }
 }
 
 #[test]
-fn bc_09_frozen_params_get_no_grad_or_optimizer_bytes() {
-    let spec = bc09();
+fn frozen_params_get_no_grad_or_optimizer_bytes() {
+    let spec = frozen_spec();
     assert_eq!(spec.numel().0, 10_010_000);
     assert_eq!(spec.trainable_numel().0, 1_001_000);
     let p = plan(&spec, &PlanConfig::new(4)).unwrap();
@@ -50,8 +52,8 @@ fn bc_09_frozen_params_get_no_grad_or_optimizer_bytes() {
 }
 
 #[test]
-fn bc_09_mixed_unit_splits_into_trainable_and_frozen_flat_params() {
-    let p = plan(&bc09(), &PlanConfig::new(4)).unwrap();
+fn mixed_unit_splits_into_trainable_and_frozen_flat_params() {
+    let p = plan(&frozen_spec(), &PlanConfig::new(4)).unwrap();
     let u = &p.units[8];
     assert_eq!(u.flat_params.len(), 2);
     assert!(u.flat_params[0].trainable && !u.flat_params[1].trainable);

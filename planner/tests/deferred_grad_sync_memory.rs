@@ -1,14 +1,15 @@
-//! Real-world case BC-04 (meta-pytorch/tnt PR 1057): gradient accumulation with reduction only
-//! on the last micro-batch keeps unsharded gradients. 8 x Linear(1024, 1024) without bias
-//! (8,388,608 f32 parameters), Adam, W = 8, K = 4 micro-batches.
+//! Gradient accumulation with reduction only on the last micro-batch keeps unsharded gradients
+//! on every rank (<https://github.com/meta-pytorch/tnt/pull/1057>); the plan must say so.
+//! 8 x Linear(1024, 1024) without bias (8,388,608 f32 parameters), Adam, W = 8, K = 4
+//! micro-batches.
 
 use fsdp_planner::{
     plan, Architecture, GradSync, ModelSpec, ParamSpec, Phase, PlanConfig, UnitSpec,
 };
 
-fn bc04(sync: GradSync) -> fsdp_planner::ShardPlan {
+fn plan_with_sync(sync: GradSync) -> fsdp_planner::ShardPlan {
     let spec = ModelSpec {
-        name: "bc04".into(),
+        name: "accum".into(),
         units: (0..8)
             .map(|i| UnitSpec {
                 name: format!("l{i}"),
@@ -24,8 +25,8 @@ fn bc04(sync: GradSync) -> fsdp_planner::ShardPlan {
 }
 
 #[test]
-fn bc_04_sync_every_micro_batch_keeps_gradients_sharded() {
-    let p = bc04(GradSync::EveryMicroBatch);
+fn sync_every_micro_batch_keeps_gradients_sharded() {
+    let p = plan_with_sync(GradSync::EveryMicroBatch);
     assert_eq!(GradSync::default(), GradSync::EveryMicroBatch);
     let b = p.memory.phase(Phase::Backward);
     assert_eq!(b.max.grad_shards.0, 4_194_304);
@@ -48,9 +49,9 @@ fn bc_04_sync_every_micro_batch_keeps_gradients_sharded() {
 }
 
 #[test]
-fn bc_04_sync_last_micro_batch_states_unsharded_gradients() {
-    let every = bc04(GradSync::EveryMicroBatch);
-    let last = bc04(GradSync::LastMicroBatch);
+fn sync_last_micro_batch_states_unsharded_gradients() {
+    let every = plan_with_sync(GradSync::EveryMicroBatch);
+    let last = plan_with_sync(GradSync::LastMicroBatch);
     for ph in [Phase::Forward, Phase::Backward] {
         let m = last.memory.phase(ph).max;
         assert_eq!(m.unsharded_grads.0, 33_554_432, "{ph}");

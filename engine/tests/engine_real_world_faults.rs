@@ -1,8 +1,16 @@
-//! Real-world cases (shared/cases/real-world-cases.md) run through the real engine on the
-//! thread backend: BC-01 (padding: unshard, global norm sqrt(46), one AdamW step), BC-02
-//! (global-norm clipping), BC-03 (1/(W*K) exactly once), BC-09 (frozen parameters), BC-10
-//! (uneven batch counts error instead of hanging; uneven last batch weighted by real
-//! samples), BC-11 (different initial weights detected, or broadcast from rank 0).
+//! Published sharded-training faults, run through the real engine on the thread backend:
+//! * padding for sizes not divisible by the world size: unshard, global norm sqrt(46), one
+//!   AdamW step (<https://github.com/deepspeedai/DeepSpeed/pull/1380>);
+//! * clipping by the global norm, not a rank's local one
+//!   (<https://github.com/areal-project/AReaL/issues/312>);
+//! * gradient accumulation divides by W*K exactly once
+//!   (<https://github.com/NVIDIA/Megatron-LM/pull/3023>);
+//! * frozen parameters in a trainable unit (<https://github.com/pytorch/pytorch/pull/104967>);
+//! * ranks with different batch counts error instead of hanging
+//!   (<https://github.com/deepspeedai/DeepSpeed/issues/2223>), and an uneven last batch is
+//!   weighted by its real samples (<https://github.com/PsycheFoundation/nousnet/issues/274>);
+//! * different initial weights on different ranks are detected, or broadcast from rank 0
+//!   (<https://github.com/pytorch/torchtitan/issues/166>).
 
 use fsdp::error::EngineError;
 use fsdp::optim::{AdamWConfig, Optimizer, SgdConfig};
@@ -83,10 +91,11 @@ fn full_grad(shards: &[Vec<f32>]) -> Vec<f32> {
 }
 
 // ---------------------------------------------------------------------------------------
-// BC-01
+// Padding for sizes not divisible by the world size
+// (https://github.com/deepspeedai/DeepSpeed/pull/1380)
 // ---------------------------------------------------------------------------------------
 
-fn bc01_model() -> DotModel {
+fn padding_model() -> DotModel {
     let shapes: [(&str, &[u64]); 4] = [("A", &[7, 3]), ("B", &[5]), ("C", &[1, 17]), ("D", &[3])];
     let mut k = 0f32;
     let init = shapes
@@ -101,12 +110,12 @@ fn bc01_model() -> DotModel {
                 .collect()
         })
         .collect();
-    DotModel::new("bc01", &shapes, init)
+    DotModel::new("padding", &shapes, init)
 }
 
 #[test]
-fn bc_01_padding_engine_unshard_norm_sqrt46_and_one_adamw_step() {
-    let model = bc01_model();
+fn padding_engine_unshard_norm_sqrt46_and_one_adamw_step() {
+    let model = padding_model();
     let input: Vec<Vec<f32>> = model.init_params(0)[0].clone();
     for w in [1usize, 2, 3, 4, 5, 8] {
         let plan = make_plan(
@@ -193,12 +202,12 @@ fn bc_01_padding_engine_unshard_norm_sqrt46_and_one_adamw_step() {
 }
 
 // ---------------------------------------------------------------------------------------
-// BC-02
+// Clipping by the global norm (https://github.com/areal-project/AReaL/issues/312)
 // ---------------------------------------------------------------------------------------
 
 #[test]
-fn bc_02_clipping_uses_the_global_norm_at_every_world_size() {
-    let model = DotModel::new("bc02", &[("p", &[8])], vec![vec![0.0; 8]]);
+fn clipping_uses_the_global_norm_at_every_world_size() {
+    let model = DotModel::new("clip", &[("p", &[8])], vec![vec![0.0; 8]]);
     let c = [3f32, 0., 0., 0., 0., 0., 0., 4.];
     for (norm, want_norm, scale) in [(NormType::L2, 5.0, 0.2f32), (NormType::Inf, 4.0, 0.25f32)] {
         for w in [1usize, 2, 3, 4] {
@@ -250,15 +259,16 @@ fn bc_02_clipping_uses_the_global_norm_at_every_world_size() {
 }
 
 // ---------------------------------------------------------------------------------------
-// BC-03
+// Gradient accumulation scales by 1/(W*K) exactly once
+// (https://github.com/NVIDIA/Megatron-LM/pull/3023)
 // ---------------------------------------------------------------------------------------
 
 fn sample(i: usize) -> Vec<f32> {
     vec![i as f32; 4]
 }
 
-fn bc03_grads(sync: GradSync, order: [usize; 3], one_batch: bool) -> Vec<Vec<f32>> {
-    let model = DotModel::new("bc03", &[("w", &[4])], vec![vec![0.5; 4]]);
+fn accumulated_grads(sync: GradSync, order: [usize; 3], one_batch: bool) -> Vec<Vec<f32>> {
+    let model = DotModel::new("accum", &[("w", &[4])], vec![vec![0.5; 4]]);
     let k = if one_batch { 1 } else { 3 };
     let plan = make_plan(
         &model,
@@ -308,10 +318,10 @@ fn bc03_grads(sync: GradSync, order: [usize; 3], one_batch: bool) -> Vec<Vec<f32
 }
 
 #[test]
-fn bc_03_accumulation_divides_by_w_times_k_exactly_once() {
+fn accumulation_divides_by_w_times_k_exactly_once() {
     for sync in [GradSync::EveryMicroBatch, GradSync::LastMicroBatch] {
         for order in [[0, 1, 2], [2, 0, 1]] {
-            for g in bc03_grads(sync, order, false) {
+            for g in accumulated_grads(sync, order, false) {
                 assert_eq!(
                     g,
                     vec![3.5f32; 2],
@@ -320,17 +330,17 @@ fn bc_03_accumulation_divides_by_w_times_k_exactly_once() {
             }
         }
     }
-    for g in bc03_grads(GradSync::EveryMicroBatch, [0, 1, 2], true) {
+    for g in accumulated_grads(GradSync::EveryMicroBatch, [0, 1, 2], true) {
         assert_eq!(g, vec![3.5f32; 2], "K=1 with 3 samples per rank");
     }
 }
 
 // ---------------------------------------------------------------------------------------
-// BC-09
+// Frozen parameters in a trainable unit (https://github.com/pytorch/pytorch/pull/104967)
 // ---------------------------------------------------------------------------------------
 
 #[test]
-fn bc_09_frozen_params_in_a_trainable_unit_get_no_grad_state_and_stay_unchanged() {
+fn frozen_params_in_a_trainable_unit_get_no_grad_state_and_stay_unchanged() {
     let layer = |trainable| LayerDef {
         d_in: 1000,
         d_out: 1000,
@@ -339,7 +349,7 @@ fn bc_09_frozen_params_in_a_trainable_unit_get_no_grad_state_and_stay_unchanged(
     };
     let mut units: Vec<Vec<LayerDef>> = (0..8).map(|_| vec![layer(false)]).collect();
     units.push(vec![layer(false), layer(true)]);
-    let model = LinearStack::new("bc09", &units, true);
+    let model = LinearStack::new("frozen", &units, true);
     let plan = make_plan(
         &model,
         4,
@@ -422,11 +432,12 @@ fn bc_09_frozen_params_in_a_trainable_unit_get_no_grad_state_and_stay_unchanged(
 }
 
 // ---------------------------------------------------------------------------------------
-// BC-10
+// Ranks with different batch counts (https://github.com/deepspeedai/DeepSpeed/issues/2223);
+// an uneven last batch (https://github.com/PsycheFoundation/nousnet/issues/274)
 // ---------------------------------------------------------------------------------------
 
 #[test]
-fn bc_10a_a_rank_with_more_batches_errors_naming_the_mismatch_instead_of_hanging() {
+fn a_rank_with_more_batches_errors_naming_the_mismatch_instead_of_hanging() {
     let model = LinearStack::new(
         "mlp",
         &[
@@ -496,8 +507,8 @@ fn bc_10a_a_rank_with_more_batches_errors_naming_the_mismatch_instead_of_hanging
 }
 
 #[test]
-fn bc_10b_uneven_last_batch_is_weighted_by_real_samples() {
-    let model = DotModel::new("bc10", &[("w", &[2])], vec![vec![1.0; 2]]);
+fn uneven_last_batch_is_weighted_by_real_samples() {
+    let model = DotModel::new("uneven", &[("w", &[2])], vec![vec![1.0; 2]]);
     let plan = make_plan(
         &model,
         4,
@@ -534,11 +545,11 @@ fn bc_10b_uneven_last_batch_is_weighted_by_real_samples() {
 }
 
 // ---------------------------------------------------------------------------------------
-// BC-11
+// Different initial weights on different ranks (https://github.com/pytorch/torchtitan/issues/166)
 // ---------------------------------------------------------------------------------------
 
 #[test]
-fn bc_11_different_initial_weights_are_refused_or_broadcast_from_rank_0() {
+fn different_initial_weights_are_refused_or_broadcast_from_rank_0() {
     let model = LinearStack::new(
         "lin",
         &[vec![LayerDef {

@@ -1,4 +1,7 @@
-//! BC-01 (real-world-cases.md), checkpoint side: sizes not divisible by the world size.
+//! Padding for sizes not divisible by the world size, checkpoint side. DeepSpeed's ZeRO-3 fp32
+//! consolidation handled such padding wrongly
+//! (<https://github.com/deepspeedai/DeepSpeed/pull/1380>), and loading a full state dict failed
+//! for a parameter with fewer rows than ranks (<https://github.com/pytorch/pytorch/issues/136228>).
 //! Parameters `A [7,3]`, `B [5]`, `C [1,17]`, `D [3]` (46 elements, element k = k + 0.5) in
 //! the real engine at W in {1, 2, 3, 4, 5, 8}: load a full state dict into the sharded model,
 //! save a sharded checkpoint, consolidate; one AdamW step (lr 0.1, weight decay 0.1, gradient
@@ -69,7 +72,7 @@ fn consolidated(dir: &std::path::Path) -> Vec<f32> {
 }
 
 #[test]
-fn bc_01_padding_checkpoint_load_save_consolidate_every_world_size() {
+fn padding_checkpoint_load_save_consolidate_every_world_size() {
     let t = tempfile::tempdir().unwrap();
     let full_file = t.path().join("full.safetensors");
     write_full(&full_file, &full_tensors(&input()), &[]).unwrap();
@@ -77,7 +80,7 @@ fn bc_01_padding_checkpoint_load_save_consolidate_every_world_size() {
         .iter()
         .map(|(_, s)| vec![0.0; s.iter().product::<u64>() as usize])
         .collect();
-    let m = DotModel::new("bc01", &PARAMS, zeros);
+    let m = DotModel::new("padding", &PARAMS, zeros);
     for w in [1u64, 2, 3, 4, 5, 8] {
         let mut cfg = PlanConfig::new(w);
         cfg.seq_len = 1;
@@ -93,7 +96,7 @@ fn bc_01_padding_checkpoint_load_save_consolidate_every_world_size() {
                 5 => 4,
                 _ => 2,
             },
-            "W={w}: BC-01 padding"
+            "W={w}: padding of the 46 elements"
         );
         let full = read_full(&full_file).unwrap();
         let ecfg = EngineConfig {
