@@ -8,7 +8,7 @@
 #   target-gpu/nccl_conformance  engine/comm/tests/nccl_conformance.rs
 #   target-gpu/comm_unit         fsdp-comm's unit tests (NVRTC reduction source, codecs)
 #   target-gpu/nccl_bandwidth    engine/comm/benches/nccl_bandwidth.rs
-#   target-gpu/device-env.sh     library paths of the GPU machine (from ../shared/gpu)
+#   target-gpu/device-env.sh     library paths of the GPU machine ($FSDP_DEVICE_ENV)
 #   target-gpu/BUILD             commit, date, rustc of this build, whether `fsdp train` has
 #                                the engine's CUDA path (`--device`)
 # The engine rows of gpu/check.sh run target-gpu/fsdp itself (train --device cuda, launch
@@ -27,7 +27,16 @@ for f in sorted(pathlib.Path("gpu").glob("*.py")):
     compile(f.read_text(), str(f), "exec")
 PY
 PYTHONDONTWRITEBYTECODE=1 python3 -m unittest discover -s gpu -p 'test_*.py'
-eval "$(../shared/gpu/cuda-toolkit.sh)"
+# The machine's CUDA toolkit: FSDP_CUDA_ENV names a script that prints the `export` lines
+# (CUDA_HOME, PATH, LD_LIBRARY_PATH) of a CUDA 13 toolkit; FSDP_DEVICE_ENV a file with the GPU
+# machine's library paths, copied beside the executables.
+for v in FSDP_CUDA_ENV FSDP_DEVICE_ENV; do
+  if [ -z "${!v:-}" ] || [ ! -f "${!v}" ]; then
+    echo "gpu/build.sh: set $v to an existing file (see gpu/README.md)" >&2
+    exit 2
+  fi
+done
+eval "$(bash "$FSDP_CUDA_ENV")"
 export CARGO_TARGET_DIR=$PWD/target-cuda
 nice -n 19 cargo build --release --features cuda -p fsdp
 # Test and bench executables (release profile: strip = true), found through cargo's JSON.
@@ -55,7 +64,7 @@ cp "$(exe fsdp_kernels lib)" target-gpu/kernels_unit
 cp "$(exe nccl_conformance test)" target-gpu/nccl_conformance
 cp "$(exe fsdp_comm lib)" target-gpu/comm_unit
 cp "$(exe nccl_bandwidth bench)" target-gpu/nccl_bandwidth
-cp ../shared/gpu/device-env.sh target-gpu/
+cp "$FSDP_DEVICE_ENV" target-gpu/device-env.sh
 # Does this fsdp have the engine's CUDA path? (Run here against the toolkit's libcuda stub: no
 # device is touched by --help.) Without it check.sh marks the engine rows NOT RUN.
 stub=$(mktemp -d)
