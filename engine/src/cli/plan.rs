@@ -326,15 +326,22 @@ pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
     if let Some(o) = &args.output {
         super::ckpt::check_output_file("-o", o)?;
     }
-    let spec = model_from_args(&args)?;
-    // A Llama-family model with a sliding window (Mistral) trains only within it: the default
-    // sequence stays inside, and a longer one is refused as `fsdp train` refuses it.
+    // The model `fsdp train` would run (one read of a --hf-config): a Llama-family model with
+    // a sliding window (Mistral) trains only within it, so the default sequence stays inside
+    // and a longer one is refused as `fsdp train` refuses it.
     let decoder = match &args.hf_config {
-        Some(p) => crate::model::decoder::Decoder::from_hf_config(p).ok(),
+        Some(p) => Some(
+            crate::model::decoder::Decoder::from_hf_config(p)
+                .map_err(|e| CliError::Usage(e.to_string()))?,
+        ),
         None => args
             .model
             .as_deref()
             .and_then(|m| crate::model::decoder::Decoder::from_preset(m).ok()),
+    };
+    let spec = match (&args.hf_config, &decoder) {
+        (Some(_), Some(d)) => crate::runtime::StagedModel::spec(d).clone(),
+        _ => model_from_args(&args)?,
     };
     let window = decoder
         .as_ref()
