@@ -22,18 +22,16 @@ pub enum Strategy {
     ShardGradOp,
     /// `S = 1`: every rank holds everything; gradients are all-reduced (DDP).
     NoShard,
-    /// `S = W`, optimizer-state sharding only (ZeRO-1, Rajbhandari et al. 2020 sec. 5.1,
-    /// `P_os`; DeepSpeed stage 1): parameters are replicated and stay unsharded in
-    /// `param_dtype` for the whole step (`pd * P` bytes per rank), the unsharded gradient
-    /// buffer (`rd * P_T` bytes) is alive the whole step and accumulates every micro-batch;
-    /// after the last micro-batch's backward each unit's gradient is reduce-scattered in place
-    /// (rank `r` keeps the reduced slice `[r*s_f, (r+1)*s_f)` of its own buffer) instead of
-    /// DDP's all-reduce; the f32 master shard and the optimizer state are sharded over the
-    /// world (`(4 + 8) * s` with AdamW), and after the optimizer step each rank writes its
-    /// updated shard, cast to `param_dtype`, into its slice of the replicated parameters,
-    /// which an in-place all-gather makes whole again. Model states per rank:
-    /// `pd*P + rd*P_T + 12*s` = the paper's `2Psi + 2Psi + 12Psi/N` with bf16.
-    /// Planned only: the `fsdp` engine refuses to execute it.
+    /// `S = W`, optimizer-state sharding (ZeRO-1, Rajbhandari et al. 2020 sec. 5.1, `P_os`;
+    /// DeepSpeed stage 1): parameters are replicated: every unit is all-gathered at the start
+    /// of a step and stays unsharded in `param_dtype` through forward, backward and the
+    /// optimizer step (`pd * P` bytes per rank), so a step gathers once instead of once per
+    /// unit use. Gradients are reduced once per step, after the last micro-batch (with
+    /// accumulation they accumulate unsharded in f32 until then, whatever `grad_sync` says):
+    /// each unit's gradient is reduce-scattered into the rank's f32 gradient shard, and the
+    /// rank steps the optimizer on its shard of the f32 master weights and optimizer state;
+    /// the updated shards are all-gathered back into the replicated parameters at the next
+    /// step's start. Model states per rank: `pd*P + 16*s` with AdamW.
     ShardOptimizer,
     /// Full shard inside groups of `shard_size` ranks, replicated across `W / shard_size`
     /// groups (FSDP HYBRID_SHARD).
@@ -209,6 +207,69 @@ impl FromStr for ActivationModel {
     }
 }
 
+/// Where the fp32 master shards, the optimizer state and (optionally) the parameter shards live
+/// when the compute device is not the host (ZeRO-Offload, Ren et al. 2021, "ZeRO-Offload:
+/// Democratizing Billion-Scale Model Training"; PyTorch FSDP2's `CPUOffloadPolicy`;
+/// DeepSpeed's `offload_optimizer` / `offload_param`).
+///
+/// Under `Optimizer`, each rank's f32 master shards, f32 gradient shards and optimizer state
+/// are in host memory and the optimizer step runs on the CPU; the device keeps one
+/// `param_dtype` copy of the parameter shards (the all-gather input), refreshed from the
+/// host after every step. Under `Params`, that device copy goes too: each unit's shard is cast
+/// on the host and copied into its block of the device's all-gather buffer just before the
+/// all-gather. Both keep one reusable host staging buffer for the copies (the largest flat
+/// parameter's shard in the wider of `param_dtype` and `reduce_dtype`), as pinned-memory
+/// engines do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Offload {
+    /// Everything on the compute device (the default).
+    #[default]
+    None,
+    /// Master weights, gradient shards and optimizer state in host memory; the optimizer step
+    /// on the CPU.
+    Optimizer,
+    /// As `Optimizer`, and the parameter shards too: nothing sharded stays on the device.
+    Params,
+}
+
+impl Offload {
+    /// The command-line and JSON name: `none`, `optimizer` or `params`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Offload::None => "none",
+            Offload::Optimizer => "optimizer",
+            Offload::Params => "params",
+        }
+    }
+
+    /// Whether anything is offloaded (`Optimizer` or `Params`).
+    pub fn is_some(&self) -> bool {
+        *self != Offload::None
+    }
+}
+
+impl fmt::Display for Offload {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Offload {
+    type Err = PlanError;
+    /// Reads `none`, `optimizer` or `params`.
+    fn from_str(s: &str) -> Result<Self, PlanError> {
+        match s {
+            "none" => Ok(Offload::None),
+            "optimizer" => Ok(Offload::Optimizer),
+            "params" => Ok(Offload::Params),
+            _ => Err(PlanError::InvalidConfig(format!(
+                "unknown offload `{s}` (expected none, optimizer or params)"
+            ))),
+        }
+    }
+}
+
 /// The activation-checkpointing default of a strategy when the config does not set it: off
 /// for every strategy, as in PyTorch FSDP2, where resharding after forward frees parameters
 /// only and recompute is opt-in. (Before the setting existed, full shard and hybrid always
@@ -269,6 +330,15 @@ pub struct PlanConfig {
     /// of the serialized config (and the fingerprint) when `None`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub activation_checkpointing: Option<bool>,
+    /// What lives in host memory ([`Offload`]); `None` = not set: no offload, except that
+    /// `Strategy::Auto` may choose it as the last resort before "does not fit". Left out of
+    /// the serialized config (and the fingerprint) when `None` or `Some(Offload::None)`.
+    #[serde(default, skip_serializing_if = "offload_is_default")]
+    pub offload: Option<Offload>,
+}
+
+fn offload_is_default(o: &Option<Offload>) -> bool {
+    o.is_none_or(|o| !o.is_some())
 }
 
 impl PlanConfig {
@@ -291,6 +361,35 @@ impl PlanConfig {
             device_memory: None,
             activations: ActivationModel::Fused,
             activation_checkpointing: None,
+            offload: None,
+        }
+    }
+
+    /// The offload in effect: the explicit [`PlanConfig::offload`], else none.
+    pub fn offload_mode(&self) -> Offload {
+        self.offload.unwrap_or_default()
+    }
+
+    /// Refuses an offload that makes no sense under `strategy`: anything offloaded with
+    /// no-shard at more than one rank (every rank would keep a whole copy of the master
+    /// weights and optimizer state in host memory: shard them first), and parameter offload
+    /// with no-shard or shard-optimizer (both keep the unsharded parameters on the device all
+    /// step, so there is nothing to move).
+    ///
+    /// Errors: `InvalidConfig` naming the strategy and what to use instead.
+    pub fn check_offload(&self, strategy: Strategy) -> Result<(), PlanError> {
+        let o = self.offload_mode();
+        match strategy {
+            Strategy::NoShard if o.is_some() && self.world_size > 1 => Err(PlanError::InvalidConfig(format!(
+                "--offload {o} with no-shard at {} ranks makes no sense: every rank would keep a whole copy of the master weights and optimizer state in host memory; use --strategy shard-optimizer, shard-grad-op or full-shard with --offload",
+                self.world_size
+            ))),
+            Strategy::NoShard | Strategy::ShardOptimizer if o == Offload::Params => {
+                Err(PlanError::InvalidConfig(format!(
+                    "--offload params with {strategy} makes no sense: {strategy} keeps the unsharded parameters on the device all step, so there is no parameter shard to move; use --offload optimizer, or --strategy full-shard / shard-grad-op with --offload params"
+                )))
+            }
+            _ => Ok(()),
         }
     }
 
@@ -358,6 +457,7 @@ impl PlanConfig {
                 )));
             }
         }
+        self.check_offload(self.strategy)?;
         if self.strategy == Strategy::Auto && self.device_memory.is_none() {
             return Err(PlanError::InvalidConfig(
                 "strategy `auto` needs a device memory budget (--device-memory)".into(),

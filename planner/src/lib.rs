@@ -6,7 +6,7 @@
 //! executes this plan and never invents layout at run time.
 //!
 //! Key design decision: the memory plan is not an estimate of model states but a ledger the
-//! engine must match byte for byte (`MEMORY-CONTRACT.md`); only activations are estimated
+//! engine must match byte for byte (the `memory` module); only activations are estimated
 //! (Korthikanti et al. 2022). Readers of model descriptions (`hf`) are the only code that does
 //! I/O, and they only produce a `ModelSpec`.
 
@@ -23,7 +23,7 @@ pub mod report;
 pub mod schedule;
 pub mod spec;
 
-pub use config::{ActivationModel, GradSync, Optimizer, PlanConfig, Strategy};
+pub use config::{ActivationModel, GradSync, Offload, Optimizer, PlanConfig, Strategy};
 pub use error::PlanError;
 pub use layout::{layout_units, FlatParamLayout, Segment, ShardSlice, ShardSpan, UnitLayout};
 pub use memory::{Category, CategoryBytes, MemoryPlan, Phase, PhaseMemory, TimelinePoint};

@@ -1,32 +1,35 @@
 //! `MemoryPlan`: bytes per rank, per schedule position, per category, following
-//! `MEMORY-CONTRACT.md` exactly; and the activation estimate.
+//! the contract below exactly; and the activation estimate.
 //!
 //! Notation (per rank): for each flat parameter `f`, `P_f` = padded numel, `s_f = P_f / S`;
 //! `T` = trainable flat params, `A` = all flat params; `pd`, `rd` = bytes of param_dtype and
 //! reduce_dtype. Every rank of a plan holds the same bytes, because all shards of a flat
 //! parameter have the same length `s_f` (padding makes them equal).
 //!
-//! **Shard-optimizer (ZeRO-1, Rajbhandari et al. 2020 sec. 5.1, Figure 1 `P_os`)** in these
-//! categories (a schedule with `replicated` set), at every point of the step, forward,
-//! backward and optimizer step alike:
-//! - `unsharded_params` = `pd * sum_A P_f`: the replicated parameters (paper: `2Psi` fp16
-//!   parameters), never freed; 0 when `S == 1` and param_dtype is f32 (the shard is the
-//!   parameter, as for every strategy);
-//! - `unsharded_grads` = `rd * sum_T P_f`: the replicated gradient buffer (paper: `2Psi` fp16
-//!   gradients), accumulating every micro-batch and reduced once, after the last
-//!   micro-batch's backward, whatever `grad_sync` says (sync every micro-batch would only add
-//!   communication: the buffer is unsharded anyway);
-//! - `staging` = 0: each flat gradient is reduce-scattered in place, rank `r`'s reduced shard
-//!   being the slice `[r*s_f, (r+1)*s_f)` of its own buffer, which the optimizer reads;
-//! - `grad_shards` = 0 (no f32 gradient shard: the optimizer upcasts the reduced slice) and
-//!   `param_shards_low_precision` = 0 (the updated master shard is cast straight into this
-//!   rank's slice of the replicated parameters, then all-gathered in place);
-//! - `param_shards` = `4 * sum_A s_f` and `optimizer_state` as for every strategy (paper:
-//!   `K Psi / N`, K = 12 with AdamW).
+//! **Shard-optimizer (ZeRO-1, Rajbhandari et al. 2020 sec. 5.1, `P_os`)** in these categories
+//! (a schedule with `replicated` set): the parameters are replicated: every unit is
+//! all-gathered at the first forward position of a step and stays unsharded through forward,
+//! backward and the optimizer step (`unsharded_params` = `pd * sum_A P_f` at every point,
+//! 0 when `S == 1` and param_dtype is f32: the shard is the parameter). Gradients are reduced
+//! once per step, after the last micro-batch's backward, whatever `grad_sync` says (DeepSpeed
+//! stage 1 reduces at the accumulation boundary): with accumulation the unsharded f32
+//! gradients of every trainable unit accumulate all step (`4 * sum_T P_f`, as under
+//! `grad_sync = last`), without it each unit's `rd` gradient lives from its backward to its
+//! reduce-scatter. Each reduce-scatter lands in a staging shard and is added into the f32
+//! gradient shard (`grad_shards` = `4 * sum_T s_f`), which the optimizer reads; so the
+//! gradients are replicated while they are produced and sharded once reduced. `param_shards`
+//! and `optimizer_state` are sharded as for every strategy. Model states per rank:
+//! `pd*P + 16*s` with AdamW (the paper's `2Psi + 2Psi + 12Psi/N` holds a replicated 2-byte
+//! gradient all step instead of the f32 gradient shard).
 //!
-//! So [`MemoryPlan::model_states`] = `pd*P + rd*P_T + (4 + 8)*s` = the paper's
-//! `2Psi + 2Psi + 12Psi/N` with bf16 params and reduce dtype, exact up to padding.
-
+//! **Offload** ([`crate::Offload`]; Ren et al. 2021, ZeRO-Offload): each point has two
+//! memories, the compute device's ([`TimelinePoint::bytes`]) and the host's
+//! ([`TimelinePoint::host`]). Offloaded, the f32 master shards, the f32 gradient shards and the
+//! optimizer state are host bytes, and so is one reusable staging buffer for the copies,
+//! `max_f max(pd * s_f, rd * s_f [trainable])` bytes; the device keeps the `param_dtype`
+//! parameter shards (`param_shards_low_precision` = `pd * sum_A s_f`, the all-gather input)
+//! under `optimizer`, nothing sharded under `params`. The host side is the same at every point
+//! of the step. Without offload the host side is zero and every byte is the device's.
 //!
 //! **Mixed precision** (`param_dtype` bf16/f16, fp32 master weights; Micikevicius et al. 2018,
 //! "Mixed Precision Training"): the all-gather moves `pd`-byte elements, cast from the master
@@ -41,7 +44,7 @@
 //! gradients; each such backward step has two timeline points: while computing (the previous
 //! unit's send buffer and staging still in flight) and after starting its own reduction.
 
-use crate::config::{ActivationModel, GradSync, PlanConfig};
+use crate::config::{ActivationModel, GradSync, Offload, PlanConfig};
 use crate::layout::UnitLayout;
 use crate::schedule::{Schedule, ScheduleStep, UseRole};
 use crate::spec::{Architecture, Gpt2Config, LlamaConfig};
@@ -67,11 +70,11 @@ pub enum Category {
     /// All-gather outputs alive: `pd * P_unit` per unsharded unit (shard-optimizer: the
     /// replicated parameters, every unit all step).
     UnshardedParams,
-    /// Unsharded flat gradients (transient per unit, persistent f32 under sync-last, or the
-    /// replicated `rd` buffer of every trainable unit all step under shard-optimizer).
+    /// Unsharded flat gradients (transient per unit, or persistent f32 while they accumulate
+    /// under sync-last and under shard-optimizer with accumulation).
     UnshardedGrads,
-    /// Reduce-scatter outputs: `rd * s_f` of the unit being reduced (0 when S == 1, and under
-    /// shard-optimizer, whose reduce-scatter runs in place).
+    /// Reduce-scatter outputs: `rd * s_f` of the unit being reduced (0 when S == 1). On the
+    /// host side under offload: the reusable copy buffer.
     Staging,
     /// Estimated activations (not part of the exact ledger).
     Activations,
@@ -154,6 +157,11 @@ impl CategoryBytes {
         }
     }
 
+    /// Whether every category is 0.
+    pub fn is_zero(&self) -> bool {
+        self.total() == Bytes(0)
+    }
+
     /// Sum of all categories, activations included.
     pub fn total(&self) -> Bytes {
         Category::ALL.iter().map(|&c| self.get(c)).sum()
@@ -223,8 +231,12 @@ pub struct TimelinePoint {
     pub step: usize,
     /// Label of the unit use computing (`h.3`, `root (head)`, `all shards` for the optimizer).
     pub label: String,
-    /// Bytes per category.
+    /// Bytes per category on the compute device (all of them without offload).
     pub bytes: CategoryBytes,
+    /// Bytes per category in host memory beside the device (offload; zero without it, and
+    /// then left out of the JSON).
+    #[serde(default, skip_serializing_if = "CategoryBytes::is_zero")]
+    pub host: CategoryBytes,
 }
 
 /// Peak bytes of one phase: the categories at the position of the phase's total peak
@@ -243,6 +255,10 @@ pub struct PhaseMemory {
     pub peak_unit: String,
     /// Micro-batch of the peak.
     pub peak_micro_batch: u64,
+    /// Host bytes per category, maximum over the phase (offload; zero without it, and then
+    /// left out of the JSON).
+    #[serde(default, skip_serializing_if = "CategoryBytes::is_zero")]
+    pub host_max: CategoryBytes,
 }
 
 /// The memory plan of one rank (all ranks of a plan are identical; see the module doc).
@@ -256,14 +272,24 @@ pub struct MemoryPlan {
     pub peak_phase: Phase,
     /// Unit use computing at the overall peak.
     pub peak_unit: String,
-    /// Model states per rank: the bytes held for the whole step, i.e. the optimizer step's
-    /// ledger total. For every sharding strategy that is [`CategoryBytes::model_states`]
-    /// (param shards, low-precision shards, grad shards, optimizer state); under
-    /// shard-optimizer (ZeRO-1) it also counts the replicated `unsharded_params` and
-    /// `unsharded_grads`, alive all step (see the module doc).
+    /// Model states per rank on the device: the bytes held for the whole step, i.e. the
+    /// optimizer step's ledger total. For every sharding strategy that is
+    /// [`CategoryBytes::model_states`] (param shards, low-precision shards, grad shards,
+    /// optimizer state); under shard-optimizer (ZeRO-1) it also counts the replicated
+    /// `unsharded_params`, alive all step (see the module doc). Offloaded states are in
+    /// [`MemoryPlan::host_peak`] instead.
     pub model_states: Bytes,
     /// Every schedule position of one step.
     pub timeline: Vec<TimelinePoint>,
+    /// Host bytes per rank beside the device (offload: master and gradient shards, optimizer
+    /// state, the staging buffer; the same at every point). 0 without offload, and then left
+    /// out of the JSON.
+    #[serde(default, skip_serializing_if = "is_zero_bytes")]
+    pub host_peak: Bytes,
+}
+
+fn is_zero_bytes(b: &Bytes) -> bool {
+    b.0 == 0
 }
 
 impl MemoryPlan {
@@ -642,22 +668,38 @@ pub fn memory_plan(
     let shard_t: u64 = sums.iter().map(|s| s.shard_trainable).sum();
     let padded_t: u64 = sums.iter().map(|s| s.padded_trainable).sum();
 
-    // Shard-optimizer (ZeRO-1): params and grads replicated all step (see the module doc).
+    // Shard-optimizer (ZeRO-1): params replicated all step (see the module doc).
     let replicated = schedule.replicated;
-    let persistent = CategoryBytes {
+    let states = CategoryBytes {
         param_shards: Bytes(4 * shard_all),
         // No persistent low-precision copy: each unshard casts the fp32 master shard straight
         // into this rank's block of the param_dtype all-gather buffer (in-place all-gather).
         param_shards_low_precision: Bytes(0),
-        grad_shards: if replicated {
-            Bytes(0)
-        } else {
-            Bytes(4 * shard_t)
-        },
+        grad_shards: Bytes(4 * shard_t),
         optimizer_state: Bytes(cfg.optimizer.state_bytes_per_element() * shard_t),
         ..Default::default()
     };
-    let no_copy = shard_size == 1 && cfg.param_dtype == DType::F32;
+    let offload = cfg.offload_mode();
+    let (persistent, host) = match offload {
+        Offload::None => (states, CategoryBytes::default()),
+        o => {
+            let device = CategoryBytes {
+                param_shards_low_precision: if o == Offload::Optimizer {
+                    Bytes(pd * shard_all)
+                } else {
+                    Bytes(0)
+                },
+                ..Default::default()
+            };
+            let mut host = states;
+            host.staging = Bytes(host_staging_bytes(units, cfg));
+            (device, host)
+        }
+    };
+    // The shard is the parameter (no gathered copy) with one shard of f32, unless the
+    // parameter shard is in host memory.
+    let no_copy =
+        shard_size == 1 && cfg.param_dtype == DType::F32 && offload != Offload::Params;
     let unsharded = |alive: &[usize]| -> Bytes {
         if no_copy {
             Bytes(0)
@@ -702,10 +744,8 @@ pub fn memory_plan(
         graph + acts[i].backward + acts[i].output
     };
 
-    // Under shard-optimizer the replicated rd buffer itself accumulates (no f32 copy).
-    let sync_last = cfg.grad_sync == GradSync::LastMicroBatch && cfg.grad_accum > 1 && !replicated;
+    let sync_last = defers_grad_sync(cfg, schedule, cfg.grad_accum);
     let all_units: Vec<usize> = (0..units.len()).collect();
-    let replicated_grads = Bytes(rd * padded_t);
     let persistent_grads = Bytes(4 * padded_t);
     let micro_batches: Vec<u64> = if cfg.grad_accum > 1 {
         vec![0, cfg.grad_accum - 1]
@@ -748,9 +788,6 @@ pub fn memory_plan(
             b.unsharded_params = unsharded(&st.alive);
             if sync_last {
                 b.unsharded_grads = persistent_grads;
-            }
-            if replicated {
-                b.unsharded_grads = replicated_grads;
             }
             b.activations = fwd_act(k);
             timeline.push(point(mb, Phase::Forward, k, st, b));
@@ -803,10 +840,7 @@ pub fn memory_plan(
                         .sum::<u64>(),
                 );
             }
-            if replicated {
-                // grads_alive holds every trainable unit; reduced in place: no staging.
-                b.unsharded_grads = replicated_grads;
-            } else if reduce_now && shard_size > 1 {
+            if reduce_now && shard_size > 1 {
                 b.staging = Bytes(rd * sums[st.unit].shard_trainable);
             }
             b.activations = bwd_act(m - 1 - k);
@@ -816,7 +850,6 @@ pub fn memory_plan(
     let mut opt_bytes = persistent;
     if replicated {
         opt_bytes.unsharded_params = unsharded(&all_units);
-        opt_bytes.unsharded_grads = replicated_grads;
     }
     timeline.push(TimelinePoint {
         micro_batch: cfg.grad_accum - 1,
@@ -824,15 +857,21 @@ pub fn memory_plan(
         step: 0,
         label: "all shards".into(),
         bytes: opt_bytes,
+        host,
     });
+    for t in &mut timeline {
+        t.host = host;
+    }
 
     let phases: Vec<PhaseMemory> = [Phase::Forward, Phase::Backward, Phase::OptimizerStep]
         .into_iter()
         .map(|ph| {
             let mut best: Option<&TimelinePoint> = None;
             let mut max = CategoryBytes::default();
+            let mut host_max = CategoryBytes::default();
             for p in timeline.iter().filter(|p| p.phase == ph) {
                 max.max_with(&p.bytes);
+                host_max.max_with(&p.host);
                 if best.is_none_or(|b| p.bytes.total() > b.bytes.total()) {
                     best = Some(p);
                 }
@@ -845,6 +884,7 @@ pub fn memory_plan(
                 peak_total: best.bytes.total(),
                 peak_unit: best.label.clone(),
                 peak_micro_batch: best.micro_batch,
+                host_max,
             }
         })
         .collect();
@@ -859,7 +899,37 @@ pub fn memory_plan(
         model_states: opt_bytes.ledger_total(),
         phases,
         timeline,
+        host_peak: host.total(),
     }
+}
+
+/// Bytes of the reusable host staging buffer of an offloaded rank: the largest flat
+/// parameter's shard in `param_dtype` (cast on the host, then copied to the device) or, for a
+/// trainable one, in `reduce_dtype` (its reduced gradient shard copied from the device).
+pub fn host_staging_bytes(units: &[UnitLayout], cfg: &PlanConfig) -> u64 {
+    let pd = cfg.param_dtype.size_bytes();
+    let rd = cfg.reduce_dtype.size_bytes();
+    units
+        .iter()
+        .flat_map(|u| &u.flat_params)
+        .map(|f| {
+            let s = f.shard_numel().0;
+            if f.trainable {
+                pd.max(rd) * s
+            } else {
+                pd * s
+            }
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// Whether gradients of a step of `micro_batches` micro-batches accumulate unsharded (in f32)
+/// and are reduced once, after the last micro-batch's backward: under `grad_sync = last`, and
+/// always under the replicated shard-optimizer schedule, with more than one micro-batch. The
+/// memory plan and the engine both decide with this function.
+pub fn defers_grad_sync(cfg: &PlanConfig, schedule: &Schedule, micro_batches: u64) -> bool {
+    micro_batches > 1 && (cfg.grad_sync == GradSync::LastMicroBatch || schedule.replicated)
 }
 
 fn point(
@@ -875,5 +945,6 @@ fn point(
         step: k,
         label: st.label.clone(),
         bytes,
+        host: CategoryBytes::default(),
     }
 }

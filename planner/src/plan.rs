@@ -1,5 +1,6 @@
 //! `plan(spec, config) -> ShardPlan`: the pure, deterministic heart of the planner.
 
+use crate::config::Offload;
 use crate::config::{PlanConfig, Strategy};
 use crate::error::PlanError;
 use crate::layout::{layout_units, UnitLayout};
@@ -283,6 +284,9 @@ pub fn plan(spec: &ModelSpec, cfg: &PlanConfig) -> Result<ShardPlan, PlanError> 
             ..cfg.clone()
         };
         for &s in &strategies {
+            if c.check_offload(s).is_err() {
+                continue;
+            }
             let p = plan_with(spec, &c, s, None)?;
             let name = label(s, ckpt);
             if p.memory.peak <= budget {
@@ -306,6 +310,34 @@ pub fn plan(spec: &ModelSpec, cfg: &PlanConfig) -> Result<ShardPlan, PlanError> 
             last = Some((p, c.clone()));
         }
     }
+    // The last resort before "does not fit": the least-memory strategy with its master weights
+    // and optimizer state (then its parameter shards too) in host memory.
+    if cfg.offload.is_none() {
+        for offload in [Offload::Optimizer, Offload::Params] {
+            let c = PlanConfig {
+                offload: Some(offload),
+                activation_checkpointing: Some(cfg.activation_checkpointing.unwrap_or(true)),
+                ..cfg.clone()
+            };
+            let s = Strategy::FullShard;
+            let p = plan_with(spec, &c, s, None)?;
+            let name = format!(
+                "{} with --offload {offload}",
+                label(s, c.activation_checkpointing)
+            );
+            if p.memory.peak <= budget {
+                let why = format!(
+                    "{name} is the only way it fits: device peak {} of {budget} ({} free), {} in host memory per rank; without offload nothing fits: {}",
+                    p.memory.peak,
+                    budget - p.memory.peak,
+                    p.memory.host_peak,
+                    rejected.join(", ")
+                );
+                return plan_with(spec, &c, s, Some(why));
+            }
+            rejected.push(format!("{name} needs {}", p.memory.peak));
+        }
+    }
     let (p, c) = last.expect("at least one candidate");
     let why = format!(
         "nothing fits in {budget}: {}; keeping {} (the least memory), over by {}",
@@ -322,6 +354,7 @@ fn plan_with(
     strategy: Strategy,
     auto_reason: Option<String>,
 ) -> Result<ShardPlan, PlanError> {
+    cfg.check_offload(strategy)?;
     let w = cfg.world_size;
     let shard_size = strategy.shard_size(w).expect("resolved strategy");
     let units = layout_units(spec, shard_size, cfg.alignment)?;
@@ -352,6 +385,7 @@ fn plan_with(
     // fingerprint.
     let fp_config = PlanConfig {
         activation_checkpointing: None,
+        offload: cfg.offload.filter(|o| o.is_some()),
         ..cfg.clone()
     };
     let input = FingerprintInput {

@@ -94,7 +94,7 @@ pub fn render_table(plan: &ShardPlan, fit: Option<&FitReport>) -> String {
         "strategy   {}{}{}",
         plan.strategy,
         if plan.schedule.replicated {
-            "; params and grads replicated all step, optimizer state and master weights sharded"
+            "; params replicated all step, gradients reduce-scattered once per step, optimizer state and master weights sharded"
         } else if plan.schedule.reshard_after_forward {
             "; reshard after forward"
         } else {
@@ -148,6 +148,21 @@ pub fn render_table(plan: &ShardPlan, fit: Option<&FitReport>) -> String {
             }
         }
     );
+    match c.offload_mode() {
+        crate::config::Offload::None => {}
+        crate::config::Offload::Optimizer => {
+            let _ = writeln!(
+                o,
+                "offload    optimizer: f32 master and gradient shards and optimizer state in host memory, optimizer step on the CPU; param_dtype shards on the device"
+            );
+        }
+        crate::config::Offload::Params => {
+            let _ = writeln!(
+                o,
+                "offload    params: f32 master and gradient shards, optimizer state and the parameter shards in host memory; each shard copied to the device for its all-gather"
+            );
+        }
+    }
     let _ = writeln!(o, "fingerprint {}", plan.fingerprint);
     let _ = writeln!(o);
 
@@ -208,9 +223,11 @@ pub fn render_table(plan: &ShardPlan, fit: Option<&FitReport>) -> String {
     let _ = writeln!(o);
 
     let m = &plan.memory;
+    let offloaded = m.host_peak.0 > 0;
     let _ = writeln!(
         o,
-        "memory per rank (every rank holds the same bytes), at each phase's peak:"
+        "{}memory per rank (every rank holds the same bytes), at each phase's peak:",
+        if offloaded { "device " } else { "" }
     );
     let _ = writeln!(
         o,
@@ -250,6 +267,20 @@ pub fn render_table(plan: &ShardPlan, fit: Option<&FitReport>) -> String {
         m.peak_unit,
         m.model_states
     );
+    if offloaded {
+        let host = m.phase(Phase::OptimizerStep).host_max;
+        let parts: Vec<String> = Category::ALL
+            .iter()
+            .filter(|&&c| host.get(c).0 > 0)
+            .map(|&c| format!("{} {}", c.name(), host.get(c)))
+            .collect();
+        let _ = writeln!(
+            o,
+            "host       {} per rank in host memory, the same all step ({})",
+            m.host_peak,
+            parts.join(", ")
+        );
+    }
     let _ = writeln!(
         o,
         "init       {} to initialise or load weights (model states + one shard in transit + a {} read buffer)",
@@ -333,17 +364,23 @@ pub fn render_json(plan: &ShardPlan, fit: Option<&FitReport>) -> serde_json::Val
         .map(|p| {
             (
                 p.phase.name().to_string(),
-                serde_json::json!({
-                    "at_peak": p.at_peak,
-                    "max": p.max,
-                    "peak_total": p.peak_total,
-                    "peak_unit": p.peak_unit,
-                    "peak_micro_batch": p.peak_micro_batch,
-                }),
+                {
+                    let mut v = serde_json::json!({
+                        "at_peak": p.at_peak,
+                        "max": p.max,
+                        "peak_total": p.peak_total,
+                        "peak_unit": p.peak_unit,
+                        "peak_micro_batch": p.peak_micro_batch,
+                    });
+                    if !p.host_max.is_zero() {
+                        v["host_max"] = serde_json::json!(p.host_max);
+                    }
+                    v
+                },
             )
         })
         .collect();
-    serde_json::json!({
+    let mut doc = serde_json::json!({
         "schema": SCHEMA,
         "model": {
             "name": plan.model,
@@ -376,7 +413,11 @@ pub fn render_json(plan: &ShardPlan, fit: Option<&FitReport>) -> serde_json::Val
             "timeline": m.timeline,
         },
         "fit": fit,
-    })
+    });
+    if m.host_peak.0 > 0 {
+        doc["memory"]["host_peak"] = serde_json::json!(m.host_peak);
+    }
+    doc
 }
 
 /// Fill colours of the SVG stack, one per category in [`Category::ALL`] order.
@@ -414,10 +455,12 @@ fn nice_step(max: f64, n: f64) -> f64 {
 /// as a red dashed line and the peak marked.
 pub fn render_svg(plan: &ShardPlan) -> String {
     let tl = &plan.memory.timeline;
-    let (w, h) = (1200.0f64, 620.0f64);
+    let host_peak = plan.memory.host_peak;
+    let host_panel = if host_peak.0 > 0 { 120.0 } else { 0.0 };
+    let (w, h) = (1200.0f64, 620.0f64 + host_panel);
     let (left, right, top, bottom) = (90.0, 250.0, 70.0, 90.0);
     let pw = w - left - right;
-    let ph = h - top - bottom;
+    let ph = h - host_panel - top - bottom;
     let budget = plan.config.device_memory;
     let gib = (1u64 << 30) as f64;
     let (unit, unit_name) = if plan.memory.peak.0.max(budget.map_or(0, |b| b.0)) as f64 >= gib {
@@ -440,8 +483,13 @@ pub fn render_svg(plan: &ShardPlan) -> String {
     );
     let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
     let title = format!(
-        "{}: memory per rank over one step, {}, world {} (shard {} x replicate {})",
-        plan.model, plan.strategy, plan.config.world_size, plan.shard_size, plan.replicate_size
+        "{}: {}memory per rank over one step, {}, world {} (shard {} x replicate {})",
+        plan.model,
+        if host_panel > 0.0 { "device " } else { "" },
+        plan.strategy,
+        plan.config.world_size,
+        plan.shard_size,
+        plan.replicate_size
     );
     let _ = writeln!(
         s,
@@ -636,6 +684,47 @@ pub fn render_svg(plan: &ShardPlan) -> String {
             yy + 26.0,
             peak_point.get(*cat)
         );
+    }
+    // Host memory (offload): one stacked bar, the same all step.
+    if host_panel > 0.0 {
+        let host = plan.memory.phase(Phase::OptimizerStep).host_max;
+        let y0 = h - host_panel + 10.0;
+        let _ = writeln!(
+            s,
+            r#"<text x="{left}" y="{y0:.1}" font-size="13" font-weight="bold">{}</text>"#,
+            esc(&format!(
+                "host memory per rank (--offload {}): {}, the same all step",
+                plan.config.offload_mode(),
+                host_peak
+            ))
+        );
+        let mut x = left;
+        for (ci, cat) in Category::ALL.iter().enumerate() {
+            let v = host.get(*cat);
+            if v.0 == 0 {
+                continue;
+            }
+            let ww = pw * v.0 as f64 / host_peak.0 as f64;
+            let _ = writeln!(
+                s,
+                r#"<rect x="{x:.2}" y="{:.1}" width="{ww:.2}" height="34" fill="{}"><title>host {}: {}</title></rect>"#,
+                y0 + 12.0,
+                COLOURS[ci],
+                cat.name(),
+                v
+            );
+            if ww > 90.0 {
+                let _ = writeln!(
+                    s,
+                    r#"<text x="{:.1}" y="{:.1}" font-size="11">{} {}</text>"#,
+                    x + 4.0,
+                    y0 + 64.0,
+                    cat.name(),
+                    v
+                );
+            }
+            x += ww;
+        }
     }
     let _ = writeln!(s, "</svg>");
     s

@@ -6,7 +6,7 @@
 //! unit, holding a tied parameter, as `gpt2_spec` builds it) which is used first (embedding)
 //! and last (head), like FSDP's root unit. Backward visits the uses in reverse.
 //!
-//! Alive sets (see `MEMORY-CONTRACT.md`), with prefetch depth `p` and `m` uses:
+//! Alive sets (the contract of the `memory` module), with prefetch depth `p` and `m` uses:
 //! - forward, reshard after forward: uses `k..=k+p` (clipped);
 //! - forward, keep after forward: uses `0..=k+p`;
 //! - backward, reshard after forward: backward uses `k..=k+p`;
@@ -14,10 +14,10 @@
 //! - the root unit is alive from its first forward use until its last backward use;
 //! - activation checkpointing does not change the alive sets (parameters), only what the
 //!   engine keeps of each use's forward (the memory plan's activations);
-//! - replicated parameters and gradients (shard-optimizer, ZeRO-1): every unit is alive at
-//!   every step, forward and backward, no all-gather is issued (nothing to prefetch), and every
-//!   trainable unit's gradient buffer is alive at every backward step (see
-//!   [`build_replicated_schedule`]).
+//! - replicated parameters (shard-optimizer, ZeRO-1): every unit is alive at every step,
+//!   forward and backward: all of them are gathered together at the first forward step (no
+//!   prefetch list: nothing is gathered later), and gradient buffers live as under
+//!   keep-after-forward (see [`build_replicated_schedule`]).
 
 use crate::layout::UnitLayout;
 use crate::spec::ModelSpec;
@@ -204,29 +204,16 @@ pub fn build_schedule(
 }
 
 /// The schedule of the shard-optimizer strategy (ZeRO-1, Rajbhandari et al. 2020 sec. 5.1):
-/// the uses, roles, labels and `reduce_scatter` flags of the keep-after-forward schedule, but
-/// every unit is alive (unsharded) at every forward and backward step, no all-gather is issued
-/// during forward or backward (`prefetch` lists empty, depth 0: the replicated parameters are
-/// made whole by the all-gather after the optimizer step), and every trainable unit's
-/// gradient buffer is alive at every backward step (`grads_alive`: the gradients of all units
-/// accumulate in one persistent unsharded buffer). A unit's `reduce_scatter` is still set at
-/// its last backward use: its gradient is complete there and is reduce-scattered in place.
+/// the uses, roles, labels, gradient buffers (`grads_alive`) and `reduce_scatter` flags of the
+/// keep-after-forward schedule, but every unit is alive (unsharded) at every forward and
+/// backward step: all are gathered together at the first forward step of a step (`prefetch`
+/// lists empty) and kept until the optimizer step has updated their shards.
 pub fn build_replicated_schedule(spec: &ModelSpec, units: &[UnitLayout]) -> Schedule {
     let mut s = build_schedule(spec, units, false, 0);
     let all: Vec<usize> = (0..units.len()).collect();
-    let trainable: Vec<usize> = all
-        .iter()
-        .copied()
-        .filter(|&u| units[u].flat_params.iter().any(|f| f.trainable))
-        .collect();
-    for st in &mut s.forward {
+    for st in s.forward.iter_mut().chain(s.backward.iter_mut()) {
         st.alive.clone_from(&all);
         st.prefetch.clear();
-    }
-    for st in &mut s.backward {
-        st.alive.clone_from(&all);
-        st.prefetch.clear();
-        st.grads_alive.clone_from(&trainable);
     }
     s.replicated = true;
     s
@@ -246,8 +233,9 @@ fn prefetch_list(order: &[usize], k: usize, hi: usize, prev_alive: &[usize]) -> 
 
 /// Whether a step under `schedule` on `world_size` ranks overlaps each unit's gradient
 /// reduction with the next backward step (prefetch depth >= 1, `world_size > 1`, not the
-/// replicated shard-optimizer schedule, whose reduction runs once in place). The planner's
-/// memory timeline and the engine both decide with this function.
+/// replicated shard-optimizer schedule, whose units are all gathered at once: it reduces each
+/// unit when its gradient is complete and waits for it there). The planner's memory timeline
+/// and the engine both decide with this function.
 pub fn overlaps_reductions(schedule: &Schedule, world_size: u64) -> bool {
     schedule.prefetch > 0 && world_size > 1 && !schedule.replicated
 }

@@ -1,9 +1,10 @@
-//! The memory plan against MEMORY-CONTRACT.md on models small enough to compute by hand:
+//! The memory plan against the contract of `fsdp_planner::memory` on models small enough to compute by hand:
 //! alive units per schedule position (prefetch, keep-after-forward, the tied root), and bytes
 //! per category.
 
 use fsdp_planner::{
-    plan, Architecture, GradSync, ModelSpec, ParamSpec, Phase, PlanConfig, Strategy, UnitSpec,
+    plan, Architecture, GradSync, ModelSpec, Offload, ParamSpec, Phase, PlanConfig, Strategy,
+    UnitSpec,
 };
 use fsdp_types::DType;
 
@@ -303,11 +304,12 @@ fn auto_picks_the_fastest_strategy_that_fits() {
     c.strategy = Strategy::Auto;
     c.device_memory = Some(fsdp_types::Bytes(80 << 30));
     let p = plan(&spec, &c).unwrap();
-    // DDP needs ~137 GiB; shard-grad-op at W=8 fits 80 GiB.
-    assert_eq!(p.strategy, Strategy::ShardGradOp);
+    // DDP needs ~137 GiB; shard-optimizer at W=8 (f32 parameters replicated, 30 GiB) fits
+    // 80 GiB.
+    assert_eq!(p.strategy, Strategy::ShardOptimizer);
     let why = p.auto_reason.as_deref().unwrap();
     assert!(why.contains("no-shard needs"), "{why}");
-    assert!(why.contains("shard-optimizer needs"), "{why}");
+    assert!(why.starts_with("shard-optimizer is the fastest strategy that fits"), "{why}");
     assert!(!p.schedule.activation_checkpointing);
     c.device_memory = Some(fsdp_types::Bytes(30 << 30));
     let p = plan(&spec, &c).unwrap();
@@ -322,12 +324,38 @@ fn auto_picks_the_fastest_strategy_that_fits() {
     let why = p.auto_reason.as_deref().unwrap();
     assert!(why.contains("with activation checkpointing"), "{why}");
     assert!(why.contains("full-shard needs"), "{why}");
-    // An explicit setting is kept: without checkpointing nothing fits 30 GiB.
+    // An explicit setting is kept: without checkpointing nothing fits 30 GiB on the device
+    // alone; auto's last resort moves the master weights, optimizer state and then the
+    // parameter shards to the host.
     c.activation_checkpointing = Some(false);
     let p = plan(&spec, &c).unwrap();
     assert_eq!(p.strategy, Strategy::FullShard);
     assert!(!p.schedule.activation_checkpointing);
+    // The f32 parameter shards (4 GiB) do not fit beside the kept graphs either: the
+    // parameter shards go to the host too.
+    assert_eq!(p.config.offload, Some(Offload::Params));
+    assert_eq!(p.fits(), Some(true));
+    let why = p.auto_reason.as_deref().unwrap();
+    assert!(
+        why.starts_with("full-shard with --offload params is the only way it fits"),
+        "{why}"
+    );
+    assert!(why.contains("full-shard needs"), "{why}");
+    assert!(
+        why.contains("full-shard with --offload optimizer needs"),
+        "{why}"
+    );
+    // 4 + 4 + 8 bytes per element of the 8-way shard in host memory, plus the staging buffer.
+    let host = p.memory.host_peak.0;
+    let shard: u64 = p.padding.padded_numel.0 / 8;
+    assert!(host > 16 * shard && host < 16 * shard + (1 << 30), "{host}");
+    // Offload set to none explicitly: nothing fits, as before.
+    c.offload = Some(Offload::None);
+    let p = plan(&spec, &c).unwrap();
+    assert_eq!(p.strategy, Strategy::FullShard);
     assert_eq!(p.fits(), Some(false));
+    assert!(p.auto_reason.clone().unwrap().starts_with("nothing fits"));
+    c.offload = None;
     c.activation_checkpointing = None;
     c.device_memory = Some(fsdp_types::Bytes(1 << 30));
     let p = plan(&spec, &c).unwrap();
@@ -337,11 +365,10 @@ fn auto_picks_the_fastest_strategy_that_fits() {
 }
 
 #[test]
-fn shard_optimizer_keeps_params_and_grads_replicated_all_step() {
+fn shard_optimizer_keeps_params_replicated_all_step() {
     // Units b0 [10], b1 [10], tied root [6,5] (30): padded 10 + 10 + 30 = 50 for S = 2.
     let mut c = cfg(2, Strategy::ShardOptimizer);
     c.grad_accum = 2;
-    c.grad_sync = GradSync::LastMicroBatch;
     let p = plan(&chain(2, true), &c).unwrap();
     assert_eq!((p.shard_size, p.replicate_size), (2, 1));
     assert!(p.schedule.replicated && !p.schedule.reshard_after_forward);
@@ -349,8 +376,11 @@ fn shard_optimizer_keeps_params_and_grads_replicated_all_step() {
         assert_eq!(st.alive, vec![0, 1, 2], "{}", st.label);
         assert!(st.prefetch.is_empty(), "{}", st.label);
     }
-    for st in &p.schedule.backward {
-        assert_eq!(st.grads_alive, vec![0, 1, 2], "{}", st.label);
+    // Gradient buffers and reductions as under keep-after-forward.
+    let sgo = plan(&chain(2, true), &cfg(2, Strategy::ShardGradOp)).unwrap();
+    for (a, b) in p.schedule.backward.iter().zip(&sgo.schedule.backward) {
+        assert_eq!(a.grads_alive, b.grads_alive, "{}", a.label);
+        assert_eq!(a.reduce_scatter, b.reduce_scatter, "{}", a.label);
     }
     // The root is reduce-scattered once, at its last backward use (the embedding).
     let rs: Vec<&str> = p
@@ -361,30 +391,49 @@ fn shard_optimizer_keeps_params_and_grads_replicated_all_step() {
         .map(|s| s.label.as_str())
         .collect();
     assert_eq!(rs, ["b1", "b0", "root (embedding)"]);
-    // bf16 params 2*50, f32 grads 4*50 (the replicated buffer accumulates: no extra f32
-    // copy under sync-last), f32 master 4*25, AdamW 8*25; in-place reduce-scatter.
+    // bf16 params 2*50 all step, f32 master 4*25, f32 gradient shards 4*25, AdamW 8*25; with
+    // accumulation (grad_sync left at every micro-batch) the f32 gradients 4*50 accumulate
+    // until the last micro-batch's reductions, each into an f32 staging shard (b0, b1: 4*5;
+    // root: 4*15).
     assert_eq!(p.memory.timeline.len(), 2 * (4 + 4) + 1);
     for t in &p.memory.timeline {
         let b = t.bytes;
-        assert_eq!(b.unsharded_params.0, 100, "{t:?}");
-        assert_eq!(b.unsharded_grads.0, 200, "{t:?}");
-        assert_eq!(b.param_shards.0, 100, "{t:?}");
-        assert_eq!(b.optimizer_state.0, 200, "{t:?}");
-        assert_eq!(
-            (b.param_shards_low_precision.0, b.grad_shards.0, b.staging.0),
-            (0, 0, 0),
-            "{t:?}"
-        );
-        assert_eq!(b.total().0, 600, "{t:?}");
+        let at = format!("{t:?}");
+        assert_eq!(b.unsharded_params.0, 100, "{at}");
+        assert_eq!(b.param_shards.0, 100, "{at}");
+        assert_eq!(b.grad_shards.0, 100, "{at}");
+        assert_eq!(b.optimizer_state.0, 200, "{at}");
+        assert_eq!(b.param_shards_low_precision.0, 0, "{at}");
+        let opt = t.phase == Phase::OptimizerStep;
+        assert_eq!(b.unsharded_grads.0, if opt { 0 } else { 200 }, "{at}");
+        let reducing = t.phase == Phase::Backward && t.micro_batch == 1;
+        let staging = match t.label.as_str() {
+            "b0" | "b1" if reducing => 20,
+            "root (embedding)" if reducing => 60,
+            _ => 0,
+        };
+        assert_eq!(b.staging.0, staging, "{at}");
+        assert!(t.host.is_zero(), "{at}");
     }
-    assert_eq!(p.memory.model_states.0, 600);
-    assert_eq!(p.memory.peak.0, 600);
+    assert_eq!(p.memory.model_states.0, 500);
+    assert_eq!(p.memory.peak.0, 760);
+    // Without accumulation the gradients live per unit, as under shard-grad-op.
+    c.grad_accum = 1;
+    let one = plan(&chain(2, true), &c).unwrap();
+    let mut g = cfg(2, Strategy::ShardGradOp);
+    g.grad_accum = 1;
+    g.prefetch = 0;
+    let sgo = plan(&chain(2, true), &g).unwrap();
+    for (a, b) in one.memory.timeline.iter().zip(&sgo.memory.timeline) {
+        if a.phase == Phase::Backward {
+            assert_eq!(a.bytes.unsharded_grads, b.bytes.unsharded_grads, "{}", a.label);
+        }
+    }
     // A different strategy, a different fingerprint; the same config, the same one.
-    let fs = plan(&chain(2, true), &cfg(2, Strategy::ShardGradOp)).unwrap();
-    assert_ne!(fs.fingerprint, p.fingerprint);
+    assert_ne!(sgo.fingerprint, one.fingerprint);
     assert_eq!(
         plan(&chain(2, true), &c).unwrap().fingerprint,
-        p.fingerprint
+        one.fingerprint
     );
 }
 
@@ -400,7 +449,9 @@ fn auto_tries_shard_optimizer_after_no_shard() {
         plan(&spec, &c).unwrap().memory.peak
     };
     let (ddp, z1) = (peak(Strategy::NoShard), peak(Strategy::ShardOptimizer));
-    assert!(z1 < ddp && z1 > peak(Strategy::ShardGradOp));
+    // Shard-grad-op keeps every unit unsharded from forward to its backward too: its peak is
+    // the same as shard-optimizer's.
+    assert!(z1 < ddp && z1 >= peak(Strategy::ShardGradOp));
     c.strategy = Strategy::Auto;
     c.device_memory = Some(z1);
     let p = plan(&spec, &c).unwrap();

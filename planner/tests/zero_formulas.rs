@@ -15,11 +15,11 @@
 //! - paper K = 12 (fp32 master 4 + momentum 4 + variance 4) <-> `param_shards` (4) +
 //!   `optimizer_state` (8).
 //!
-//! Optimizer-only sharding (ZeRO-1, `Strategy::ShardOptimizer`) keeps the paper's replicated
-//! bf16 parameters and gradients as `unsharded_params` and `unsharded_grads` alive all step,
-//! reduce-scatters in place (no f32 gradient shard, no staging) and writes updated master
-//! shards straight into the replicated parameters (no bf16 shard copy): its model states are
-//! exactly the paper's `2Psi + 2Psi + 12Psi/N`.
+//! Optimizer sharding (ZeRO-1, `Strategy::ShardOptimizer`) keeps the paper's replicated bf16
+//! parameters as `unsharded_params` alive all step; its gradients are replicated only while
+//! backward produces them and are then reduce-scattered into the f32 gradient shard, so its
+//! model states are `2Psi + 16Psi/N`: the paper's `2Psi + 2Psi + 12Psi/N` with the replicated
+//! 2-byte gradient held as a 4-byte shard instead.
 
 use fsdp_planner::{plan, preset, Phase, PlanConfig, Strategy};
 use fsdp_types::DType;
@@ -134,7 +134,7 @@ fn ddp_no_shard_fp32_is_16_psi() {
 }
 
 #[test]
-fn zero1_optimizer_only_is_2_psi_plus_2_psi_plus_12_psi_over_n() {
+fn zero1_replicated_params_are_2_psi_plus_16_psi_over_n() {
     for (name, n) in [("gpt2-large", 16u64), ("llama2-7b", 64), ("gpt2", 3)] {
         let (p, psi, padded) = states(name, n, Strategy::ShardOptimizer, true);
         assert_eq!(
@@ -151,29 +151,31 @@ fn zero1_optimizer_only_is_2_psi_plus_2_psi_plus_12_psi_over_n() {
             .map(|u| u.flat_params.len() as u64)
             .sum::<u64>();
         assert!(padded - psi < n * flats, "{name}");
-        // Paper (Rajbhandari et al. 2020, Figure 1, P_os): 2Psi + 2Psi + K Psi/N, K = 12.
+        // Replicated bf16 parameters 2Psi; f32 master 4, f32 gradient 4, Adam 8 per shard
+        // element.
         assert_eq!(
             p.memory.model_states.0,
-            2 * padded + 2 * padded + 12 * per,
+            2 * padded + 16 * per,
             "{name} N={n}"
         );
-        let ideal = 4.0 * psi as f64 + 12.0 * psi as f64 / n as f64;
+        let ideal = 2.0 * psi as f64 + 16.0 * psi as f64 / n as f64;
         let rel = (p.memory.model_states.0 as f64 - ideal) / ideal;
         assert!((0.0..1e-3).contains(&rel), "{name} N={n}: {rel}");
-        // Category by category, at every point of the step (everything alive all step).
+        // Category by category, at every point of the step.
         for t in &p.memory.timeline {
             let b = t.bytes;
             let at = format!("{name} {:?} {}", t.phase, t.label);
             assert_eq!(b.unsharded_params.0, 2 * padded, "{at}: 2Psi bf16 params");
-            assert_eq!(b.unsharded_grads.0, 2 * padded, "{at}: 2Psi bf16 grads");
             assert_eq!(b.param_shards.0, 4 * per, "{at}: f32 master shard");
+            assert_eq!(b.grad_shards.0, 4 * per, "{at}: f32 gradient shard");
             assert_eq!(b.optimizer_state.0, 8 * per, "{at}: Adam moments");
             assert_eq!(b.param_shards_low_precision.0, 0, "{at}");
-            assert_eq!(b.grad_shards.0, 0, "{at}");
-            assert_eq!(b.staging.0, 0, "{at}: in-place reduce-scatter");
-            assert_eq!(b.ledger_total(), p.memory.model_states, "{at}");
+            if t.phase == Phase::OptimizerStep {
+                assert_eq!(b.ledger_total(), p.memory.model_states, "{at}");
+                assert_eq!((b.unsharded_grads.0, b.staging.0), (0, 0), "{at}");
+            }
         }
-        // Every unit stays unsharded at every step; no all-gather before the optimizer step.
+        // Every unit stays unsharded at every step; no all-gather after the first.
         let all: Vec<usize> = (0..p.units.len()).collect();
         for st in p.schedule.forward.iter().chain(&p.schedule.backward) {
             assert_eq!(st.alive, all);
@@ -188,7 +190,7 @@ fn zero1_optimizer_only_is_2_psi_plus_2_psi_plus_12_psi_over_n() {
     assert!(z1.memory.model_states < ddp.memory.model_states);
     assert!(z2.memory.model_states < z1.memory.model_states);
     assert!(z1.memory.peak < ddp.memory.peak);
-    assert!(z2.memory.peak < z1.memory.peak);
+    assert!(z2.memory.peak <= z1.memory.peak);
 }
 
 #[test]

@@ -1,0 +1,162 @@
+//! The two memories of an offloaded plan (ZeRO-Offload, Ren et al. 2021): which bytes move
+//! from the device to the host, exactly, against plans without offload, and the refusals.
+
+use fsdp_planner::report::{render_json, render_svg, render_table};
+use fsdp_planner::{
+    plan, Architecture, Category, ModelSpec, Offload, ParamSpec, Phase, PlanConfig, Strategy,
+    UnitSpec,
+};
+use fsdp_types::{Bytes, DType};
+
+/// Units b0 [10], b1 [10] and a tied root [6,5]: padded 10 + 10 + 30 = 50 for S = 2, shards
+/// of 5, 5 and 15 elements.
+fn chain() -> ModelSpec {
+    let mut units: Vec<UnitSpec> = (0..2)
+        .map(|i| UnitSpec {
+            name: format!("b{i}"),
+            params: vec![ParamSpec::new(format!("b{i}.w"), &[10])],
+        })
+        .collect();
+    let mut t = ParamSpec::new("lm_head.weight", &[6, 5]);
+    t.tied_to = Some("wte".into());
+    units.push(UnitSpec {
+        name: "root".into(),
+        params: vec![ParamSpec::new("wte", &[6, 5]), t],
+    });
+    ModelSpec {
+        name: "chain".into(),
+        units,
+        arch: Architecture::Generic,
+    }
+}
+
+fn cfg(w: u64, s: Strategy, offload: Option<Offload>) -> PlanConfig {
+    let mut c = PlanConfig::new(w);
+    c.strategy = s;
+    c.param_dtype = DType::BF16;
+    c.grad_accum = 2;
+    c.offload = offload;
+    c
+}
+
+const STATES: [Category; 3] = [
+    Category::ParamShards,
+    Category::GradShards,
+    Category::OptimizerState,
+];
+
+#[test]
+fn offload_moves_exactly_the_model_states_to_the_host() {
+    for s in [
+        Strategy::FullShard,
+        Strategy::ShardGradOp,
+        Strategy::ShardOptimizer,
+    ] {
+        let base = plan(&chain(), &cfg(2, s, None)).unwrap();
+        for o in [Offload::Optimizer, Offload::Params] {
+            if s == Strategy::ShardOptimizer && o == Offload::Params {
+                continue;
+            }
+            let p = plan(&chain(), &cfg(2, s, Some(o))).unwrap();
+            assert_eq!(p.memory.timeline.len(), base.memory.timeline.len());
+            // Host: f32 master 4*25, f32 gradient shards 4*25, AdamW 8*25, and the staging
+            // buffer: the root's 15-element shard in the wider of bf16 and f32.
+            let host_expect = [100u64, 100, 200];
+            for (a, b) in p.memory.timeline.iter().zip(&base.memory.timeline) {
+                let at = format!("{s} {o} {:?} {}", a.phase, a.label);
+                for (c, v) in STATES.iter().zip(host_expect) {
+                    assert_eq!(a.host.get(*c).0, v, "{at} {}", c.name());
+                    assert_eq!(b.bytes.get(*c).0, v, "{at} {}", c.name());
+                    assert_eq!(a.bytes.get(*c).0, 0, "{at} {}", c.name());
+                }
+                assert_eq!(a.host.staging.0, 60, "{at}");
+                assert_eq!(a.host.total().0, 460, "{at}");
+                // The device keeps the bf16 parameter shards (2*25) under `optimizer` only.
+                let lp = if o == Offload::Optimizer { 50 } else { 0 };
+                assert_eq!(a.bytes.param_shards_low_precision.0, lp, "{at}");
+                // Everything else on the device is unchanged.
+                for c in [
+                    Category::UnshardedParams,
+                    Category::UnshardedGrads,
+                    Category::Staging,
+                    Category::Activations,
+                ] {
+                    assert_eq!(a.bytes.get(c), b.bytes.get(c), "{at} {}", c.name());
+                }
+            }
+            assert_eq!(p.memory.host_peak.0, 460);
+            for ph in [Phase::Forward, Phase::Backward, Phase::OptimizerStep] {
+                assert_eq!(p.memory.phase(ph).host_max.total().0, 460);
+            }
+            assert_eq!(
+                p.memory.peak + Bytes(400),
+                base.memory.peak + Bytes(if o == Offload::Optimizer { 50 } else { 0 })
+            );
+            assert_ne!(p.fingerprint, base.fingerprint);
+        }
+        assert_eq!(base.memory.host_peak.0, 0);
+    }
+}
+
+#[test]
+fn offloaded_params_at_one_rank_in_f32_need_a_device_copy() {
+    // One shard in f32: the shard is the parameter, so no gathered copy; offloading the
+    // parameters puts the shard in host memory and each unit is copied to the device.
+    let mut c = cfg(1, Strategy::FullShard, None);
+    c.param_dtype = DType::F32;
+    let base = plan(&chain(), &c).unwrap();
+    assert_eq!(base.memory.phase(Phase::Forward).max.unsharded_params.0, 0);
+    c.offload = Some(Offload::Optimizer);
+    let o = plan(&chain(), &c).unwrap();
+    assert_eq!(o.memory.phase(Phase::Forward).max.unsharded_params.0, 0);
+    assert_eq!(o.memory.phase(Phase::Forward).max.param_shards_low_precision.0, 200);
+    c.offload = Some(Offload::Params);
+    let p = plan(&chain(), &c).unwrap();
+    assert_eq!(p.memory.phase(Phase::Forward).max.param_shards_low_precision.0, 0);
+    // Forward with prefetch 1 holds b0 computing, b1 prefetched and the root (alive from its
+    // first use to its last): 50 f32 elements.
+    assert_eq!(p.memory.phase(Phase::Forward).max.unsharded_params.0, 200);
+}
+
+#[test]
+fn offload_none_spelled_out_keeps_the_fingerprint() {
+    let a = plan(&chain(), &cfg(2, Strategy::FullShard, None)).unwrap();
+    let b = plan(&chain(), &cfg(2, Strategy::FullShard, Some(Offload::None))).unwrap();
+    assert_eq!(a.fingerprint, b.fingerprint);
+    assert_eq!(a.memory, b.memory);
+    // And the JSON of a plan without offload has no host fields.
+    let j = render_json(&a, None).to_string();
+    assert!(!j.contains("host"), "{j}");
+    let p = plan(&chain(), &cfg(2, Strategy::FullShard, Some(Offload::Optimizer))).unwrap();
+    let j = render_json(&p, None);
+    assert_eq!(j["memory"]["host_peak"], 460);
+    assert_eq!(j["config"]["offload"], "optimizer");
+    assert_eq!(j["memory"]["timeline"][0]["host"]["optimizer_state"], 200);
+    assert_eq!(j["memory"]["phases"]["backward"]["host_max"]["staging"], 60);
+    let t = render_table(&p, None);
+    assert!(t.contains("device memory per rank"), "{t}");
+    assert!(t.contains("host       460 B per rank in host memory"), "{t}");
+    let svg = render_svg(&p);
+    assert!(svg.contains("host memory per rank (--offload optimizer): 460 B"), "{svg}");
+    assert!(svg.contains("<title>host optimizer_state: 200 B</title>"), "{svg}");
+}
+
+#[test]
+fn offload_that_makes_no_sense_is_refused() {
+    let e = plan(&chain(), &cfg(2, Strategy::NoShard, Some(Offload::Optimizer)))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--offload optimizer with no-shard at 2 ranks makes no sense"), "{e}");
+    assert!(e.contains("shard-optimizer"), "{e}");
+    for s in [Strategy::NoShard, Strategy::ShardOptimizer] {
+        let e = plan(&chain(), &cfg(1, s, Some(Offload::Params)))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&format!("--offload params with {s} makes no sense")), "{e}");
+    }
+    // One rank without sharding: offloading the optimizer is ZeRO-Offload on one device.
+    let p = plan(&chain(), &cfg(1, Strategy::NoShard, Some(Offload::Optimizer))).unwrap();
+    assert_eq!(p.memory.host_peak.0, 4 * 50 + 4 * 50 + 8 * 50 + 4 * 30);
+    "1".parse::<Offload>().unwrap_err();
+    assert_eq!("params".parse::<Offload>().unwrap(), Offload::Params);
+}
