@@ -698,8 +698,7 @@ pub fn memory_plan(
     };
     // The shard is the parameter (no gathered copy) with one shard of f32, unless the
     // parameter shard is in host memory.
-    let no_copy =
-        shard_size == 1 && cfg.param_dtype == DType::F32 && offload != Offload::Params;
+    let no_copy = shard_size == 1 && cfg.param_dtype == DType::F32 && offload != Offload::Params;
     let unsharded = |alive: &[usize]| -> Bytes {
         if no_copy {
             Bytes(0)

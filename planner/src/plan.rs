@@ -452,6 +452,9 @@ pub const MAX_SEARCH_WORLD: u64 = 1 << 20;
 /// Hybrid with shard group `S` holds exactly what full shard holds at `W = S` (the replicas
 /// add no bytes), so its answer is the full-shard one read as a shard-group size.
 ///
+/// A strategy that `cfg`'s offload makes no sense with ([`PlanConfig::check_offload`]) is
+/// left out.
+///
 /// Errors: as [`plan`].
 pub fn min_world_sizes(
     spec: &ModelSpec,
@@ -472,6 +475,16 @@ pub fn min_world_sizes(
         Strategy::ShardOptimizer,
         Strategy::NoShard,
     ] {
+        // A strategy the offload makes no sense with is not listed.
+        if (PlanConfig {
+            world_size: 1,
+            ..cfg.clone()
+        })
+        .check_offload(s)
+        .is_err()
+        {
+            continue;
+        }
         let p1 = peak_at(s, 1)?;
         if p1 <= budget {
             out.push(MinWorld {

@@ -362,22 +362,19 @@ pub fn render_json(plan: &ShardPlan, fit: Option<&FitReport>) -> serde_json::Val
         .phases
         .iter()
         .map(|p| {
-            (
-                p.phase.name().to_string(),
-                {
-                    let mut v = serde_json::json!({
-                        "at_peak": p.at_peak,
-                        "max": p.max,
-                        "peak_total": p.peak_total,
-                        "peak_unit": p.peak_unit,
-                        "peak_micro_batch": p.peak_micro_batch,
-                    });
-                    if !p.host_max.is_zero() {
-                        v["host_max"] = serde_json::json!(p.host_max);
-                    }
-                    v
-                },
-            )
+            (p.phase.name().to_string(), {
+                let mut v = serde_json::json!({
+                    "at_peak": p.at_peak,
+                    "max": p.max,
+                    "peak_total": p.peak_total,
+                    "peak_unit": p.peak_unit,
+                    "peak_micro_batch": p.peak_micro_batch,
+                });
+                if !p.host_max.is_zero() {
+                    v["host_max"] = serde_json::json!(p.host_max);
+                }
+                v
+            })
         })
         .collect();
     let mut doc = serde_json::json!({

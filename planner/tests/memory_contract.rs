@@ -309,7 +309,10 @@ fn auto_picks_the_fastest_strategy_that_fits() {
     assert_eq!(p.strategy, Strategy::ShardOptimizer);
     let why = p.auto_reason.as_deref().unwrap();
     assert!(why.contains("no-shard needs"), "{why}");
-    assert!(why.starts_with("shard-optimizer is the fastest strategy that fits"), "{why}");
+    assert!(
+        why.starts_with("shard-optimizer is the fastest strategy that fits"),
+        "{why}"
+    );
     assert!(!p.schedule.activation_checkpointing);
     c.device_memory = Some(fsdp_types::Bytes(30 << 30));
     let p = plan(&spec, &c).unwrap();
@@ -426,7 +429,11 @@ fn shard_optimizer_keeps_params_replicated_all_step() {
     let sgo = plan(&chain(2, true), &g).unwrap();
     for (a, b) in one.memory.timeline.iter().zip(&sgo.memory.timeline) {
         if a.phase == Phase::Backward {
-            assert_eq!(a.bytes.unsharded_grads, b.bytes.unsharded_grads, "{}", a.label);
+            assert_eq!(
+                a.bytes.unsharded_grads, b.bytes.unsharded_grads,
+                "{}",
+                a.label
+            );
         }
     }
     // A different strategy, a different fingerprint; the same config, the same one.

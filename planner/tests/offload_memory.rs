@@ -109,10 +109,24 @@ fn offloaded_params_at_one_rank_in_f32_need_a_device_copy() {
     c.offload = Some(Offload::Optimizer);
     let o = plan(&chain(), &c).unwrap();
     assert_eq!(o.memory.phase(Phase::Forward).max.unsharded_params.0, 0);
-    assert_eq!(o.memory.phase(Phase::Forward).max.param_shards_low_precision.0, 200);
+    assert_eq!(
+        o.memory
+            .phase(Phase::Forward)
+            .max
+            .param_shards_low_precision
+            .0,
+        200
+    );
     c.offload = Some(Offload::Params);
     let p = plan(&chain(), &c).unwrap();
-    assert_eq!(p.memory.phase(Phase::Forward).max.param_shards_low_precision.0, 0);
+    assert_eq!(
+        p.memory
+            .phase(Phase::Forward)
+            .max
+            .param_shards_low_precision
+            .0,
+        0
+    );
     // Forward with prefetch 1 holds b0 computing, b1 prefetched and the root (alive from its
     // first use to its last): 50 f32 elements.
     assert_eq!(p.memory.phase(Phase::Forward).max.unsharded_params.0, 200);
@@ -127,7 +141,11 @@ fn offload_none_spelled_out_keeps_the_fingerprint() {
     // And the JSON of a plan without offload has no host fields.
     let j = render_json(&a, None).to_string();
     assert!(!j.contains("host"), "{j}");
-    let p = plan(&chain(), &cfg(2, Strategy::FullShard, Some(Offload::Optimizer))).unwrap();
+    let p = plan(
+        &chain(),
+        &cfg(2, Strategy::FullShard, Some(Offload::Optimizer)),
+    )
+    .unwrap();
     let j = render_json(&p, None);
     assert_eq!(j["memory"]["host_peak"], 460);
     assert_eq!(j["config"]["offload"], "optimizer");
@@ -135,27 +153,49 @@ fn offload_none_spelled_out_keeps_the_fingerprint() {
     assert_eq!(j["memory"]["phases"]["backward"]["host_max"]["staging"], 60);
     let t = render_table(&p, None);
     assert!(t.contains("device memory per rank"), "{t}");
-    assert!(t.contains("host       460 B per rank in host memory"), "{t}");
+    assert!(
+        t.contains("host       460 B per rank in host memory"),
+        "{t}"
+    );
     let svg = render_svg(&p);
-    assert!(svg.contains("host memory per rank (--offload optimizer): 460 B"), "{svg}");
-    assert!(svg.contains("<title>host optimizer_state: 200 B</title>"), "{svg}");
+    assert!(
+        svg.contains("host memory per rank (--offload optimizer): 460 B"),
+        "{svg}"
+    );
+    assert!(
+        svg.contains("<title>host optimizer_state: 200 B</title>"),
+        "{svg}"
+    );
 }
 
 #[test]
 fn offload_that_makes_no_sense_is_refused() {
-    let e = plan(&chain(), &cfg(2, Strategy::NoShard, Some(Offload::Optimizer)))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("--offload optimizer with no-shard at 2 ranks makes no sense"), "{e}");
+    let e = plan(
+        &chain(),
+        &cfg(2, Strategy::NoShard, Some(Offload::Optimizer)),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("--offload optimizer with no-shard at 2 ranks makes no sense"),
+        "{e}"
+    );
     assert!(e.contains("shard-optimizer"), "{e}");
     for s in [Strategy::NoShard, Strategy::ShardOptimizer] {
         let e = plan(&chain(), &cfg(1, s, Some(Offload::Params)))
             .unwrap_err()
             .to_string();
-        assert!(e.contains(&format!("--offload params with {s} makes no sense")), "{e}");
+        assert!(
+            e.contains(&format!("--offload params with {s} makes no sense")),
+            "{e}"
+        );
     }
     // One rank without sharding: offloading the optimizer is ZeRO-Offload on one device.
-    let p = plan(&chain(), &cfg(1, Strategy::NoShard, Some(Offload::Optimizer))).unwrap();
+    let p = plan(
+        &chain(),
+        &cfg(1, Strategy::NoShard, Some(Offload::Optimizer)),
+    )
+    .unwrap();
     assert_eq!(p.memory.host_peak.0, 4 * 50 + 4 * 50 + 8 * 50 + 4 * 30);
     "1".parse::<Offload>().unwrap_err();
     assert_eq!("params".parse::<Offload>().unwrap(), Offload::Params);

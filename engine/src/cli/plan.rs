@@ -101,6 +101,33 @@ impl CheckpointingArg {
     }
 }
 
+/// `--offload` values (shared by `fsdp plan` and `fsdp train`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OffloadArg {
+    /// Everything on the compute device.
+    None,
+    /// f32 master and gradient shards and the optimizer state in host memory; the optimizer
+    /// step on the CPU (ZeRO-Offload).
+    Optimizer,
+    /// As `optimizer`, and the parameter shards too (copied to the device for each
+    /// all-gather).
+    Params,
+}
+
+impl OffloadArg {
+    /// The planner's value.
+    pub fn offload(self) -> fsdp_planner::Offload {
+        match self {
+            OffloadArg::None => fsdp_planner::Offload::None,
+            OffloadArg::Optimizer => fsdp_planner::Offload::Optimizer,
+            OffloadArg::Params => fsdp_planner::Offload::Params,
+        }
+    }
+}
+
+/// Help text of `--offload` (the same for `fsdp plan` and `fsdp train`).
+pub const OFFLOAD_HELP: &str = "What lives in host memory instead of on the compute device (ZeRO-Offload). `optimizer`: the f32 master and gradient shards and the optimizer state, with the optimizer step on the CPU; the device keeps the param_dtype shards. `params`: those and the parameter shards, each copied to the device for its all-gather. Default: none, except that --strategy auto offloads when nothing else fits (and says so)";
+
 /// Help text of `--activation-checkpointing` (the same for `fsdp plan` and `fsdp train`).
 pub const CHECKPOINTING_HELP: &str = "Unit-level activation checkpointing. `on`: keep only each \
 FSDP unit's input and recompute its forward in backward (activation memory of the unit inputs \
@@ -141,6 +168,9 @@ pub struct PlanArgs {
     /// Unit-level activation checkpointing (`on`/`off`; default: the strategy's).
     #[arg(long, value_enum, value_name = "on|off", help = CHECKPOINTING_HELP)]
     pub activation_checkpointing: Option<CheckpointingArg>,
+    /// What lives in host memory (`none`/`optimizer`/`params`).
+    #[arg(long, value_enum, value_name = "none|optimizer|params", help = OFFLOAD_HELP)]
+    pub offload: Option<OffloadArg>,
     /// dtype of unsharded params in forward/backward (as `fsdp train`).
     #[arg(long, value_enum, default_value_t = super::train::DTypeArg::F32)]
     pub param_dtype: super::train::DTypeArg,
@@ -274,6 +304,7 @@ pub fn config_from_args(a: &PlanArgs) -> Result<PlanConfig, CliError> {
         device_memory,
         activations,
         activation_checkpointing: a.activation_checkpointing.map(CheckpointingArg::enabled),
+        offload: a.offload.map(OffloadArg::offload),
     };
     cfg.validate().map_err(usage)?;
     Ok(cfg)
