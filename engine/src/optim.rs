@@ -88,6 +88,89 @@ impl Optimizer {
     }
 }
 
+/// Shards shorter than this many elements per thread are stepped on one thread: below it a
+/// thread costs more than it saves.
+pub const MIN_ELEMENTS_PER_THREAD: usize = 1 << 15;
+
+impl Optimizer {
+    /// [`Optimizer::step_shard`] on up to `threads` threads (the offloaded optimizer step on the
+    /// CPU): the shard's `n` elements are cut into contiguous chunks (at least
+    /// [`MIN_ELEMENTS_PER_THREAD`] each), each chunk's part of `spans` shifted to it, and each
+    /// chunk stepped by the same kernel on its own scoped thread. The update of an element
+    /// depends only on that element and the step's scalars, so the result is bitwise the
+    /// one-thread result (`tests`: `threaded_step_is_bitwise_the_serial_step`).
+    ///
+    /// Errors: as [`Optimizer::step_shard`]; spans are validated for the whole shard first, so
+    /// an invalid span writes nothing.
+    #[allow(clippy::needless_range_loop)]
+    pub fn step_shard_threads(
+        &self,
+        param: &mut [f32],
+        grad: &[f32],
+        state: &mut [&mut [f32]],
+        spans: &[Span],
+        step: u64,
+        threads: usize,
+    ) -> Result<()> {
+        let n = param.len();
+        let chunks = threads.min(n / MIN_ELEMENTS_PER_THREAD).max(1);
+        if chunks == 1 || grad.len() != n || state.iter().any(|b| b.len() != n) {
+            return self.step_shard(param, grad, state, spans, step);
+        }
+        fsdp_kernels::span::validate_spans(spans, n)?;
+        let bounds: Vec<usize> = (0..=chunks).map(|i| i * n / chunks).collect();
+        let cut = |r: std::ops::Range<usize>| -> Vec<Span> {
+            spans
+                .iter()
+                .filter_map(|sp| {
+                    let sr = sp.range();
+                    let (lo, hi) = (sr.start.max(r.start), sr.end.min(r.end));
+                    (lo < hi).then(|| Span::new(lo - r.start, hi - lo, sp.weight_decay))
+                })
+                .collect()
+        };
+        // Chunk i of every buffer: param, grad and each state buffer.
+        let mut p_parts = Vec::with_capacity(chunks);
+        let mut rest = param;
+        for i in 0..chunks {
+            let (a, b) = std::mem::take(&mut rest).split_at_mut(bounds[i + 1] - bounds[i]);
+            p_parts.push(a);
+            rest = b;
+        }
+        let mut s_parts: Vec<Vec<&mut [f32]>> = (0..chunks).map(|_| Vec::new()).collect();
+        for buf in state.iter_mut() {
+            let mut rest: &mut [f32] = buf;
+            for i in 0..chunks {
+                let (a, b) = std::mem::take(&mut rest).split_at_mut(bounds[i + 1] - bounds[i]);
+                s_parts[i].push(a);
+                rest = b;
+            }
+        }
+        let results: Vec<Result<()>> = std::thread::scope(|sc| {
+            let handles: Vec<_> = p_parts
+                .into_iter()
+                .zip(s_parts)
+                .enumerate()
+                .map(|(i, (p, mut st))| {
+                    let r = bounds[i]..bounds[i + 1];
+                    let g = &grad[r.clone()];
+                    let sp = cut(r);
+                    sc.spawn(move || self.step_shard(p, g, &mut st, &sp, step))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(EngineError::Config("an optimizer thread panicked".into()))
+                    })
+                })
+                .collect()
+        });
+        results.into_iter().collect()
+    }
+}
+
 impl Optimizer {
     /// [`Optimizer::step_shard`] on flat buffers that are tensors on a compute device
     /// ([`crate::runtime::Placement::Device`]): `param`, `grad` and each `state` tensor are
@@ -214,5 +297,74 @@ mod tests {
             .state_buffers(),
             0
         );
+    }
+}
+
+#[cfg(test)]
+mod threaded_tests {
+    use super::*;
+
+    fn data(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as u32).wrapping_mul(2654435761) ^ seed) as f32 / u32::MAX as f32 - 0.5)
+            .collect()
+    }
+
+    #[test]
+    fn threaded_step_is_bitwise_the_serial_step() {
+        let n = 5 * MIN_ELEMENTS_PER_THREAD + 17;
+        let spans = [
+            Span::new(3, 40_000, true),
+            Span::new(40_010, 70_000, false),
+            Span::new(120_000, n - 120_000 - 5, true),
+        ];
+        let opts = [
+            Optimizer::AdamW(AdamWConfig::default()),
+            Optimizer::Sgd(SgdConfig {
+                lr: 0.1,
+                momentum: 0.9,
+                weight_decay: 1e-3,
+            }),
+        ];
+        for opt in opts {
+            let bufs = opt.state_buffers();
+            let mut runs: Vec<(Vec<f32>, Vec<Vec<f32>>)> = Vec::new();
+            for threads in [1, 2, 3, 8] {
+                let mut p = data(n, 1);
+                let mut st: Vec<Vec<f32>> = (0..bufs).map(|b| data(n, 7 + b as u32)).collect();
+                for b in st.iter_mut() {
+                    for x in b.iter_mut() {
+                        *x = x.abs();
+                    }
+                }
+                for step in 1..=3 {
+                    let g = data(n, 100 + step as u32);
+                    let mut sr: Vec<&mut [f32]> = st.iter_mut().map(|v| v.as_mut_slice()).collect();
+                    opt.step_shard_threads(&mut p, &g, &mut sr, &spans, step, threads)
+                        .unwrap();
+                }
+                runs.push((p, st));
+            }
+            for r in &runs[1..] {
+                assert!(r
+                    .0
+                    .iter()
+                    .zip(&runs[0].0)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()));
+                assert_eq!(r.1, runs[0].1);
+            }
+            // Elements outside every span (padding) are untouched.
+            assert_eq!(runs[0].0[0..3], data(n, 1)[0..3]);
+        }
+        // An invalid span writes nothing, whatever the thread count.
+        let mut p = data(n, 1);
+        let g = data(n, 2);
+        let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
+        let mut st: Vec<&mut [f32]> = vec![&mut m, &mut v];
+        let bad = [Span::new(n - 2, 10, true)];
+        assert!(opts[0]
+            .step_shard_threads(&mut p, &g, &mut st, &bad, 1, 4)
+            .is_err());
+        assert_eq!(p, data(n, 1));
     }
 }

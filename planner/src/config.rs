@@ -217,9 +217,9 @@ impl FromStr for ActivationModel {
 /// `param_dtype` copy of the parameter shards (the all-gather input), refreshed from the
 /// host after every step. Under `Params`, that device copy goes too: each unit's shard is cast
 /// on the host and copied into its block of the device's all-gather buffer just before the
-/// all-gather. Both keep one reusable host staging buffer for the copies (the largest flat
-/// parameter's shard in the wider of `param_dtype` and `reduce_dtype`), as pinned-memory
-/// engines do.
+/// all-gather. Both keep two reusable host staging buffers for the copies (the largest flat
+/// parameter's shard in `param_dtype`, the largest trainable one's in `reduce_dtype`), as
+/// pinned-memory engines do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Offload {

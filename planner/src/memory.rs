@@ -25,8 +25,8 @@
 //! **Offload** ([`crate::Offload`]; Ren et al. 2021, ZeRO-Offload): each point has two
 //! memories, the compute device's ([`TimelinePoint::bytes`]) and the host's
 //! ([`TimelinePoint::host`]). Offloaded, the f32 master shards, the f32 gradient shards and the
-//! optimizer state are host bytes, and so is one reusable staging buffer for the copies,
-//! `max_f max(pd * s_f, rd * s_f [trainable])` bytes; the device keeps the `param_dtype`
+//! optimizer state are host bytes, and so are two reusable staging buffers for the copies,
+//! `pd * max_f s_f + rd * max_{f in T} s_f` bytes; the device keeps the `param_dtype`
 //! parameter shards (`param_shards_low_precision` = `pd * sum_A s_f`, the all-gather input)
 //! under `optimizer`, nothing sharded under `params`. The host side is the same at every point
 //! of the step. Without offload the host side is zero and every byte is the device's.
@@ -696,9 +696,9 @@ pub fn memory_plan(
             (device, host)
         }
     };
-    // The shard is the parameter (no gathered copy) with one shard of f32, unless the
-    // parameter shard is in host memory.
-    let no_copy = shard_size == 1 && cfg.param_dtype == DType::F32 && offload != Offload::Params;
+    // The shard is the parameter (no gathered copy) with one shard of f32 master weights on
+    // the device; offloaded, the device's parameters are always a gathered copy.
+    let no_copy = shard_size == 1 && cfg.param_dtype == DType::F32 && !offload.is_some();
     let unsharded = |alive: &[usize]| -> Bytes {
         if no_copy {
             Bytes(0)
@@ -902,25 +902,20 @@ pub fn memory_plan(
     }
 }
 
-/// Bytes of the reusable host staging buffer of an offloaded rank: the largest flat
-/// parameter's shard in `param_dtype` (cast on the host, then copied to the device) or, for a
-/// trainable one, in `reduce_dtype` (its reduced gradient shard copied from the device).
+/// Bytes of the reusable host staging buffers of an offloaded rank: one for parameters, the
+/// largest flat parameter's shard in `param_dtype` (cast from the f32 master on the host, then
+/// copied to the device), and one for gradients, the largest trainable flat parameter's shard
+/// in `reduce_dtype` (its reduced gradient shard copied from the device, then added into the
+/// f32 gradient shard).
 pub fn host_staging_bytes(units: &[UnitLayout], cfg: &PlanConfig) -> u64 {
-    let pd = cfg.param_dtype.size_bytes();
-    let rd = cfg.reduce_dtype.size_bytes();
-    units
-        .iter()
-        .flat_map(|u| &u.flat_params)
-        .map(|f| {
-            let s = f.shard_numel().0;
-            if f.trainable {
-                pd.max(rd) * s
-            } else {
-                pd * s
-            }
-        })
+    let flats = || units.iter().flat_map(|u| &u.flat_params);
+    let largest = flats().map(|f| f.shard_numel().0).max().unwrap_or(0);
+    let largest_trainable = flats()
+        .filter(|f| f.trainable)
+        .map(|f| f.shard_numel().0)
         .max()
-        .unwrap_or(0)
+        .unwrap_or(0);
+    cfg.param_dtype.size_bytes() * largest + cfg.reduce_dtype.size_bytes() * largest_trainable
 }
 
 /// Whether gradients of a step of `micro_batches` micro-batches accumulate unsharded (in f32)

@@ -40,6 +40,7 @@ mod cuda;
 mod lock;
 mod seed;
 
+use crate::buffer::FlatBuffer;
 use crate::cast;
 use crate::error::{check_len, KernelError};
 use crate::optim::{AdamWConfig, SgdConfig};
@@ -589,6 +590,117 @@ impl TensorKernels {
                 (SliceMut::F64(d), Slice::F64(s)) => crate::copy(d, s),
                 _ => Err(missing("src")),
             }
+        })
+    }
+
+    /// Host-to-device copy: `dst[dst_offset + i] = src[i]` for `i < n`, bit for bit, from the
+    /// first `n` elements of the host buffer `src` (same dtype as `dst`) into the window of the
+    /// device buffer `dst`. On the CPU the window is written in place; on CUDA the elements go
+    /// through a device tensor of `n` elements and [`TensorKernels::copy_into`] (see
+    /// [`TensorKernels::upload_via_tensor`]).
+    ///
+    /// Errors (nothing written): [`KernelError::LengthMismatch`] (`n` beyond `src`),
+    /// [`KernelError::NotContiguous`], [`KernelError::DeviceMismatch`],
+    /// [`KernelError::DTypeMismatch`], [`KernelError::OffsetOutOfRange`];
+    /// [`KernelError::Device`] (CUDA).
+    pub fn upload(
+        &self,
+        dst: &Tensor,
+        dst_offset: usize,
+        src: &FlatBuffer,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        if n > src.len() {
+            return Err(KernelError::LengthMismatch {
+                what: "src",
+                expected: n,
+                actual: src.len(),
+            });
+        }
+        let d = self.check(dst, "dst", Some(&[src.dtype()]))?;
+        check_window("dst", dst_offset, n, d.numel)?;
+        if n == 0 {
+            return Ok(());
+        }
+        #[cfg(feature = "cuda")]
+        if self.cuda.is_some() {
+            return self.upload_via_tensor(dst, dst_offset, src, n);
+        }
+        let args = [Arg::write_window(dst, "dst", dst_offset, n)];
+        cpu::with_pieces(&args, |p| {
+            let [d] = <[_; 1]>::try_from(p).map_err(|_| missing("dst"))?;
+            match (d.into_mut("dst")?, src) {
+                (SliceMut::F32(d), FlatBuffer::F32(s)) => crate::copy(d, &s[..n]),
+                (SliceMut::BF16(d), FlatBuffer::BF16(s)) => crate::copy(d, &s[..n]),
+                (SliceMut::F16(d), FlatBuffer::F16(s)) => crate::copy(d, &s[..n]),
+                (SliceMut::F64(d), FlatBuffer::F64(s)) => crate::copy(d, &s[..n]),
+                _ => Err(missing("src")),
+            }
+        })
+    }
+
+    /// [`TensorKernels::upload`] through a device tensor: the first `n` elements of `src`
+    /// become a new device tensor (candle's host-to-device copy), which
+    /// [`TensorKernels::copy_into`] writes into the window. The path a device without direct
+    /// host writes takes; on the CPU it gives the same bits with one more buffer.
+    ///
+    /// Errors: as [`TensorKernels::upload`]; [`KernelError::Candle`].
+    pub fn upload_via_tensor(
+        &self,
+        dst: &Tensor,
+        dst_offset: usize,
+        src: &FlatBuffer,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        let call = || format!("Tensor::from_slice({n})");
+        let t = match src {
+            FlatBuffer::F32(s) => Tensor::from_slice(&s[..n], n, &self.device),
+            FlatBuffer::BF16(s) => Tensor::from_slice(&s[..n], n, &self.device),
+            FlatBuffer::F16(s) => Tensor::from_slice(&s[..n], n, &self.device),
+            FlatBuffer::F64(s) => Tensor::from_slice(&s[..n], n, &self.device),
+        }
+        .map_err(|e| candle_err(call(), e))?;
+        self.copy_into(dst, dst_offset, &t)
+    }
+
+    /// Device-to-host copy: the elements of the device buffer `src` into the first
+    /// `src.elem_count()` elements of the host buffer `dst` (same dtype), bit for bit. On CUDA
+    /// it waits for the device's stream.
+    ///
+    /// Errors (nothing written): [`KernelError::LengthMismatch`] (`dst` too short),
+    /// [`KernelError::NotContiguous`], [`KernelError::DeviceMismatch`],
+    /// [`KernelError::DTypeMismatch`]; [`KernelError::Device`] (CUDA), [`KernelError::Candle`].
+    pub fn download(&self, src: &Tensor, dst: &mut FlatBuffer) -> Result<(), KernelError> {
+        let c = self.check(src, "src", Some(&[dst.dtype()]))?;
+        let n = c.numel;
+        if n > dst.len() {
+            return Err(KernelError::LengthMismatch {
+                what: "dst",
+                expected: n,
+                actual: dst.len(),
+            });
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        #[cfg(feature = "cuda")]
+        if self.cuda.is_some() {
+            let call = || format!("Tensor::to_vec1({n})");
+            let flat = src.flatten_all().map_err(|e| candle_err(call(), e))?;
+            return match dst {
+                FlatBuffer::F32(d) => flat.to_vec1::<f32>().map(|v| d[..n].copy_from_slice(&v)),
+                FlatBuffer::BF16(d) => flat.to_vec1::<bf16>().map(|v| d[..n].copy_from_slice(&v)),
+                FlatBuffer::F16(d) => flat.to_vec1::<f16>().map(|v| d[..n].copy_from_slice(&v)),
+                FlatBuffer::F64(d) => flat.to_vec1::<f64>().map(|v| d[..n].copy_from_slice(&v)),
+            }
+            .map_err(|e| candle_err(call(), e));
+        }
+        cpu::with_pieces(&[Arg::read(src, "src")], |p| match (p[0].slice(), dst) {
+            (Slice::F32(s), FlatBuffer::F32(d)) => crate::copy(&mut d[..n], s),
+            (Slice::BF16(s), FlatBuffer::BF16(d)) => crate::copy(&mut d[..n], s),
+            (Slice::F16(s), FlatBuffer::F16(d)) => crate::copy(&mut d[..n], s),
+            (Slice::F64(s), FlatBuffer::F64(d)) => crate::copy(&mut d[..n], s),
+            _ => Err(missing("dst")),
         })
     }
 
