@@ -54,7 +54,8 @@ impl CustomOp2 for BiasAdd {
 }
 
 /// Column sums of a contiguous `[N, F]` tensor -> `[F]`, in the compute dtype (blocks of
-/// [`SUM_BLOCK_ROWS`](super::rows::SUM_BLOCK_ROWS) rows, see the module docs), narrowed once.
+/// [`SUM_BLOCK_ROWS`](super::SUM_BLOCK_ROWS) rows, see the module docs of [`super`]),
+/// narrowed once.
 struct ColumnSum {
     f: usize,
 }
@@ -83,7 +84,8 @@ impl CustomOp1 for ColumnSum {
 
 /// Fused `x + b`: `x` `[N, F]`, `b` `[F]` -> `[N, F]`, dtype of `x` (16-bit: added in f32,
 /// rounded once, as candle's own bf16/f16 add). Gradients: `dx = g` (the same tensor),
-/// `db = sum_n g_n` (accumulated in the compute dtype in blocks of [`SUM_BLOCK_ROWS`](super::rows::SUM_BLOCK_ROWS) rows).
+/// `db = sum_n g_n` (accumulated in the compute dtype in blocks of
+/// [`SUM_BLOCK_ROWS`](super::SUM_BLOCK_ROWS) rows).
 /// Errors: shapes that do not match, mixed or unsupported dtypes.
 pub fn bias_add(x: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     let f = x.dim(candle_core::D::Minus1)?;

@@ -92,7 +92,8 @@ impl CustomOp2 for BiasGelu {
 
 /// Backward of bias + GELU: inputs `(x [N, F], b [F], g [N, F])`, output packed `[N + 1, F]`:
 /// rows `dz = g * gelu'(x + b)`, then `db = sum_n dz` (in the compute dtype, from the
-/// unrounded `dz`, in blocks of [`SUM_BLOCK_ROWS`](super::rows::SUM_BLOCK_ROWS) rows), with `s = 1 / (1 + e^(-2u))`:
+/// unrounded `dz`, in blocks of [`SUM_BLOCK_ROWS`](super::SUM_BLOCK_ROWS) rows), with
+/// `s = 1 / (1 + e^(-2u))`:
 /// `gelu'(z) = 0.5 (1 + tanh u) + 0.5 z (1 - tanh^2 u) u'(z) = s + s (1 - s) 2 c z (1 + 3 a z^2)`.
 struct BiasGeluBwd;
 
@@ -166,11 +167,11 @@ impl CustomOp3 for BiasGeluBwd {
 /// Fused `gelu(x + b)` (tanh approximation): `x` `[N, F]`, optional bias `b` `[F]` (zeros when
 /// absent) -> `[N, F]`, dtype of `x` (f32, f64, or bf16/f16 computed in f32: `x + b` is NOT
 /// rounded to 16 bits before the GELU). Gradients flow to `x` and `b` (`db` summed over rows
-/// in blocks of [`SUM_BLOCK_ROWS`](super::rows::SUM_BLOCK_ROWS)).
+/// in blocks of [`SUM_BLOCK_ROWS`](super::SUM_BLOCK_ROWS)).
 ///
 /// Computed as `z / (1 + e^(-2u))`, `u = c z (1 + a z^2)` (the tanh form rewritten through
 /// `0.5 (1 + tanh u) = sigmoid(2u)`: one exp, one division, no cancellation of `1 + tanh u`
-/// for negative `z`), with [`exp_f32`](super::simd::exp_f32) in f32; the derivative is
+/// for negative `z`), with [`exp_f32`](super::exp_f32) in f32; the derivative is
 /// `s + s (1 - s) 2 c z (1 + 3 a z^2)`, `s = sigmoid(2u)`. f32 accuracy against the f64
 /// evaluation at the same f32 `z = x + b` (engine/tests/model_ops_accuracy.rs, 250k points
 /// dense over `[-12, 12]` and log-uniform up to `|z| = 1e30`, the f32 extremes):

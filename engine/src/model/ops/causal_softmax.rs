@@ -134,7 +134,7 @@ impl CustomOp2 for CausalSoftmaxBwd {
 ///
 /// Computed as `e^(a_j) / sum_k e^(a_k)` with `a_j = scale (s_j - m) <= 0`, `m` the score
 /// maximising `scale s` (the subtraction first, so `a_j` is rounded relative to itself),
-/// [`exp_f32`](super::simd::exp_f32) in f32, the row sum by 8 fixed lanes, one f64 reciprocal.
+/// [`exp_f32`](super::exp_f32) in f32, the row sum by 8 fixed lanes, one f64 reciprocal.
 /// f32 accuracy against the f64 softmax of the same f32 scores (engine/tests/
 /// model_ops_accuracy.rs, rows of 67 and 256, `|scale s|` up to 200): every output `y_j`
 /// within `(6 + n/8 + 3 |a_j|) 2^-24 y64_j + 2e-38`, `n` the row's unmasked length (a few

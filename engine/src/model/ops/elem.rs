@@ -12,7 +12,8 @@ use std::mem::MaybeUninit;
 
 /// The dtype the fused ops compute in for storage dtype `dtype`: F32 for BF16, F16 and F32;
 /// F64 for F64 (any other dtype is returned unchanged; the ops refuse it). It is also the dtype
-/// of the scalar [`cross_entropy_sum`] returns, and the dtype of its upstream gradient.
+/// of the scalar [`cross_entropy_sum`](super::cross_entropy_sum) returns, and the dtype of its
+/// upstream gradient.
 pub fn compute_dtype(dtype: DType) -> DType {
     match dtype {
         DType::BF16 | DType::F16 => DType::F32,

@@ -86,7 +86,8 @@ impl CustomOp3 for LayerNorm {
 
 /// Backward of LayerNorm: inputs `(x [N, D], w [D], g [N, D])`, output packed `[N + 2, D]` =
 /// rows `dx`, then `dw = sum_n g * xhat`, then `db = sum_n g` (both accumulated in the compute
-/// dtype in blocks of [`SUM_BLOCK_ROWS`](super::rows::SUM_BLOCK_ROWS) rows, see the module docs).
+/// dtype in blocks of [`SUM_BLOCK_ROWS`](super::SUM_BLOCK_ROWS) rows, see the module docs of
+/// [`super`]).
 /// `dx = rstd * (g w - mean(g w) - xhat * mean(g w xhat))`.
 struct LayerNormBwd {
     eps: f64,
@@ -168,8 +169,9 @@ impl CustomOp3 for LayerNormBwd {
 
 /// Fused LayerNorm over the last dim: `x` `[N, D]`, `w` `[D]`, optional `b` `[D]` (zeros when
 /// absent) -> `[N, D]`, dtype of `x` (f32, f64, or bf16/f16 computed in f32, see the module
-/// docs). Gradients flow to `x`, `w` and `b` (`dw`, `db` summed over rows in blocks of
-/// [`SUM_BLOCK_ROWS`](super::rows::SUM_BLOCK_ROWS)). Errors: mixed or unsupported dtypes, shapes that do not match.
+/// docs of [`super`]). Gradients flow to `x`, `w` and `b` (`dw`, `db` summed over rows in blocks of
+/// [`SUM_BLOCK_ROWS`](super::SUM_BLOCK_ROWS)). Errors: mixed or unsupported dtypes, shapes
+/// that do not match.
 pub fn layer_norm(
     x: &Tensor,
     w: &Tensor,

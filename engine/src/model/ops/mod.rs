@@ -3,8 +3,8 @@
 //! to the attention output through strided GEMMs, its own module), causal softmax, bias +
 //! GELU, summed cross-entropy, token + position embedding, bias add (with its column-sum
 //! backward) and the backward seed; and for the Llama family (their own modules) RMSNorm
-//! ([`rms_norm`](fn@rms_norm)), the rotary embedding packed for the attention ([`rope_qkv`]) and the SwiGLU
-//! gate ([`swiglu`](fn@swiglu)).
+//! ([`rms_norm`](fn@rms_norm)), the rotary embedding packed for the attention ([`rope_qkv`])
+//! and the SwiGLU gate ([`swiglu`](fn@swiglu)).
 //!
 //! Composed from candle primitives, each of these is 5-10 full passes over memory and as many
 //! temporaries in the autograd graph; fused, it is one pass forward and one backward. Inputs

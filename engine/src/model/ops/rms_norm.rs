@@ -78,7 +78,7 @@ impl CustomOp2 for RmsNorm {
 
 /// Backward of RMSNorm: inputs `(x [N, D], w [D], g [N, D])`, output packed `[N + 1, D]` =
 /// rows `dx`, then `dw = sum_n g xhat` (accumulated in the compute dtype in blocks of
-/// [`SUM_BLOCK_ROWS`](super::rows::SUM_BLOCK_ROWS) rows, see the module docs of [`super`]).
+/// [`SUM_BLOCK_ROWS`](super::SUM_BLOCK_ROWS) rows, see the module docs of [`super`]).
 struct RmsNormBwd {
     eps: f64,
 }
@@ -155,8 +155,9 @@ impl CustomOp3 for RmsNormBwd {
 /// (f32, f64, or bf16/f16 computed in f32 and rounded once, see the module docs of
 /// [`super`]). The mean of squares is accumulated in the compute dtype with 8 lanes and the
 /// reciprocal square root taken in f64, then rounded to the compute dtype. Gradients flow to
-/// `x` and `w` (`dw` summed over rows in blocks of [`SUM_BLOCK_ROWS`](super::rows::SUM_BLOCK_ROWS); the same bits for any
-/// thread count). Errors: `x`'s last dim not `D`, mixed or unsupported dtypes.
+/// `x` and `w` (`dw` summed over rows in blocks of
+/// [`SUM_BLOCK_ROWS`](super::SUM_BLOCK_ROWS); the same bits for any thread count). Errors:
+/// `x`'s last dim not `D`, mixed or unsupported dtypes.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
     let d = w.elem_count();
     if x.dim(candle_core::D::Minus1)? != d {
