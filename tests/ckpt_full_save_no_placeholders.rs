@@ -5,7 +5,6 @@
 
 use fsdp::cli::ckpt::engine_to_ckpt;
 use fsdp::optim::{AdamWConfig, Optimizer};
-use fsdp::runtime::toy::{LayerDef, LinearStack};
 use fsdp::runtime::{EngineConfig, InitSync, RankEngine, StagedModel};
 use fsdp_checkpoints::{
     consolidate_optimizer_to_file, consolidate_to_file, read_full, save_checkpoint,
@@ -13,6 +12,7 @@ use fsdp_checkpoints::{
 };
 use fsdp_comm::{run_threads, Topology};
 use fsdp_planner::{plan, PlanConfig};
+use fsdp_testing::toy::{LayerDef, LinearStack};
 use std::time::Duration;
 
 fn header(path: &std::path::Path) -> serde_json::Value {

@@ -9,7 +9,6 @@
 
 use fsdp::cli::ckpt::{ckpt_to_engine, engine_to_ckpt};
 use fsdp::optim::{AdamWConfig, Optimizer};
-use fsdp::runtime::toy::DotModel;
 use fsdp::runtime::{EngineConfig, InitSync, RankEngine, StagedModel};
 use fsdp_checkpoints::{
     read_full, save_checkpoint, write_full, Checkpoint, CheckpointLayout, FullTensor, StateKind,
@@ -17,6 +16,7 @@ use fsdp_checkpoints::{
 };
 use fsdp_comm::{run_threads, Topology};
 use fsdp_planner::{plan, PlanConfig};
+use fsdp_testing::toy::DotModel;
 use std::time::Duration;
 
 const PARAMS: [(&str, &[u64]); 4] = [("A", &[7, 3]), ("B", &[5]), ("C", &[1, 17]), ("D", &[3])];

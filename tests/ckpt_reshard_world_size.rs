@@ -11,13 +11,13 @@
 
 use fsdp::cli::ckpt::{ckpt_to_engine, engine_to_ckpt};
 use fsdp::optim::{AdamWConfig, Optimizer};
-use fsdp::runtime::toy::DotModel;
 use fsdp::runtime::{EngineConfig, InitSync, RankEngine, StagedModel};
 use fsdp_checkpoints::{
     save_checkpoint, Checkpoint, CheckpointLayout, OptimizerState, StateKind, TrainState, Verify,
 };
 use fsdp_comm::{run_threads, Topology};
 use fsdp_planner::{plan, PlanConfig, ShardPlan, Strategy};
+use fsdp_testing::toy::DotModel;
 use std::path::Path;
 use std::time::Duration;
 

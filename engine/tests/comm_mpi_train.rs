@@ -4,7 +4,7 @@
 //! Parity is bitwise: the MPI backend moves raw contributions (`MPI_Alltoall`) and adds them
 //! in rank order with the same f32 arithmetic as the thread backend, so the tiny GPT's losses
 //! and global gradient norms over 5 steps are the same f64 bits on 2 MPI processes, on 2 rank
-//! threads and in the single-process reference (`fsdp::runtime::reference::Reference`, which
+//! threads and in the single-process reference (`fsdp_testing::reference::Reference`, which
 //! sums per-rank gradients in rank order). Clipping is off (`--clip 0`) because the reference
 //! computes the clip norm in a different order (that case is tolerance-checked by the thread
 //! backend's own parity tests).
@@ -18,9 +18,9 @@ use candle_core::Device;
 use fsdp::data::{Sampler, SamplerConfig, TextData};
 use fsdp::model::Gpt;
 use fsdp::optim::{AdamWConfig, LrSchedule, Optimizer};
-use fsdp::runtime::reference::Reference;
 use fsdp::runtime::MicroBatch;
 use fsdp_planner::GradSync;
+use fsdp_testing::reference::Reference;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::Mutex;

@@ -9,10 +9,10 @@
 //! (reduce-scatter) and no-shard (all-reduce), with f32 and bf16 parameters.
 
 use fsdp::optim::{AdamWConfig, Optimizer};
-use fsdp::runtime::toy::DotModel;
 use fsdp::runtime::{EngineConfig, InitSync, MicroBatch, RankEngine, StagedModel};
 use fsdp_comm::{run_threads, Topology};
 use fsdp_planner::{plan, PlanConfig, Strategy};
+use fsdp_testing::toy::DotModel;
 use fsdp_types::DType;
 use std::time::Duration;
 

@@ -4,12 +4,12 @@
 //! gradients overflow.
 
 use fsdp::optim::{AdamWConfig, Optimizer};
-use fsdp::runtime::toy::DotModel;
 use fsdp::runtime::unit::candle_dtype;
 use fsdp::runtime::{EngineConfig, InitSync, LossScaler, MicroBatch, RankEngine, StagedModel};
 use fsdp::train::{train, NoHooks, TrainOptions};
 use fsdp_comm::{run_threads, Topology};
 use fsdp_planner::{plan, PlanConfig, Strategy};
+use fsdp_testing::toy::DotModel;
 use fsdp_types::DType;
 use std::path::PathBuf;
 use std::time::Duration;

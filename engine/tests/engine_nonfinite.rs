@@ -15,7 +15,6 @@
 
 use fsdp::error::EngineError;
 use fsdp::optim::{AdamWConfig, Optimizer};
-use fsdp::runtime::toy::DotModel;
 use fsdp::runtime::unit::candle_dtype;
 use fsdp::runtime::{
     Clip, EngineConfig, InitSync, MicroBatch, NonFinitePolicy, NonFiniteReport, NormType,
@@ -23,6 +22,7 @@ use fsdp::runtime::{
 };
 use fsdp_comm::{run_threads, Topology};
 use fsdp_planner::{plan, PlanConfig, ShardPlan, Strategy};
+use fsdp_testing::toy::DotModel;
 use fsdp_types::DType;
 use std::time::Duration;
 

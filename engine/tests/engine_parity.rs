@@ -8,10 +8,10 @@
 
 use fsdp::model::Gpt;
 use fsdp::optim::{AdamWConfig, Optimizer};
-use fsdp::runtime::reference::Reference;
 use fsdp::runtime::{Clip, EngineConfig, InitSync, MicroBatch, NormType, RankEngine, StagedModel};
 use fsdp_comm::{run_threads, Topology};
 use fsdp_planner::{plan, GradSync, PlanConfig, Strategy};
+use fsdp_testing::reference::Reference;
 use std::time::Duration;
 
 mod common;

@@ -14,11 +14,11 @@
 
 use fsdp::error::EngineError;
 use fsdp::optim::{AdamWConfig, Optimizer, SgdConfig};
-use fsdp::runtime::reference::Reference;
-use fsdp::runtime::toy::{DotModel, LayerDef, LinearStack};
 use fsdp::runtime::{Clip, EngineConfig, InitSync, MicroBatch, NormType, RankEngine, StagedModel};
 use fsdp_comm::{run_threads, Topology};
 use fsdp_planner::{plan, GradSync, PlanConfig, ShardPlan, Strategy};
+use fsdp_testing::reference::Reference;
+use fsdp_testing::toy::{DotModel, LayerDef, LinearStack};
 use std::time::{Duration, Instant};
 
 fn make_plan(

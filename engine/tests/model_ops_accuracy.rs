@@ -383,7 +383,19 @@ fn ops_bitwise_equal_across_thread_counts() {
                 vec![true, true, true],
                 Box::new(|t: &[Tensor]| {
                     let (c, s) = llama::angles(40, 16);
-                    ops::rope_qkv(&t[0], &t[1], &t[2], &c, &s, 40, 8, 2).unwrap()
+                    ops::rope_qkv(
+                        &t[0],
+                        &t[1],
+                        &t[2],
+                        ops::Rotary {
+                            cos: &c,
+                            sin: &s,
+                            t: 40,
+                            n_head: 8,
+                            n_kv_head: 2,
+                        },
+                    )
+                    .unwrap()
                 }),
             ),
             (

@@ -277,3 +277,40 @@ pub fn embedding(wte: &Tensor, wpe: &Tensor, ids: &Tensor) -> candle_core::Resul
     let h = tok.broadcast_add(&widen(wpe)?.narrow(0, 0, t)?)?;
     h.reshape((b * t, d))?.to_dtype(wte.dtype())
 }
+
+// The composite ops under the names of the reference functions they replaced.
+
+/// `x + b` from candle primitives: the same function as [`bias_add`] (this name is
+/// kept for existing callers).
+pub fn bias_add_ref(x: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    bias_add(x, b)
+}
+
+/// `gelu(x + b)` (tanh approximation) from candle primitives: the same function as
+/// [`bias_gelu`] (this name is kept for existing callers).
+pub fn gelu_ref(x: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    bias_gelu(x, b)
+}
+
+/// LayerNorm from candle primitives: the same function as [`layer_norm`] (this
+/// name is kept for existing callers).
+pub fn layer_norm_ref(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    eps: f64,
+) -> candle_core::Result<Tensor> {
+    layer_norm(x, w, b, eps)
+}
+
+/// Causal softmax from candle primitives: the same function as [`causal_softmax`]
+/// (this name is kept for existing callers).
+pub fn causal_softmax_ref(s: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
+    causal_softmax(s, scale)
+}
+
+/// Summed cross-entropy from candle primitives: the same function as
+/// [`cross_entropy_sum`] (this name is kept for existing callers).
+pub fn cross_entropy_sum_ref(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    cross_entropy_sum(logits, targets)
+}

@@ -37,6 +37,7 @@
 //! causal attention; a longer sequence is an error (not silently computed with full
 //! attention).
 
+use super::stage::check_activation_dtype;
 use super::{composite, ops, ModelError, OpsPath, Stage, INIT_STD};
 use candle_core::{DType, Device, Tensor, D};
 use fsdp_planner::presets::{llama_config, llama_numerics, llama_spec};
@@ -538,7 +539,14 @@ impl Llama {
         let y = if fz {
             // Rotary embedding, repeated key/value heads and the [BT, 3D] packing in one op.
             let (cos, sin) = self.rope_angles(t);
-            let qkv = ops::rope_qkv(&q, &k, &v, &cos, &sin, t, h, kv)?;
+            let rotary = ops::Rotary {
+                cos: &cos,
+                sin: &sin,
+                t,
+                n_head: h,
+                n_kv_head: kv,
+            };
+            let qkv = ops::rope_qkv(&q, &k, &v, rotary)?;
             ops::causal_attention(&qkv, b, t, h)?
         } else {
             let cdt = ops::compute_dtype(x.dtype());
@@ -580,20 +588,6 @@ impl Llama {
 
 fn is_half(t: &Tensor) -> bool {
     matches!(t.dtype(), DType::BF16 | DType::F16)
-}
-
-fn check_activation_dtype(stage: Stage, params: &[Tensor], x: &Tensor) -> candle_core::Result<()> {
-    if let Some(p) = params.first() {
-        if x.dtype() != p.dtype() {
-            candle_core::bail!(
-                "{stage:?}: input activations are {:?} but the unit's parameters are {:?} \
-                 (param_dtype); cast explicitly",
-                x.dtype(),
-                p.dtype()
-            );
-        }
-    }
-    Ok(())
 }
 
 /// `x @ w^T (+ b)` for `x` `[N, in]`, a torch-layout weight `w` `[out, in]`, `b` `[out]`; the

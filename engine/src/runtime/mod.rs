@@ -1,15 +1,12 @@
 //! The FSDP runtime: FSDP units and their state transitions ([`mod@unit`]), the per-rank step loop
 //! executing a plan ([`engine`]), the model interface it runs ([`staged`]), the collectives
-//! wrapper ([`collectives`]), small models with exactly known gradients ([`toy`]), the GPT adapter
-//! ([`gpt`]) and the single-process reference used by the parity tests ([`mod@reference`]).
+//! wrapper ([`collectives`]) and the GPT adapter ([`gpt`]).
 
 pub mod collectives;
 pub mod engine;
 pub mod gpt;
 mod init_shards;
-pub mod reference;
 pub mod staged;
-pub mod toy;
 pub mod unit;
 
 pub use engine::{

@@ -8,12 +8,12 @@
 use crate::common::{micro_batch, text};
 use fsdp::model::llama::Llama;
 use fsdp::optim::{AdamWConfig, Optimizer};
-use fsdp::runtime::reference::Reference;
 use fsdp::runtime::{EngineConfig, InitSync, MicroBatch, RankEngine, StagedModel};
 use fsdp_comm::{run_threads, Topology};
 use fsdp_planner::{
     plan, GradSync, Llama3RopeScaling, LlamaConfig, LlamaNumerics, PlanConfig, Strategy,
 };
+use fsdp_testing::reference::Reference;
 use fsdp_types::DType;
 use std::time::Duration;
 

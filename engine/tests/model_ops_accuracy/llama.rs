@@ -203,7 +203,21 @@ fn rope_qkv_matches_composite() {
     ] {
         let e = errors(
             dt,
-            &|x| ops::rope_qkv(&x[0], &x[1], &x[2], &c, &s, t, h, kv).unwrap(),
+            &|x| {
+                ops::rope_qkv(
+                    &x[0],
+                    &x[1],
+                    &x[2],
+                    ops::Rotary {
+                        cos: &c,
+                        sin: &s,
+                        t,
+                        n_head: h,
+                        n_kv_head: kv,
+                    },
+                )
+                .unwrap()
+            },
             &composite,
             &[
                 (&[b * t, h * hd], 2.0),
@@ -224,20 +238,58 @@ fn llama_ops_refuse_bad_shapes() {
     assert!(ops::swiglu(&z(&[4, 8]), &z(&[4, 7])).is_err());
     let (c, s) = angles(4, 8);
     // 3 heads over 2 KV heads; a sequence length that does not divide the rows; a bad table.
-    assert!(ops::rope_qkv(&z(&[8, 24]), &z(&[8, 16]), &z(&[8, 16]), &c, &s, 4, 3, 2).is_err());
-    assert!(ops::rope_qkv(&z(&[6, 32]), &z(&[6, 16]), &z(&[6, 16]), &c, &s, 4, 4, 2).is_err());
+    assert!(ops::rope_qkv(
+        &z(&[8, 24]),
+        &z(&[8, 16]),
+        &z(&[8, 16]),
+        ops::Rotary {
+            cos: &c,
+            sin: &s,
+            t: 4,
+            n_head: 3,
+            n_kv_head: 2
+        }
+    )
+    .is_err());
+    assert!(ops::rope_qkv(
+        &z(&[6, 32]),
+        &z(&[6, 16]),
+        &z(&[6, 16]),
+        ops::Rotary {
+            cos: &c,
+            sin: &s,
+            t: 4,
+            n_head: 4,
+            n_kv_head: 2
+        }
+    )
+    .is_err());
     assert!(ops::rope_qkv(
         &z(&[8, 32]),
         &z(&[8, 16]),
         &z(&[8, 16]),
-        &c[1..],
-        &s,
-        4,
-        4,
-        2
+        ops::Rotary {
+            cos: &c[1..],
+            sin: &s,
+            t: 4,
+            n_head: 4,
+            n_kv_head: 2
+        }
     )
     .is_err());
-    assert!(ops::rope_qkv(&z(&[8, 32]), &z(&[8, 16]), &z(&[8, 16]), &c, &s, 4, 4, 2).is_ok());
+    assert!(ops::rope_qkv(
+        &z(&[8, 32]),
+        &z(&[8, 16]),
+        &z(&[8, 16]),
+        ops::Rotary {
+            cos: &c,
+            sin: &s,
+            t: 4,
+            n_head: 4,
+            n_kv_head: 2
+        }
+    )
+    .is_ok());
 }
 
 /// `llama-tiny`'s summed loss and every parameter gradient (2 sequences of 32 tokens,

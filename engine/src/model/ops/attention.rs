@@ -40,9 +40,13 @@
 //! rounded (as the fused causal softmax's saved output): the forward's `Y` uses the unrounded
 //! f32 `P`, the backward the rounded one.
 
-use super::*;
+use super::elem::{dispatch, view, Elem, Flt};
+use super::simd::{lane_dot, lane_extreme, lane_sum, simd_kernel};
 use candle_core::op::BackpropOp;
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Shape, Tensor};
 use candle_core::{Device, Storage};
+use rayon::prelude::*;
+use std::mem::MaybeUninit;
 use std::sync::Mutex;
 
 /// Rows per block of the fused attention (forward row blocks, backward row and column blocks):
@@ -69,7 +73,6 @@ impl<T> SharedOut<T> {
 ///
 /// Safety: every addressed element of `lhs`, `rhs` and `dst` must be valid (and `dst`
 /// writable and not aliased by `lhs`/`rhs`).
-#[allow(clippy::too_many_arguments)]
 unsafe fn mm<T: Flt>(
     (m, n, k): (usize, usize, usize),
     dst: *mut T,
@@ -372,15 +375,14 @@ impl CustomOp1 for CausalAttention {
 }
 
 /// The backward op: `(qkv [B*T, 3D], dY [B*T, D], P [B, H, T, T])` -> `dqkv` `[B*T, 3D]`.
+#[derive(Clone, Copy)]
 struct CausalAttentionBwd {
     dims: Dims,
     scale: f64,
 }
 
-#[allow(clippy::too_many_arguments)]
 fn attn_bwd<E: Elem>(
-    dims: Dims,
-    scale: f64,
+    op: &CausalAttentionBwd,
     s1: &CpuStorage,
     l1: &Layout,
     s2: &CpuStorage,
@@ -388,6 +390,7 @@ fn attn_bwd<E: Elem>(
     s3: &CpuStorage,
     l3: &Layout,
 ) -> candle_core::Result<(CpuStorage, Shape)> {
+    let CausalAttentionBwd { dims, scale } = *op;
     let Dims { b, t, h, d, hd } = dims;
     let op = "causal_attention_bwd";
     let qkv = view::<E>(op, s1, l1)?;
@@ -508,11 +511,7 @@ impl CustomOp3 for CausalAttentionBwd {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        dispatch!(
-            self.name(),
-            s1,
-            attn_bwd(self.dims, self.scale, s1, l1, s2, l2, s3, l3)
-        )
+        dispatch!(self.name(), s1, attn_bwd(self, s1, l1, s2, l2, s3, l3))
     }
 }
 

@@ -6,7 +6,10 @@
 //! `dx = r (g w - xhat mean(g w xhat))`. The op keeps nothing for backward beyond its inputs
 //! (the backward recomputes `r` from `x`); its output is the only tensor it adds to the graph.
 
-use super::*;
+use super::elem::{dispatch, same_dtype, view, Elem, Flt};
+use super::rows::{norm_bwd_rows, norm_fwd_rows, NormBwdRow};
+use super::simd::{lane_dot, simd_kernel};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 
 struct RmsNorm {
     eps: f64,
@@ -41,12 +44,7 @@ fn rms_fwd<E: Elem>(
 ) -> candle_core::Result<(CpuStorage, Shape)> {
     let x = view::<E>("rms_norm", s1, l1)?;
     let w = E::acc_all(view::<E>("rms_norm", s2, l2)?);
-    let d = w.len();
-    let n = x.len().checked_div(d).unwrap_or(0);
-    let y = map_rows::<E, _>(n, d, 0, |r, s, out| {
-        let row = E::acc(&x[r * d..(r + 1) * d], &mut s.a);
-        rms_fwd_row(row, &w, eps, out);
-    });
+    let y = norm_fwd_rows(x, w.len(), |row, _, out| rms_fwd_row(row, &w, eps, out));
     Ok((E::wrap(y), l1.shape().clone()))
 }
 
@@ -80,7 +78,7 @@ impl CustomOp2 for RmsNorm {
 
 /// Backward of RMSNorm: inputs `(x [N, D], w [D], g [N, D])`, output packed `[N + 1, D]` =
 /// rows `dx`, then `dw = sum_n g xhat` (accumulated in the compute dtype in blocks of
-/// [`SUM_BLOCK_ROWS`] rows, see the module docs of [`super`]).
+/// [`SUM_BLOCK_ROWS`](super::SUM_BLOCK_ROWS) rows, see the module docs of [`super`]).
 struct RmsNormBwd {
     eps: f64,
 }
@@ -89,10 +87,7 @@ simd_kernel!(
     /// One RMSNorm backward row: `dx` from `x`, `g`; adds `g xhat` to `dw`. `xhat`, `gw` (`D`
     /// elements) are scratch.
     fn rms_bwd_row = rms_bwd_row_impl(
-        x: &[T],
-        g: &[T],
-        w: &[T],
-        eps: f64,
+        row: NormBwdRow<'_, T>,
         xhat: &mut [T],
         gw: &mut [T],
         dx: &mut [T],
@@ -100,17 +95,14 @@ simd_kernel!(
     )
 );
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn rms_bwd_row_impl<T: Flt>(
-    x: &[T],
-    g: &[T],
-    w: &[T],
-    eps: f64,
+    row: NormBwdRow<'_, T>,
     xhat: &mut [T],
     gw: &mut [T],
     dx: &mut [T],
     dw: &mut [T],
 ) {
+    let NormBwdRow { x, g, w, eps } = row;
     let d = x.len();
     let r = rms_rstd(x, eps);
     for j in 0..d {
@@ -136,18 +128,9 @@ fn rms_bwd<E: Elem>(
     let x = view::<E>("rms_norm_bwd", s1, l1)?;
     let w = E::acc_all(view::<E>("rms_norm_bwd", s2, l2)?);
     let g = view::<E>("rms_norm_bwd", s3, l3)?;
-    let d = w.len();
-    let n = x.len().checked_div(d).unwrap_or(0);
-    let zero = <E::Acc as Flt>::zero();
-    let (mut out, dw) = map_rows_sums::<E, _>(n, d, 1, d, |r, s, dxr, part| {
-        let xr = E::acc(&x[r * d..(r + 1) * d], &mut s.a);
-        let gr = E::acc(&g[r * d..(r + 1) * d], &mut s.b);
-        s.c.resize(d, zero);
-        s.d.resize(d, zero);
-        rms_bwd_row(xr, gr, &w, eps, &mut s.c, &mut s.d, dxr, part);
-    });
-    E::extend_from_acc(&mut out, &dw);
-    Ok((E::wrap(out), Shape::from((n + 1, d))))
+    Ok(norm_bwd_rows(x, g, w.len(), 1, |x, g, xhat, gw, dx, dw| {
+        rms_bwd_row(NormBwdRow { x, g, w: &w, eps }, xhat, gw, dx, dw)
+    }))
 }
 
 impl CustomOp3 for RmsNormBwd {
@@ -172,8 +155,9 @@ impl CustomOp3 for RmsNormBwd {
 /// (f32, f64, or bf16/f16 computed in f32 and rounded once, see the module docs of
 /// [`super`]). The mean of squares is accumulated in the compute dtype with 8 lanes and the
 /// reciprocal square root taken in f64, then rounded to the compute dtype. Gradients flow to
-/// `x` and `w` (`dw` summed over rows in blocks of [`SUM_BLOCK_ROWS`]; the same bits for any
-/// thread count). Errors: `x`'s last dim not `D`, mixed or unsupported dtypes.
+/// `x` and `w` (`dw` summed over rows in blocks of
+/// [`SUM_BLOCK_ROWS`](super::SUM_BLOCK_ROWS); the same bits for any thread count). Errors:
+/// `x`'s last dim not `D`, mixed or unsupported dtypes.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
     let d = w.elem_count();
     if x.dim(candle_core::D::Minus1)? != d {

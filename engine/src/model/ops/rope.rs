@@ -14,7 +14,10 @@
 //! outputs). The gradient of a key/value head is the sum over the `n_head / n_kv_head` query
 //! heads that read it (in head order), then (keys) rotated back.
 
-use super::*;
+use super::elem::{dispatch, same_dtype, view, Elem, Flt};
+use super::rows::map_rows;
+use super::simd::{add_into, simd_kernel};
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Shape, Tensor};
 
 /// The rotary angles' `cos` and `sin`, `[T, hd/2]` each, row-major, in f64 (rounded to the
 /// compute dtype once per op call, as the composite path's tables).
@@ -230,6 +233,21 @@ impl CustomOp1 for RopeQkvBwd {
     }
 }
 
+/// The angle tables and head layout of [`rope_qkv`].
+#[derive(Debug, Clone, Copy)]
+pub struct Rotary<'a> {
+    /// `cos` of the angles, f64 `[T·hd/2]` (row `p` the angles `p · inv_freq`).
+    pub cos: &'a [f64],
+    /// `sin` of the same angles.
+    pub sin: &'a [f64],
+    /// Tokens per sequence `T`.
+    pub t: usize,
+    /// Query heads `H`.
+    pub n_head: usize,
+    /// Key/value heads `KV` (`H` a multiple of it).
+    pub n_kv_head: usize,
+}
+
 /// Rotary embedding of the queries and keys with the key/value heads repeated for their
 /// queries, packed for [`super::causal_attention`]: `q` `[B·T, H·hd]`, `k` and `v`
 /// `[B·T, KV·hd]` (rows in (sequence, position) order, heads in order within a row), the
@@ -243,17 +261,19 @@ impl CustomOp1 for RopeQkvBwd {
 ///
 /// Errors: `H` not a multiple of `KV`, odd `hd`, tables of another length than `T·hd/2`,
 /// `B·T` not a multiple of `T`, shapes that do not match, mixed or unsupported dtypes.
-#[allow(clippy::too_many_arguments)]
 pub fn rope_qkv(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    cos: &[f64],
-    sin: &[f64],
-    t: usize,
-    n_head: usize,
-    n_kv_head: usize,
+    rotary: Rotary<'_>,
 ) -> candle_core::Result<Tensor> {
+    let Rotary {
+        cos,
+        sin,
+        t,
+        n_head,
+        n_kv_head,
+    } = rotary;
     let (n, d) = q.dims2()?;
     if n_head == 0 || n_kv_head == 0 || !n_head.is_multiple_of(n_kv_head) {
         candle_core::bail!("rope_qkv: {n_head} heads is not a multiple of {n_kv_head} KV heads");

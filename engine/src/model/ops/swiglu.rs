@@ -2,13 +2,17 @@
 //! SiLU gate of Llama's MLP): `y = silu(g) * u` with `silu(g) = g sigmoid(g)` (Hendrycks &
 //! Gimpel 2016; Ramachandran et al. 2017), one pass forward and one backward.
 //!
-//! Computed as `silu(g) = g / (1 + e^(-g))` with [`exp_f32`] in f32 (the std `exp` in f64),
-//! and in backward, with `e = e^(-g)`, `s = 1 / (1 + e)` and `1 - s = e s` (no cancellation):
+//! Computed as `silu(g) = g / (1 + e^(-g))` with [`exp_f32`](super::exp_f32) in f32 (the std
+//! `exp` in f64), and in backward, with `e = e^(-g)`, `s = 1 / (1 + e)` and `1 - s = e s` (no
+//! cancellation):
 //! `silu'(g) = s (1 + g e s)`, `dg = dy u silu'(g)`, `du = dy silu(g)`. The op keeps nothing
 //! for backward beyond its inputs `g` and `u` (the matmul outputs the graph keeps anyway); its
 //! output is the only tensor it adds.
 
-use super::*;
+use super::elem::{dispatch, same_dtype, view, Elem, Flt};
+use super::rows::map_rows;
+use super::simd::simd_kernel;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 
 struct SwiGlu;
 

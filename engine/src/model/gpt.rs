@@ -34,11 +34,8 @@
 //! Parameters of one unit in different dtypes, or activations in another dtype than the
 //! parameters, are an error (no silent cast). Mixed precision after Micikevicius et al. 2018.
 
-pub mod composite;
-pub mod decoder;
-pub mod llama;
-pub mod ops;
-
+use super::stage::check_activation_dtype;
+use super::{composite, ops, ModelError, OpsPath, Stage};
 use candle_core::{DType, Device, Tensor};
 use fsdp_planner::presets::{byte_gpt_config, gpt2_spec, openai_gpt2_config};
 use fsdp_planner::{Gpt2Config, ModelSpec};
@@ -47,110 +44,6 @@ use fsdp_planner::{Gpt2Config, ModelSpec};
 pub const LN_EPS: f64 = 1e-5;
 /// Standard deviation of the GPT-2 weight initialisation (`initializer_range = 0.02`).
 pub const INIT_STD: f64 = 0.02;
-
-/// Errors building a model: a bad configuration or an unknown preset name.
-#[derive(Debug, thiserror::Error)]
-pub enum ModelError {
-    /// `d_model` is not a multiple of `n_head`.
-    #[error("model {name}: d_model {d_model} is not a multiple of n_head {n_head}")]
-    HeadsDoNotDivide {
-        /// Model name.
-        name: String,
-        /// Model width.
-        d_model: u64,
-        /// Number of attention heads.
-        n_head: u64,
-    },
-    /// A size that must be positive is zero.
-    #[error("model {name}: {field} must be > 0 (got 0)")]
-    ZeroSize {
-        /// Model name.
-        name: String,
-        /// The configuration field (`vocab_size`, `n_positions`, `d_model`, `n_layer`, `n_head`).
-        field: &'static str,
-    },
-    /// The preset name is not one of the known presets.
-    #[error("unknown model preset {name:?}; known: tiny, mini, small, base, gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-tiny, llama-mini, llama2-7b, llama3-8b, llama3-70b")]
-    UnknownPreset {
-        /// The name asked for.
-        name: String,
-    },
-    /// A configuration the model cannot compute (e.g. query heads not a multiple of the
-    /// key/value heads, an odd rotary head dimension).
-    #[error("model {name}: {problem}")]
-    Invalid {
-        /// Model name.
-        name: String,
-        /// What is wrong, with the numbers.
-        problem: String,
-    },
-    /// A Hugging Face `config.json` that cannot be read or is not supported.
-    #[error(transparent)]
-    Config(#[from] fsdp_planner::PlanError),
-    /// A tensor operation failed (e.g. while evaluating).
-    #[error("tensor operation failed: {0}")]
-    Candle(#[from] candle_core::Error),
-}
-
-/// One step of the forward schedule: which computation a unit performs.
-///
-/// With an untied head the embedding, each block and the head are separate units. With a tied
-/// head the `root` unit holds the embeddings, the final norm and the (tied) LM head, and is used
-/// twice: [`Stage::Embed`] first and [`Stage::Head`] last.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Stage {
-    /// Token + position embedding: u32 token ids `[B, T]` -> hidden `[B, T, D]`.
-    Embed,
-    /// Transformer block `layer` (0-based): hidden `[B, T, D]` -> `[B, T, D]`.
-    Block(usize),
-    /// Final LayerNorm + LM head: hidden `[B, T, D]` -> logits `[B, T, V]` (or a loss, through
-    /// [`Gpt::head_loss`]).
-    Head,
-}
-
-/// Which implementation computes the model's embedding, LayerNorm, causal attention (fused:
-/// one op with its own GEMMs; composite: q/k/v copies, candle matmuls around the causal
-/// softmax), bias add, bias + GELU and cross-entropy (the linear layers' matrix products and
-/// the residual adds are plain candle ops on both paths).
-///
-/// Both paths have one contract ([`ops`] and [`composite`] module docs): same shapes, errors
-/// and dtypes, and in bf16/f16 the same "widen to f32, compute, round once" semantics. They are
-/// not bitwise equal to each other (f32 rounding; see `engine/tests/model_device.rs` for the
-/// measured differences).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum OpsPath {
-    /// Chosen by the device of the tensors: [`OpsPath::Fused`] on the CPU,
-    /// [`OpsPath::Composite`] on any other
-    /// device (CUDA). The default of [`Gpt::new`] and [`Gpt::from_preset`].
-    #[default]
-    Auto,
-    /// The fused CPU custom ops of [`ops`] (one pass forward, one backward, hand-written
-    /// gradients). CPU only: a stage whose tensors live on another device is an error, never a
-    /// silent fallback.
-    Fused,
-    /// The candle-primitive compositions of [`composite`], differentiated by candle autograd,
-    /// on every device (the CUDA path; on the CPU, slower than the fused ops, used to test the
-    /// CUDA path without a GPU).
-    Composite,
-}
-
-impl OpsPath {
-    /// The concrete path ([`OpsPath::Fused`] or [`OpsPath::Composite`]) that serves tensors on
-    /// `device`: `Auto` resolves to `Fused` on the CPU and `Composite` elsewhere.
-    ///
-    /// Errors: `Fused` with a non-CPU `device` (the fused ops have no GPU kernels).
-    pub fn resolve(self, device: &Device) -> candle_core::Result<OpsPath> {
-        match self {
-            OpsPath::Auto if device.is_cpu() => Ok(OpsPath::Fused),
-            OpsPath::Auto | OpsPath::Composite => Ok(OpsPath::Composite),
-            OpsPath::Fused if device.is_cpu() => Ok(OpsPath::Fused),
-            OpsPath::Fused => candle_core::bail!(
-                "ops path Fused: the fused ops run on the CPU only, but the tensors are on \
-                 {device:?}; use OpsPath::Auto or OpsPath::Composite"
-            ),
-        }
-    }
-}
 
 /// Positions of the parameters of each kind inside their unit's parameter list.
 #[derive(Debug, Clone, Copy)]
@@ -680,22 +573,6 @@ impl Gpt {
     }
 }
 
-/// Checks that the hidden states `x` entering `stage` have the dtype of the unit's parameters:
-/// f32 activations with bf16 weights (or the reverse) is an error, never a silent cast.
-fn check_activation_dtype(stage: Stage, params: &[Tensor], x: &Tensor) -> candle_core::Result<()> {
-    if let Some(p) = params.first() {
-        if x.dtype() != p.dtype() {
-            candle_core::bail!(
-                "{stage:?}: input activations are {:?} but the unit's parameters are {:?} \
-                 (param_dtype); cast explicitly",
-                x.dtype(),
-                p.dtype()
-            );
-        }
-    }
-    Ok(())
-}
-
 /// `x @ w (+ b)` for `x` `[N, in]`, `w` `[in, out]`, `b` `[out]`; the bias add fused or
 /// composite.
 fn linear(fused: bool, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
@@ -719,83 +596,5 @@ fn layer_norm(
         ops::layer_norm(x, w, b, LN_EPS)
     } else {
         composite::layer_norm(x, w, b, LN_EPS)
-    }
-}
-
-/// `x + b` from candle primitives: the same function as [`composite::bias_add`] (this name is
-/// kept for existing callers).
-pub fn bias_add_ref(x: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
-    composite::bias_add(x, b)
-}
-
-/// `gelu(x + b)` (tanh approximation) from candle primitives: the same function as
-/// [`composite::bias_gelu`] (this name is kept for existing callers).
-pub fn gelu_ref(x: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
-    composite::bias_gelu(x, b)
-}
-
-/// LayerNorm from candle primitives: the same function as [`composite::layer_norm`] (this
-/// name is kept for existing callers).
-pub fn layer_norm_ref(
-    x: &Tensor,
-    w: &Tensor,
-    b: Option<&Tensor>,
-    eps: f64,
-) -> candle_core::Result<Tensor> {
-    composite::layer_norm(x, w, b, eps)
-}
-
-/// Causal softmax from candle primitives: the same function as [`composite::causal_softmax`]
-/// (this name is kept for existing callers).
-pub fn causal_softmax_ref(s: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
-    composite::causal_softmax(s, scale)
-}
-
-/// Summed cross-entropy from candle primitives: the same function as
-/// [`composite::cross_entropy_sum`] (this name is kept for existing callers).
-pub fn cross_entropy_sum_ref(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
-    composite::cross_entropy_sum(logits, targets)
-}
-
-/// Natural logarithm of a positive, finite, normal `x` using only IEEE-754 correctly rounded
-/// operations (+, -, *, /), so it gives the same bits on every platform (unlike a platform
-/// `libm`). Method: `x = m * 2^e` with `m` in `[sqrt(1/2), sqrt(2))`, then `ln m = 2 atanh(s)`,
-/// `s = (m - 1)/(m + 1)`, summed as the odd power series `2 (s + s^3/3 + s^5/5 + ...)` to 14
-/// terms (`|s| < 0.172`, truncation error below 1e-17). Accuracy: within a few ulp of `ln`.
-pub fn det_ln(x: f64) -> f64 {
-    debug_assert!(x.is_finite() && x > 0.0 && x.is_normal());
-    let bits = x.to_bits();
-    let mut e = ((bits >> 52) & 0x7ff) as i64 - 1023;
-    let mut m = f64::from_bits((bits & 0x000f_ffff_ffff_ffff) | 0x3ff0_0000_0000_0000);
-    if m > std::f64::consts::SQRT_2 {
-        m *= 0.5;
-        e += 1;
-    }
-    let s = (m - 1.0) / (m + 1.0);
-    let s2 = s * s;
-    let mut term = s;
-    let mut sum = 0.0;
-    for k in 0..14 {
-        sum += term / (2 * k + 1) as f64;
-        term *= s2;
-    }
-    2.0 * sum + e as f64 * std::f64::consts::LN_2
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn det_ln_matches_std_ln() {
-        for &x in &[
-            1e-300, 1e-10, 0.001, 0.3, 0.5, 0.7, 0.99999, 1.0, 1.5, 2.0, 1e10,
-        ] {
-            let (a, b) = (det_ln(x), x.ln());
-            assert!(
-                (a - b).abs() <= 4.0 * f64::EPSILON * b.abs().max(1.0),
-                "{x}: {a} vs {b}"
-            );
-        }
     }
 }

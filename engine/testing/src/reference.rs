@@ -9,12 +9,11 @@
 //! which is divided once by the global token count. Under `grad_sync = last` each rank's
 //! micro-batch gradients are summed first and the ranks reduced once at the end.
 
-use crate::error::{EngineError, Result};
-use crate::optim::Optimizer;
-use crate::runtime::engine::{Clip, NormType};
-use crate::runtime::staged::{MicroBatch, StagedModel};
-use crate::runtime::unit::with_f32;
 use candle_core::{Device, Tensor, Var};
+use fsdp::error::{EngineError, Result};
+use fsdp::optim::Optimizer;
+use fsdp::runtime::unit::with_f32;
+use fsdp::runtime::{Clip, MicroBatch, NormType, StagedModel};
 use fsdp_kernels::Span;
 use fsdp_planner::GradSync;
 

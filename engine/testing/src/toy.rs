@@ -3,8 +3,8 @@
 //! different initial weights): a linear loss `dot(p, c)` whose gradient is exactly `c`, and a
 //! stack of `Linear` layers.
 
-use crate::runtime::staged::{MicroBatch, StagedModel};
 use candle_core::{Device, Tensor};
+use fsdp::runtime::{MicroBatch, StagedModel};
 use fsdp_planner::{Architecture, ModelSpec, ParamSpec, UnitSpec};
 
 /// A one-stage model with the linear loss `sum_i dot(p, c_i)`: `p` is the concatenation of
