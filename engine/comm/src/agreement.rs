@@ -104,11 +104,13 @@ pub(crate) fn compare(
 /// What one rank knows of its peers from their notices: the error that aborted its world (if
 /// any) and, per world rank, its call counts per group when it exited.
 #[derive(Debug)]
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(crate) struct Peers {
     abort: Option<CommError>,
     exited: Vec<Option<[u64; 3]>>,
 }
 
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 impl Peers {
     /// No notice yet, in a world of `world_size` ranks.
     pub(crate) fn new(world_size: usize) -> Peers {

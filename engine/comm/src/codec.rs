@@ -527,6 +527,7 @@ pub(crate) fn decode_error(r: &mut Reader<'_>) -> Option<CommError> {
 }
 
 /// Encodes an exit notice: the calls a rank made on each group (indexed by [`group_code`]).
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(crate) fn encode_exit(calls: [u64; 3]) -> Vec<u8> {
     let mut w = Writer::default();
     for c in calls {
@@ -536,6 +537,7 @@ pub(crate) fn encode_exit(calls: [u64; 3]) -> Vec<u8> {
 }
 
 /// Decodes [`encode_exit`]'s bytes; `None` when fewer than three words arrived.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(crate) fn decode_exit(b: &[u8]) -> Option<[u64; 3]> {
     let mut r = Reader(b);
     Some([r.u64()?, r.u64()?, r.u64()?])
