@@ -265,7 +265,7 @@ pub(crate) fn eager_start_all_gather<C: Communicator + ?Sized>(
 ) -> Result<PendingOp, CommError> {
     let (rank, backend) = (comm.rank(), comm.backend_name());
     let (s, r) = host_pair(rank, OpKind::AllGather, backend, &send, &mut recv)?;
-    let call = describe(comm, OpKind::AllGather, group, None, &send, &recv, None, 0)?;
+    let call = describe(comm, OpKind::AllGather, group, None, &send, &recv, None)?;
     // SAFETY: `host_pair` checked both buffers (host memory, disjoint); they live here.
     let (sv, rv) = unsafe { (host_view(s, &send), host_view_mut(r, &recv)) };
     let r = comm.all_gather(group, sv, rv);
@@ -291,7 +291,7 @@ pub(crate) fn eager_start_all_gather_in_place<C: Communicator + ?Sized>(
     let p = buf.host_addr_mut(comm.rank(), OpKind::AllGather, comm.backend_name())?;
     // SAFETY: checked host memory of `buf`, which lives here.
     let own = own_block(comm, group, &unsafe { host_view(p, &buf) })?;
-    let call = describe(comm, OpKind::AllGather, group, None, &own, &buf, None, 0)?;
+    let call = describe(comm, OpKind::AllGather, group, None, &own, &buf, None)?;
     // SAFETY: as above; `own` is a separate copy.
     let r = comm.all_gather(group, own.as_buf(), unsafe { host_view_mut(p, &buf) });
     Ok(PendingOp::ready(
@@ -322,7 +322,6 @@ pub(crate) fn eager_start_reduce_scatter<C: Communicator + ?Sized>(
         &send,
         &recv,
         None,
-        0,
     )?;
     // SAFETY: `host_pair` checked both buffers (host memory, disjoint); they live here.
     let (sv, rv) = unsafe { (host_view(s, &send), host_view_mut(r, &recv)) };
@@ -348,16 +347,7 @@ pub(crate) fn eager_start_all_reduce<C: Communicator + ?Sized>(
     mut buf: OwnedBuf,
 ) -> Result<PendingOp, CommError> {
     let p = buf.host_addr_mut(comm.rank(), OpKind::AllReduce, comm.backend_name())?;
-    let call = describe(
-        comm,
-        OpKind::AllReduce,
-        group,
-        Some(op),
-        &buf,
-        &buf,
-        None,
-        0,
-    )?;
+    let call = describe(comm, OpKind::AllReduce, group, Some(op), &buf, &buf, None)?;
     // SAFETY: checked host memory of `buf`, which lives here.
     let r = comm.all_reduce(group, op, unsafe { host_view_mut(p, &buf) });
     Ok(PendingOp::ready(
@@ -378,16 +368,7 @@ pub(crate) fn eager_start_broadcast<C: Communicator + ?Sized>(
     mut buf: OwnedBuf,
 ) -> Result<PendingOp, CommError> {
     let p = buf.host_addr_mut(comm.rank(), OpKind::Broadcast, comm.backend_name())?;
-    let call = describe(
-        comm,
-        OpKind::Broadcast,
-        group,
-        None,
-        &buf,
-        &buf,
-        Some(root),
-        0,
-    )?;
+    let call = describe(comm, OpKind::Broadcast, group, None, &buf, &buf, Some(root))?;
     // SAFETY: checked host memory of `buf`, which lives here.
     let r = comm.broadcast(group, root, unsafe { host_view_mut(p, &buf) });
     Ok(PendingOp::ready(
@@ -536,23 +517,16 @@ pub(crate) fn check_in_place_call(
     check_call(
         rank,
         topology,
-        OpKind::AllGather,
-        group,
-        None,
-        dtype,
-        n,
-        dtype,
-        len,
-        None,
+        CallRequest::new(OpKind::AllGather, group, (dtype, n), (dtype, len)),
         seq,
     )
 }
 
-/// Checks the buffers of one call on the calling rank and describes it (with call number `seq`).
+/// Checks the buffers of one started call on the calling rank and describes it (call number
+/// 0: a ready handle's description).
 ///
 /// Errors: [`CommError::DTypeMismatch`], [`CommError::SizeMismatch`], [`CommError::InvalidRoot`].
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn describe<C: Communicator + ?Sized>(
+fn describe<C: Communicator + ?Sized>(
     comm: &C,
     op: OpKind,
     group: Group,
@@ -560,40 +534,85 @@ pub(crate) fn describe<C: Communicator + ?Sized>(
     send: &OwnedBuf,
     recv: &OwnedBuf,
     root: Option<usize>,
-    seq: u64,
 ) -> Result<CallDesc, CommError> {
-    check_call(
-        comm.rank(),
-        comm.topology(),
+    let req = CallRequest {
         op,
         group,
         reduce,
-        send.dtype(),
-        send.len(),
-        recv.dtype(),
-        recv.len(),
+        send: (send.dtype(), send.len()),
+        recv: (recv.dtype(), recv.len()),
         root,
-        seq,
-    )
+    };
+    check_call(comm.rank(), comm.topology(), req, 0)
 }
 
-/// Validates one call's buffers against its group size and returns its description.
+/// One collective call as the caller makes it, before its buffers are checked against the
+/// group: what [`check_call`] validates and turns into a [`CallDesc`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallRequest {
+    /// The collective.
+    pub op: OpKind,
+    /// The group it runs over.
+    pub group: Group,
+    /// The reduction (reduce-scatter and all-reduce only).
+    pub reduce: Option<ReduceOp>,
+    /// The send buffer's dtype and element count (the buffer itself for an in-place call).
+    pub send: (DType, usize),
+    /// The receive buffer's dtype and element count (the buffer itself for an in-place call).
+    pub recv: (DType, usize),
+    /// Root group rank (broadcast only).
+    pub root: Option<usize>,
+}
+
+impl CallRequest {
+    /// `op` on `group` from a send buffer to a receive buffer (dtype, elements each), without
+    /// a reduction or a root.
+    pub fn new(op: OpKind, group: Group, send: (DType, usize), recv: (DType, usize)) -> Self {
+        CallRequest {
+            op,
+            group,
+            reduce: None,
+            send,
+            recv,
+            root: None,
+        }
+    }
+
+    /// The same call with reduction `op`.
+    pub fn reduce(self, op: ReduceOp) -> Self {
+        CallRequest {
+            reduce: Some(op),
+            ..self
+        }
+    }
+
+    /// The same call with root group rank `root`.
+    pub fn root(self, root: usize) -> Self {
+        CallRequest {
+            root: Some(root),
+            ..self
+        }
+    }
+}
+
+/// Validates one call's buffers against its group size and returns its description (with call
+/// number `seq`).
 ///
 /// Errors: [`CommError::DTypeMismatch`], [`CommError::SizeMismatch`], [`CommError::InvalidRoot`].
-#[allow(clippy::too_many_arguments)]
 pub fn check_call(
     rank: usize,
     topology: Topology,
-    op: OpKind,
-    group: Group,
-    reduce: Option<ReduceOp>,
-    send_dtype: DType,
-    send_numel: usize,
-    recv_dtype: DType,
-    recv_numel: usize,
-    root: Option<usize>,
+    req: CallRequest,
     seq: u64,
 ) -> Result<CallDesc, CommError> {
+    let CallRequest {
+        op,
+        group,
+        reduce,
+        send: (send_dtype, send_numel),
+        recv: (recv_dtype, recv_numel),
+        root,
+    } = req;
     let g = topology.group_size(group);
     if send_dtype != recv_dtype {
         return Err(CommError::DTypeMismatch {

@@ -32,7 +32,9 @@
 //! Any failure aborts the whole world: later calls on every rank return the same error.
 
 use crate::buf::OwnedBuf;
-use crate::comm::{check_call, check_in_place_call, host_pair, Communicator, Completed, PendingOp};
+use crate::comm::{
+    check_call, check_in_place_call, host_pair, CallRequest, Communicator, Completed, PendingOp,
+};
 use crate::error::{CallDesc, CommError, OpKind, RankCalls};
 use crate::progress::{Job, ProgressQueue};
 use crate::reduce::{reduce_dyn, reduce_dyn_streaming};
@@ -639,7 +641,6 @@ impl ThreadComm {
         self.progress.drain();
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn describe(
         &self,
         op: OpKind,
@@ -650,19 +651,15 @@ impl ThreadComm {
         root: Option<usize>,
     ) -> Result<CallDesc, CommError> {
         let seq = self.next_seq(group);
-        check_call(
-            self.rank,
-            self.world.topology,
+        let req = CallRequest {
             op,
             group,
             reduce,
-            send.0,
-            send.1,
-            recv.0,
-            recv.1,
+            send,
+            recv,
             root,
-            seq,
-        )
+        };
+        check_call(self.rank, self.world.topology, req, seq)
     }
 
     /// Describes an in-place all-gather of `len` elements of `dtype` on `group` (takes a call

@@ -1,6 +1,7 @@
 //! [`MpiLauncher`]: runs the conformance suite's per-rank bodies on the processes of an MPI job.
 
 use super::{Handle, MpiComm, MpiUniverse};
+use crate::codec;
 use crate::conformance::{Launcher, RankBody, RankResult};
 use crate::error::CommError;
 use crate::topology::Topology;
@@ -110,40 +111,13 @@ impl Drop for MpiLauncher {
     }
 }
 
-fn encode_result(r: &RankResult) -> Vec<u8> {
-    let mut w = super::wire::Writer::default();
-    match r {
-        Ok(v) => {
-            w.u64(0);
-            w.usize(v.len());
-            for x in v {
-                w.u64(x.to_bits());
-            }
-        }
-        Err(e) => {
-            w.u64(1);
-            super::wire::encode_error(e, &mut w);
-        }
-    }
-    w.0
-}
-
 fn decode_result(rank: usize, b: &[u8]) -> RankResult {
-    let mut r = super::wire::Reader(b);
-    let bad = || CommError::Unsupported {
-        backend: "mpi",
-        what: format!("rank {rank}'s result ({} bytes) cannot be decoded", b.len()),
-    };
-    match r.u64() {
-        Some(0) => {
-            let n = r.usize().ok_or_else(bad)?;
-            (0..n)
-                .map(|_| r.u64().map(f64::from_bits).ok_or_else(bad))
-                .collect()
-        }
-        Some(1) => Err(super::wire::decode_error(&mut r).ok_or_else(bad)?),
-        _ => Err(bad()),
-    }
+    codec::decode_result(b).unwrap_or_else(|| {
+        Err(CommError::Unsupported {
+            backend: "mpi",
+            what: format!("rank {rank}'s result ({} bytes) cannot be decoded", b.len()),
+        })
+    })
 }
 
 impl Launcher for MpiLauncher {
@@ -178,7 +152,7 @@ impl Launcher for MpiLauncher {
                 Some(r)
             }
         };
-        let bytes = mine.as_ref().map(encode_result).unwrap_or_default();
+        let bytes = mine.as_ref().map(codec::encode_result).unwrap_or_default();
         let all = self.exchange(&bytes);
         (0..w).map(|r| decode_result(r, &all[r])).collect()
     }

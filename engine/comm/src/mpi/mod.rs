@@ -9,7 +9,9 @@
 //! [`Topology::group_rank`].
 //!
 //! # One collective
-//! 1. **Header rendezvous** (checked, abortable). Every group member sends its [`CallDesc`]
+//! 1. **Header rendezvous** (checked, abortable): the call agreement shared with the NCCL
+//!    backend (`agreement.rs`, encodings in `codec.rs`), over this transport. Every group
+//!    member sends its [`CallDesc`]
 //!    (8 x u64: collective, group, reduction, dtype, element counts, root, per-group call
 //!    number) to every other member (`MPI_Isend`/`MPI_Irecv`, tag 1 on the group communicator)
 //!    and polls with `MPI_Test` until it holds all of them. Meanwhile it polls a control
@@ -67,13 +69,16 @@
 //! compute overlaps the transfer because the helper thread, not the caller, drives MPI.
 
 mod launcher;
-mod wire;
 
 pub use launcher::MpiLauncher;
 
+use crate::agreement::{self, Peers, Transport};
 use crate::buf::{Buf, BufMut, OwnedBuf};
-use crate::comm::{check_call, check_in_place_call, host_pair, Communicator, Completed, PendingOp};
-use crate::error::{CallDesc, CommError, OpKind, RankCalls};
+use crate::codec::{self, Descriptor};
+use crate::comm::{
+    check_call, check_in_place_call, host_pair, CallRequest, Communicator, Completed, PendingOp,
+};
+use crate::error::{CallDesc, CommError, OpKind};
 use crate::progress::{Job, ProgressQueue};
 use crate::reduce::reduce_dyn;
 use crate::topology::{Group, ReduceOp, Topology};
@@ -217,10 +222,9 @@ struct Core {
     comms: [Handle; 3],
     /// Abort and exit notices travel here, never mixed with collective traffic.
     control: Handle,
-    /// The first error that aborted this rank's world; later calls return it.
-    abort: Option<CommError>,
-    /// Per world rank: its calls per group when it dropped its communicator.
-    exited: Vec<Option<[u64; 3]>>,
+    /// The error that aborted this rank's world (later calls return it) and the peers' exit
+    /// notices.
+    peers: Peers,
     /// Abort / exit notices in flight (request, payload kept alive until sent).
     notices: Vec<(ffi::MPI_Request, Vec<u8>)>,
     /// Staging for reductions (u64 words so every dtype is aligned).
@@ -280,7 +284,7 @@ fn backoff(round: &mut u32) {
 
 impl Core {
     fn comm(&self, g: Group) -> ffi::MPI_Comm {
-        self.comms[wire::group_code(g) as usize].0
+        self.comms[codec::group_code(g) as usize].0
     }
 
     /// Sends `payload` with `tag` to every other rank of the world on the control communicator.
@@ -320,10 +324,9 @@ impl Core {
 
     /// Records `e` as this world's abort reason and tells every other rank.
     fn abort_with(&mut self, e: CommError) -> CommError {
-        if self.abort.is_none() {
-            self.abort = Some(e.clone());
-            let mut w = wire::Writer::default();
-            wire::encode_error(&e, &mut w);
+        if self.peers.abort(&e) {
+            let mut w = codec::Writer::default();
+            codec::encode_error(&e, &mut w);
             self.notify_all(TAG_ABORT, w.0);
         }
         e
@@ -365,49 +368,30 @@ impl Core {
             };
             let peer = st.MPI_SOURCE as usize;
             match st.MPI_TAG {
-                TAG_EXIT => {
-                    let mut r = wire::Reader(&buf);
-                    if let (Some(a), Some(b), Some(c)) = (r.u64(), r.u64(), r.u64()) {
-                        if peer < self.exited.len() {
-                            self.exited[peer] = Some([a, b, c]);
-                        }
-                    }
-                }
-                _ => {
-                    if self.abort.is_none() {
-                        let e = wire::decode_error(&mut wire::Reader(&buf)).unwrap_or_else(|| {
-                            CommError::PeerFailed {
-                                peer,
-                                reason: format!(
-                                    "sent an abort notice of {} bytes this rank cannot decode",
-                                    buf.len()
-                                ),
-                            }
-                        });
-                        // Not re-broadcast: the sender told every rank itself.
-                        self.abort = Some(e);
-                    }
-                }
+                TAG_EXIT => self.peers.exit_notice(peer, &buf),
+                // Not re-broadcast: the sender told every rank itself.
+                _ => self.peers.abort_notice(peer, &buf),
             }
         }
-        match &self.abort {
-            Some(e) => Err(e.clone()),
-            None => Ok(()),
-        }
+        self.peers.aborted()
     }
+}
 
-    /// Phase 1: exchange headers with every member of `call.group` (see the module docs).
-    fn rendezvous(&mut self, call: &CallDesc) -> Result<(), CommError> {
-        self.poll_control()?;
+/// Phase 1 of a collective (see the module docs): the descriptors travel point to point on the
+/// group communicator (tag [`TAG_HEADER`]) while the control communicator is polled for notices.
+impl Transport for Core {
+    fn exchange(
+        &mut self,
+        call: &CallDesc,
+        mine: &Descriptor,
+    ) -> Result<Vec<Descriptor>, CommError> {
         let members = self.topology.group_members(call.group, self.rank);
         let g = members.len();
-        if g == 1 {
-            return Ok(());
-        }
         let gr = self.topology.group_rank(call.group, self.rank);
         let comm = self.comm(call.group);
-        let mine: Box<[u64; wire::CALL_WORDS]> = Box::new(wire::encode_call(call));
-        let mut theirs = vec![[0u64; wire::CALL_WORDS]; g];
+        let mine: Box<Descriptor> = Box::new(*mine);
+        let mut theirs = vec![[0u64; codec::CALL_WORDS]; g];
+        theirs[gr] = *mine;
         let mut recvs = vec![request_null(); g];
         let mut sends = vec![request_null(); g];
         let mut got = vec![false; g];
@@ -421,7 +405,7 @@ impl Core {
             unsafe {
                 ffi::MPI_Irecv(
                     theirs[j].as_mut_ptr() as *mut c_void,
-                    wire::CALL_WORDS as c_int,
+                    codec::CALL_WORDS as c_int,
                     u64t,
                     j as c_int,
                     TAG_HEADER,
@@ -430,7 +414,7 @@ impl Core {
                 );
                 ffi::MPI_Isend(
                     mine.as_ptr() as *const c_void,
-                    wire::CALL_WORDS as c_int,
+                    codec::CALL_WORDS as c_int,
                     u64t,
                     j as c_int,
                     TAG_HEADER,
@@ -440,7 +424,6 @@ impl Core {
             }
         }
         let start = Instant::now();
-        let deadline = start + self.timeout;
         let mut round = 0u32;
         let outcome: Result<(), CommError> = loop {
             for j in 0..g {
@@ -460,29 +443,12 @@ impl Core {
             if let Err(e) = self.poll_control() {
                 break Err(e);
             }
-            // A missing member that dropped its communicator without reaching this call.
-            let gi = wire::group_code(call.group) as usize;
-            if let Some((j, calls)) = (0..g).filter(|&j| !got[j]).find_map(|j| {
-                self.exited[members[j]]
-                    .filter(|c| c[gi] <= call.seq)
-                    .map(|c| (j, c))
-            }) {
-                break Err(self.abort_with(CommError::PeerExited {
-                    rank: self.rank,
-                    call: *call,
-                    peer: members[j],
-                    peer_calls: calls.iter().sum(),
-                }));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                let missing = (0..g).filter(|&j| !got[j]).map(|j| members[j]).collect();
-                break Err(self.abort_with(CommError::Timeout {
-                    rank: self.rank,
-                    call: *call,
-                    waited_ms: (now - start).as_millis() as u64,
-                    missing,
-                }));
+            let missing: Vec<usize> = (0..g).filter(|&j| !got[j]).map(|j| members[j]).collect();
+            if let Err(e) = self
+                .peers
+                .check_wait(self.rank, call, &missing, start, self.timeout)
+            {
+                break Err(self.abort_with(e));
             }
             backoff(&mut round);
         };
@@ -525,45 +491,24 @@ impl Core {
         // An abort notice sent before the last header arrived (a peer that gave up on this call)
         // is honoured even though the headers are complete.
         self.poll_control()?;
-        // Compare: every member holds the same headers, so all report the same mismatch.
-        let mut calls = Vec::with_capacity(g);
-        let mut same = true;
-        for (j, &m) in members.iter().enumerate() {
-            let c = if j == gr {
-                Some(*call)
-            } else {
-                wire::decode_call(&theirs[j])
-            };
-            match c {
-                Some(c) => {
-                    same &= c == *call;
-                    calls.push((m, c));
-                }
-                None => {
-                    return Err(self.abort_with(CommError::PeerFailed {
-                        peer: m,
-                        reason: format!(
-                            "sent a collective header this rank cannot decode for {call}"
-                        ),
-                    }))
-                }
-            }
-        }
-        if !same {
-            return Err(self.abort_with(CommError::MismatchedCalls {
-                calls: RankCalls(calls),
-            }));
-        }
-        Ok(())
+        Ok(theirs)
     }
 
+    /// A disagreement aborts the world: every peer gets the error as an abort notice.
+    fn disagreed(&mut self, e: CommError) -> CommError {
+        self.abort_with(e)
+    }
+}
+
+impl Core {
     /// Runs one collective: rendezvous, then the data phase (see the module docs).
     ///
     /// SAFETY contract: `send` is valid for reads of `call.send_numel` elements and `recv` for
     /// reads and writes of `call.recv_numel` elements of `call.dtype` until this returns. An
     /// all-gather's `send` may be block `group rank` of `recv` (in place); no other overlap.
     fn execute(&mut self, call: CallDesc, send: usize, recv: usize) -> Result<(), CommError> {
-        self.rendezvous(&call)?;
+        self.poll_control()?;
+        agreement::agree(self, self.topology, self.rank, &call)?;
         let Some(dtype) = call.dtype else {
             return Ok(()); // barrier: the rendezvous is the barrier
         };
@@ -906,8 +851,7 @@ impl MpiComm {
             timeout,
             comms: [Handle(lw), shard, replicate],
             control: Handle(control),
-            abort: None,
-            exited: vec![None; w],
+            peers: Peers::new(w),
             notices: Vec::new(),
             stage: Vec::new(),
             in_place: universe.in_place_sentinel(),
@@ -944,14 +888,13 @@ impl MpiComm {
 
     fn next_seq(&self, group: Group) -> u64 {
         let mut s = self.seq.get();
-        let i = wire::group_code(group) as usize;
+        let i = codec::group_code(group) as usize;
         let v = s[i];
         s[i] += 1;
         self.seq.set(s);
         v
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn describe(
         &self,
         op: OpKind,
@@ -962,19 +905,15 @@ impl MpiComm {
         root: Option<usize>,
     ) -> Result<CallDesc, CommError> {
         let seq = self.next_seq(group);
-        check_call(
-            self.rank,
-            self.topology,
+        let req = CallRequest {
             op,
             group,
             reduce,
-            send.0,
-            send.1,
-            recv.0,
-            recv.1,
+            send,
+            recv,
             root,
-            seq,
-        )
+        };
+        check_call(self.rank, self.topology, req, seq)
     }
 
     /// Waits until every started collective of this rank has finished.
@@ -1060,11 +999,7 @@ impl Drop for MpiComm {
         self.progress.shutdown();
         let seq = self.seq.get();
         let mut core = self.lock();
-        let mut w = wire::Writer::default();
-        for s in seq {
-            w.u64(s);
-        }
-        core.notify_all(TAG_EXIT, w.0);
+        core.notify_all(TAG_EXIT, codec::encode_exit(seq));
         // Give the notices a moment to leave (eager sends complete at once), then release them.
         let deadline = Instant::now() + Duration::from_millis(200);
         while !core.notices.is_empty() && Instant::now() < deadline {

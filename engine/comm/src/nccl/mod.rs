@@ -36,7 +36,8 @@
 //!
 //! **Errors, never hangs.** Communicators are non-blocking (see [`raw`]): every wait polls the
 //! CUDA event and `ncclCommGetAsyncError` against [`NcclOptions::timeout`]. With
-//! [`NcclOptions::check_calls`] every collective is preceded by an all-gather of the call
+//! [`NcclOptions::check_calls`] every collective is preceded by the call agreement shared with
+//! the MPI backend (`agreement.rs`): an all-gather of the call
 //! descriptions (collective, group, reduction, dtype, sizes, root, call number), so ranks making
 //! different calls get [`CommError::MismatchedCalls`] naming every rank's call instead of
 //! corrupt data or a hang. A timeout aborts the communicators (`ncclCommAbort`) and returns
@@ -59,13 +60,15 @@ mod tensor;
 pub use launcher::{NcclLauncher, NCCL_HOSTID_PER_RANK};
 pub use reduce::REDUCE_SOURCE;
 
+use crate::agreement::{self, Transport};
 use crate::buf::{Buf, BufMut, Element, OwnedBuf};
+use crate::codec::{self, Descriptor};
 use crate::comm::{
     check_call, check_in_place_call, eager_start_all_gather, eager_start_all_gather_in_place,
-    eager_start_all_reduce, eager_start_broadcast, eager_start_reduce_scatter, Communicator,
-    PendingOp,
+    eager_start_all_reduce, eager_start_broadcast, eager_start_reduce_scatter, CallRequest,
+    Communicator, PendingOp,
 };
-use crate::error::{CallDesc, CommError, OpKind, RankCalls};
+use crate::error::{CallDesc, CommError, OpKind};
 use crate::rendezvous::{LaunchEnv, Rendezvous};
 use crate::topology::{Group, ReduceOp, Topology};
 use cudarc::driver::{
@@ -76,7 +79,7 @@ use cudarc::nccl::sys;
 use fsdp_types::DType;
 use half::{bf16, f16};
 use raw::{cuda_error, grouped, RawComm, Unsettled};
-use reduce::Reducer;
+use reduce::{Fold, Reducer};
 use std::cell::{Cell, RefCell};
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -225,12 +228,9 @@ fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
     }
 }
 
+/// A group's index in per-group arrays (its wire code).
 fn group_index(g: Group) -> usize {
-    match g {
-        Group::World => 0,
-        Group::Shard => 1,
-        Group::Replicate => 2,
-    }
+    codec::group_code(g) as usize
 }
 
 /// A device collective in flight on the communicator's stream: its CUDA event completes with it.
@@ -538,93 +538,29 @@ impl NcclComm {
         }
     }
 
-    /// Exchanges call descriptions over `group` and compares them (when `check_calls`).
+    /// Runs the call agreement over `group` (when `check_calls`): the descriptors travel by an
+    /// all-gather on the device (see [`Agreement`]).
     fn agree(&self, call: &CallDesc, group: Group, start: Instant) -> Result<(), CommError> {
         if !self.opts.check_calls {
             return Ok(());
         }
-        let g = self.topology.group_size(group);
-        let gr = self.topology.group_rank(group, self.rank);
-        let mine = encode_call(call);
-        let mut dev = self.stream.alloc_zeros::<u64>(WORDS * g).map_err(|e| {
-            self.fail(cuda_error(
-                self.rank,
-                "cuMemAllocAsync(call descriptions)",
-                e,
-            ))
-        })?;
-        self.stream
-            .memcpy_htod(&mine, &mut dev.slice_mut(gr * WORDS..(gr + 1) * WORDS))
-            .map_err(|e| {
-                self.fail(cuda_error(
-                    self.rank,
-                    "cuMemcpyHtoDAsync(call description)",
-                    e,
-                ))
-            })?;
-        {
-            let (p, _guard) = dev.device_ptr_mut(&self.stream);
-            let send = p + (gr * WORDS * 8) as u64;
-            // SAFETY: live device buffer of g x WORDS u64; in-place all-gather.
-            let r = unsafe {
-                sys::ncclAllGather(
-                    send as *const c_void,
-                    p as *mut c_void,
-                    WORDS,
-                    sys::ncclDataType_t::ncclUint64,
-                    self.comm(group).comm,
-                    self.stream.cu_stream() as _,
-                )
-            };
-            self.comm(group)
-                .check(r)
-                .map_err(|t| self.nccl_err(call, "ncclAllGather(call descriptions)", t))?;
-        }
-        self.settle(call, group, start, "ncclAllGather(call descriptions)")?;
-        self.finish(call, group, start)?;
-        let all = self.stream.clone_dtoh(&dev).map_err(|e| {
-            self.fail(cuda_error(
-                self.rank,
-                "cuMemcpyDtoHAsync(call descriptions)",
-                e,
-            ))
-        })?;
-        self.stream
-            .synchronize()
-            .map_err(|e| self.fail(cuda_error(self.rank, "cuStreamSynchronize", e)))?;
-        let members = self.topology.group_members(group, self.rank);
-        let theirs: Vec<(usize, Option<CallDesc>)> = members
-            .iter()
-            .enumerate()
-            .map(|(i, &m)| (m, decode_call(&all[i * WORDS..(i + 1) * WORDS])))
-            .collect();
-        if theirs.iter().all(|(_, c)| c.as_ref() == Some(call)) {
-            return Ok(());
-        }
-        // Every rank sees the same list, so every rank reports the same mismatch; the world
-        // stays usable (no data moved).
-        let calls: Vec<(usize, CallDesc)> = theirs
-            .into_iter()
-            .map(|(m, c)| (m, c.unwrap_or(*call)))
-            .collect();
-        Err(CommError::MismatchedCalls {
-            calls: RankCalls(calls),
-        })
+        debug_assert_eq!(call.group, group);
+        let mut t = Agreement { comm: self, start };
+        agreement::agree(&mut t, self.topology, self.rank, call)
     }
 
     // ------------------------------------------------------------ raw enqueues
 
-    #[allow(clippy::too_many_arguments)]
+    /// Enqueues `ncclAllGather` of `n` elements per rank from `send` into `recv`.
     fn enqueue_all_gather(
         &self,
-        call: &CallDesc,
-        group: Group,
+        at: &Step<'_>,
         dtype: DType,
         send: u64,
         recv: u64,
         n: usize,
-        start: Instant,
     ) -> Result<(), CommError> {
+        let (call, group, start) = (at.call, at.call.group, at.start);
         if n == 0 {
             return Ok(());
         }
@@ -645,18 +581,18 @@ impl NcclComm {
         self.settle(call, group, start, "ncclAllGather")
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Enqueues the reduce-scatter of `send` (g x n elements) into `recv` (n elements) with
+    /// the backend's [`Reduction`].
     fn enqueue_reduce_scatter(
         &self,
-        call: &CallDesc,
-        group: Group,
+        at: &Step<'_>,
         op: ReduceOp,
         dtype: DType,
         send: u64,
         recv: u64,
         n: usize,
-        start: Instant,
     ) -> Result<(), CommError> {
+        let (call, group, start) = (at.call, at.call.group, at.start);
         if n == 0 {
             return Ok(());
         }
@@ -732,34 +668,33 @@ impl NcclComm {
             })
             .map_err(|t| self.nccl_err(call, "ncclSend/ncclRecv (rank-order reduce-scatter)", t))?;
             self.settle(call, group, start, "ncclGroupEnd")?;
+            let fold = Fold {
+                dtype,
+                op,
+                parts: sp,
+                g,
+                c: cnt,
+                out: recv + a as u64 * es,
+            };
             self.reducer
-                .launch(
-                    self.rank,
-                    &self.stream,
-                    dtype,
-                    op,
-                    sp,
-                    g,
-                    cnt,
-                    recv + a as u64 * es,
-                )
+                .launch(self.rank, &self.stream, fold)
                 .map_err(|e| self.fail(e))?;
             a += cnt;
         }
         Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Enqueues the in-place all-reduce of `buf` (n elements) with the backend's
+    /// [`Reduction`].
     fn enqueue_all_reduce(
         &self,
-        call: &CallDesc,
-        group: Group,
+        at: &Step<'_>,
         op: ReduceOp,
         dtype: DType,
         buf: u64,
         n: usize,
-        start: Instant,
     ) -> Result<(), CommError> {
+        let (call, group, start) = (at.call, at.call.group, at.start);
         if n == 0 {
             return Ok(());
         }
@@ -817,25 +752,33 @@ impl NcclComm {
             c.check(r)
                 .map_err(|t| self.nccl_err(call, "ncclAllGather (rank-order all-reduce)", t))?;
             self.settle(call, group, start, "ncclAllGather (rank-order all-reduce)")?;
+            let fold = Fold {
+                dtype,
+                op,
+                parts: sp,
+                g,
+                c: cnt,
+                out: piece,
+            };
             self.reducer
-                .launch(self.rank, &self.stream, dtype, op, sp, g, cnt, piece)
+                .launch(self.rank, &self.stream, fold)
                 .map_err(|e| self.fail(e))?;
             a += cnt;
         }
         Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Enqueues the in-place `ncclBroadcast` of `buf` (n elements) from group rank `root`.
     fn enqueue_broadcast(
         &self,
-        call: &CallDesc,
-        group: Group,
+        at: &Step<'_>,
         root: usize,
         dtype: DType,
         buf: u64,
         n: usize,
-        start: Instant,
     ) -> Result<(), CommError> {
+        let (call, start) = (at.call, at.start);
+        let group = call.group;
         if n == 0 {
             return Ok(());
         }
@@ -861,17 +804,15 @@ impl NcclComm {
 
     /// Copies `input` to the device, runs `run(in_ptr, out_ptr)` on the stream (out has
     /// `out_len` elements; `in_place` uses one buffer for both), waits, returns the output.
-    #[allow(clippy::too_many_arguments)]
     fn staged<T: DeviceElement>(
         &self,
-        call: &CallDesc,
-        group: Group,
+        at: &Step<'_>,
         input: &[T],
         out_len: usize,
         in_place: bool,
-        start: Instant,
         run: impl FnOnce(u64, u64) -> Result<(), CommError>,
     ) -> Result<Vec<T>, CommError> {
+        let (call, group, start) = (at.call, at.call.group, at.start);
         let up = |what: &str, e| self.fail(cuda_error(self.rank, what, e));
         let one = [T::default()];
         let din = self
@@ -920,19 +861,15 @@ impl NcclComm {
     ) -> Result<CallDesc, CommError> {
         self.bind()?;
         let seq = self.seqs[group_index(group)].get();
-        let call = check_call(
-            self.rank,
-            self.topology,
+        let req = CallRequest {
             op,
             group,
             reduce,
-            send.0,
-            send.1,
-            recv.0,
-            recv.1,
+            send,
+            recv,
             root,
-            seq,
-        )?;
+        };
+        let call = check_call(self.rank, self.topology, req, seq)?;
         self.next_seq(group);
         Ok(call)
     }
@@ -966,13 +903,11 @@ impl NcclComm {
             let (p, _guard) = buf.device_ptr_mut(&self.stream);
             let es = T::DTYPE.size_bytes();
             self.enqueue_all_gather(
-                &call,
-                group,
+                &Step::new(&call, start),
                 T::DTYPE,
                 p + (gr * n) as u64 * es,
                 p,
                 n,
-                start,
             )?;
         }
         self.device_op(call, group)
@@ -1007,7 +942,7 @@ impl NcclComm {
             let (sp, _g1) = send.device_ptr(&self.stream);
             let n = recv.len();
             let (rp, _g2) = recv.device_ptr_mut(&self.stream);
-            self.enqueue_reduce_scatter(&call, group, op, T::DTYPE, sp, rp, n, start)?;
+            self.enqueue_reduce_scatter(&Step::new(&call, start), op, T::DTYPE, sp, rp, n)?;
         }
         self.device_op(call, group)
     }
@@ -1037,7 +972,7 @@ impl NcclComm {
         self.after(after)?;
         {
             let (p, _g) = buf.device_ptr_mut(&self.stream);
-            self.enqueue_all_reduce(&call, group, op, T::DTYPE, p, n, start)?;
+            self.enqueue_all_reduce(&Step::new(&call, start), op, T::DTYPE, p, n)?;
         }
         self.device_op(call, group)
     }
@@ -1088,73 +1023,97 @@ impl NcclComm {
     }
 }
 
-/// Words of an encoded call description.
-const WORDS: usize = 8;
-
-fn encode_call(c: &CallDesc) -> [u64; WORDS] {
-    let op = match c.op {
-        OpKind::AllGather => 0,
-        OpKind::ReduceScatter => 1,
-        OpKind::AllReduce => 2,
-        OpKind::Broadcast => 3,
-        OpKind::Barrier => 4,
-    };
-    let red = match c.reduce {
-        None => 9,
-        Some(ReduceOp::Sum) => 0,
-        Some(ReduceOp::Avg) => 1,
-        Some(ReduceOp::Max) => 2,
-    };
-    let dt = match c.dtype {
-        None => 9,
-        Some(DType::F32) => 0,
-        Some(DType::BF16) => 1,
-        Some(DType::F16) => 2,
-        Some(DType::F64) => 3,
-    };
-    [
-        op,
-        group_index(c.group) as u64,
-        red,
-        dt,
-        c.send_numel as u64,
-        c.recv_numel as u64,
-        c.root.map_or(u64::MAX, |r| r as u64),
-        c.seq,
-    ]
+/// One NCCL step of a collective: the call it belongs to (its group, and the description its
+/// errors quote) and when the call started (its deadline is `start` + the timeout).
+pub(crate) struct Step<'a> {
+    call: &'a CallDesc,
+    start: Instant,
 }
 
-fn decode_call(w: &[u64]) -> Option<CallDesc> {
-    let op = [
-        OpKind::AllGather,
-        OpKind::ReduceScatter,
-        OpKind::AllReduce,
-        OpKind::Broadcast,
-        OpKind::Barrier,
-    ]
-    .get(usize::try_from(w[0]).ok()?)
-    .copied()?;
-    let group = [Group::World, Group::Shard, Group::Replicate]
-        .get(usize::try_from(w[1]).ok()?)
-        .copied()?;
-    let reduce = match w[2] {
-        9 => None,
-        x => Some(*[ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max].get(x as usize)?),
-    };
-    let dtype = match w[3] {
-        9 => None,
-        x => Some(*[DType::F32, DType::BF16, DType::F16, DType::F64].get(x as usize)?),
-    };
-    Some(CallDesc {
-        op,
-        group,
-        reduce,
-        dtype,
-        send_numel: w[4] as usize,
-        recv_numel: w[5] as usize,
-        root: (w[6] != u64::MAX).then_some(w[6] as usize),
-        seq: w[7],
-    })
+impl<'a> Step<'a> {
+    /// A step of `call`, started at `start`.
+    pub(crate) fn new(call: &'a CallDesc, start: Instant) -> Self {
+        Step { call, start }
+    }
+}
+
+/// The call agreement's transport on NCCL: the descriptors of a group's members are
+/// all-gathered on the device (one small `ncclAllGather` of u64 words), waited for on the host
+/// against the call's deadline. A timeout or NCCL error aborts the communicators; a
+/// disagreement leaves them usable (no data moved).
+struct Agreement<'a> {
+    comm: &'a NcclComm,
+    start: Instant,
+}
+
+impl Transport for Agreement<'_> {
+    fn exchange(
+        &mut self,
+        call: &CallDesc,
+        mine: &Descriptor,
+    ) -> Result<Vec<Descriptor>, CommError> {
+        let (me, group, start) = (self.comm, call.group, self.start);
+        const WORDS: usize = codec::CALL_WORDS;
+        let g = me.topology.group_size(group);
+        let gr = me.topology.group_rank(group, me.rank);
+        let mut dev = me
+            .stream
+            .alloc_zeros::<u64>(WORDS * g)
+            .map_err(|e| me.fail(cuda_error(me.rank, "cuMemAllocAsync(call descriptions)", e)))?;
+        me.stream
+            .memcpy_htod(&mine[..], &mut dev.slice_mut(gr * WORDS..(gr + 1) * WORDS))
+            .map_err(|e| {
+                me.fail(cuda_error(
+                    me.rank,
+                    "cuMemcpyHtoDAsync(call description)",
+                    e,
+                ))
+            })?;
+        {
+            let (p, _guard) = dev.device_ptr_mut(&me.stream);
+            let send = p + (gr * WORDS * 8) as u64;
+            // SAFETY: live device buffer of g x WORDS u64; in-place all-gather.
+            let r = unsafe {
+                sys::ncclAllGather(
+                    send as *const c_void,
+                    p as *mut c_void,
+                    WORDS,
+                    sys::ncclDataType_t::ncclUint64,
+                    me.comm(group).comm,
+                    me.stream.cu_stream() as _,
+                )
+            };
+            me.comm(group)
+                .check(r)
+                .map_err(|t| me.nccl_err(call, "ncclAllGather(call descriptions)", t))?;
+        }
+        me.settle(call, group, start, "ncclAllGather(call descriptions)")?;
+        me.finish(call, group, start)?;
+        let all = me.stream.clone_dtoh(&dev).map_err(|e| {
+            me.fail(cuda_error(
+                me.rank,
+                "cuMemcpyDtoHAsync(call descriptions)",
+                e,
+            ))
+        })?;
+        me.stream
+            .synchronize()
+            .map_err(|e| me.fail(cuda_error(me.rank, "cuStreamSynchronize", e)))?;
+        Ok(all
+            .chunks_exact(WORDS)
+            .map(|w| {
+                let mut d = [0u64; WORDS];
+                d.copy_from_slice(w);
+                d
+            })
+            .collect())
+    }
+
+    /// Every rank sees the same descriptors, so every rank reports the same mismatch; the
+    /// world stays usable (no data moved).
+    fn disagreed(&mut self, e: CommError) -> CommError {
+        e
+    }
 }
 
 macro_rules! typed_pair {
@@ -1215,8 +1174,8 @@ impl Communicator for NcclComm {
         }
         let dtype = send.dtype();
         typed_pair!(self.rank, OpKind::AllGather, send, recv, |s, r| {
-            let out = self.staged(&call, group, s, r.len(), false, start, |ip, op| {
-                self.enqueue_all_gather(&call, group, dtype, ip, op, n, start)
+            let out = self.staged(&Step::new(&call, start), s, r.len(), false, |ip, op| {
+                self.enqueue_all_gather(&Step::new(&call, start), dtype, ip, op, n)
             })?;
             r.copy_from_slice(&out);
             Ok(())
@@ -1239,8 +1198,14 @@ impl Communicator for NcclComm {
         let es = dtype.size_bytes();
         let gr = self.topology.group_rank(group, self.rank);
         typed_one!(buf, |b| {
-            let out = self.staged(&call, group, b, b.len(), true, start, |p, _| {
-                self.enqueue_all_gather(&call, group, dtype, p + (gr * n) as u64 * es, p, n, start)
+            let out = self.staged(&Step::new(&call, start), b, b.len(), true, |p, _| {
+                self.enqueue_all_gather(
+                    &Step::new(&call, start),
+                    dtype,
+                    p + (gr * n) as u64 * es,
+                    p,
+                    n,
+                )
             })?;
             b.copy_from_slice(&out);
             Ok(())
@@ -1270,8 +1235,8 @@ impl Communicator for NcclComm {
         }
         let dtype = send.dtype();
         typed_pair!(self.rank, OpKind::ReduceScatter, send, recv, |s, r| {
-            let out = self.staged(&call, group, s, n, false, start, |ip, o| {
-                self.enqueue_reduce_scatter(&call, group, op, dtype, ip, o, n, start)
+            let out = self.staged(&Step::new(&call, start), s, n, false, |ip, o| {
+                self.enqueue_reduce_scatter(&Step::new(&call, start), op, dtype, ip, o, n)
             })?;
             r.copy_from_slice(&out);
             Ok(())
@@ -1295,8 +1260,8 @@ impl Communicator for NcclComm {
             return Ok(());
         }
         typed_one!(buf, |b| {
-            let out = self.staged(&call, group, b, n, true, start, |p, _| {
-                self.enqueue_all_reduce(&call, group, op, dtype, p, n, start)
+            let out = self.staged(&Step::new(&call, start), b, n, true, |p, _| {
+                self.enqueue_all_reduce(&Step::new(&call, start), op, dtype, p, n)
             })?;
             b.copy_from_slice(&out);
             Ok(())
@@ -1320,8 +1285,8 @@ impl Communicator for NcclComm {
             return Ok(());
         }
         typed_one!(buf, |b| {
-            let out = self.staged(&call, group, b, n, true, start, |p, _| {
-                self.enqueue_broadcast(&call, group, root, dtype, p, n, start)
+            let out = self.staged(&Step::new(&call, start), b, n, true, |p, _| {
+                self.enqueue_broadcast(&Step::new(&call, start), root, dtype, p, n)
             })?;
             b.copy_from_slice(&out);
             Ok(())
@@ -1418,7 +1383,13 @@ impl Communicator for NcclComm {
             .map_err(|e| self.fail(cuda_error(self.rank, "cuMemAllocAsync(barrier)", e)))?;
         {
             let (p, _g) = dev.device_ptr_mut(&self.stream);
-            self.enqueue_all_gather(&call, group, DType::F32, p + 4 * gr as u64, p, 1, start)?;
+            self.enqueue_all_gather(
+                &Step::new(&call, start),
+                DType::F32,
+                p + 4 * gr as u64,
+                p,
+                1,
+            )?;
         }
         self.finish(&call, group, start)
     }
@@ -1427,35 +1398,6 @@ impl Communicator for NcclComm {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn call_descriptions_round_trip() {
-        let c = CallDesc {
-            op: OpKind::Broadcast,
-            group: Group::Replicate,
-            reduce: None,
-            dtype: Some(DType::BF16),
-            send_numel: 12,
-            recv_numel: 12,
-            root: Some(1),
-            seq: 41,
-        };
-        assert_eq!(decode_call(&encode_call(&c)), Some(c));
-        let b = CallDesc {
-            op: OpKind::ReduceScatter,
-            group: Group::World,
-            reduce: Some(ReduceOp::Avg),
-            dtype: None,
-            send_numel: 0,
-            recv_numel: 0,
-            root: None,
-            seq: 0,
-        };
-        assert_eq!(decode_call(&encode_call(&b)), Some(b));
-        let mut bad = encode_call(&b);
-        bad[0] = 17;
-        assert_eq!(decode_call(&bad), None);
-    }
 
     #[test]
     fn nonblocking_config_matches_the_2_28_initializer() {

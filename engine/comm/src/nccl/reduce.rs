@@ -113,6 +113,24 @@ pub(crate) struct Reducer {
     f: Vec<CudaFunction>,
 }
 
+/// One rank-order reduction: `out[i] = fold over j < g of parts[j * c + i]` (raw device
+/// addresses; `parts` holds `g x c`, `out` `c` elements of `dtype`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Fold {
+    /// Element type.
+    pub(crate) dtype: DType,
+    /// The reduction.
+    pub(crate) op: ReduceOp,
+    /// Device address of the `g` contributions, `c` elements each, in rank order.
+    pub(crate) parts: u64,
+    /// Number of contributions (the group size).
+    pub(crate) g: usize,
+    /// Elements per contribution.
+    pub(crate) c: usize,
+    /// Device address of the `c` output elements.
+    pub(crate) out: u64,
+}
+
 impl Reducer {
     /// Compiles [`REDUCE_SOURCE`] for the context's compute capability and loads it.
     pub(crate) fn new(rank: usize, ctx: &Arc<CudaContext>) -> Result<Reducer, CommError> {
@@ -158,20 +176,21 @@ impl Reducer {
         Ok(Reducer { f })
     }
 
-    /// Enqueues `out[i] = fold over j < g of parts[j * c + i]` on `stream` (raw device
-    /// addresses; `parts` holds `g x c`, `out` `c` elements of `dtype`).
-    #[allow(clippy::too_many_arguments)]
+    /// Enqueues `fold` on `stream` for `rank` (whose errors name it).
     pub(crate) fn launch(
         &self,
         rank: usize,
         stream: &Arc<CudaStream>,
-        dtype: DType,
-        op: ReduceOp,
-        parts: u64,
-        g: usize,
-        c: usize,
-        out: u64,
+        fold: Fold,
     ) -> Result<(), CommError> {
+        let Fold {
+            dtype,
+            op,
+            parts,
+            g,
+            c,
+            out,
+        } = fold;
         if c == 0 {
             return Ok(());
         }

@@ -31,7 +31,7 @@
 //! candle's stream-ordered free never races the collective.
 
 use super::raw::cuda_error;
-use super::NcclComm;
+use super::{NcclComm, Step};
 use crate::buf::{check_tensor, device_name, OwnedBuf};
 use crate::comm::{check_in_place_call, Completed, PendingOp, PendingWait};
 use crate::error::{CallDesc, CommError, OpKind};
@@ -247,7 +247,7 @@ impl NcclComm {
         let start = Instant::now();
         self.agree(&call, group, start)?;
         let consumers = self.after_candle(&[&s, &r])?;
-        self.enqueue_all_gather(&call, group, s.dtype, s.ptr, r.ptr, s.len, start)?;
+        self.enqueue_all_gather(&Step::new(&call, start), s.dtype, s.ptr, r.ptr, s.len)?;
         let done = Completed {
             send: Some(send),
             buf: recv,
@@ -274,7 +274,7 @@ impl NcclComm {
         let n = call.send_numel;
         let own =
             b.ptr + (self.topology.group_rank(group, self.rank) * n) as u64 * b.dtype.size_bytes();
-        self.enqueue_all_gather(&call, group, b.dtype, own, b.ptr, n, start)?;
+        self.enqueue_all_gather(&Step::new(&call, start), b.dtype, own, b.ptr, n)?;
         self.tensor_op(call, consumers, Completed { send: None, buf })
     }
 
@@ -300,7 +300,7 @@ impl NcclComm {
         let start = Instant::now();
         self.agree(&call, group, start)?;
         let consumers = self.after_candle(&[&s, &r])?;
-        self.enqueue_reduce_scatter(&call, group, rop, s.dtype, s.ptr, r.ptr, r.len, start)?;
+        self.enqueue_reduce_scatter(&Step::new(&call, start), rop, s.dtype, s.ptr, r.ptr, r.len)?;
         let done = Completed {
             send: Some(send),
             buf: recv,
@@ -322,7 +322,7 @@ impl NcclComm {
         let start = Instant::now();
         self.agree(&call, group, start)?;
         let consumers = self.after_candle(&[&b])?;
-        self.enqueue_all_reduce(&call, group, rop, b.dtype, b.ptr, b.len, start)?;
+        self.enqueue_all_reduce(&Step::new(&call, start), rop, b.dtype, b.ptr, b.len)?;
         self.tensor_op(call, consumers, Completed { send: None, buf })
     }
 
@@ -340,7 +340,7 @@ impl NcclComm {
         let start = Instant::now();
         self.agree(&call, group, start)?;
         let consumers = self.after_candle(&[&b])?;
-        self.enqueue_broadcast(&call, group, root, b.dtype, b.ptr, b.len, start)?;
+        self.enqueue_broadcast(&Step::new(&call, start), root, b.dtype, b.ptr, b.len)?;
         self.tensor_op(call, consumers, Completed { send: None, buf })
     }
 }

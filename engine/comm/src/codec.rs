@@ -1,16 +1,22 @@
-//! Fixed binary encodings the MPI backend sends between processes: a collective's [`CallDesc`]
-//! (the rendezvous header, 8 x u64) and a [`CommError`] (abort notices and the conformance
-//! launcher's result exchange).
+//! The fixed binary encodings every multi-process backend sends between its ranks: a
+//! collective's [`CallDesc`] (the descriptor of the call agreement, [`CALL_WORDS`] x u64, see
+//! [`crate::agreement`]), a [`CommError`] (abort notices, a rank's failure), an exit notice (a
+//! rank's call counts per group when it dropped its communicator) and a conformance rank's
+//! result. The MPI and NCCL backends and their launchers use exactly these.
 //!
 //! Little-endian `u64` words and length-prefixed UTF-8 strings; no serde, so the encoding is
 //! exactly what these functions write and the decoder rejects anything else (`None`).
 
+use crate::conformance::RankResult;
 use crate::error::{CallDesc, CommError, OpKind, RankCalls};
 use crate::topology::{Group, ReduceOp};
 use fsdp_types::DType;
 
 /// Words of an encoded [`CallDesc`].
 pub(crate) const CALL_WORDS: usize = 8;
+
+/// An encoded [`CallDesc`]: the fixed-size descriptor ranks exchange before a collective.
+pub(crate) type Descriptor = [u64; CALL_WORDS];
 
 const NONE: u64 = u64::MAX;
 
@@ -35,6 +41,8 @@ fn op_from(c: u64) -> Option<OpKind> {
     })
 }
 
+/// The code of a group on the wire, also its index in per-group arrays (world 0, shard 1,
+/// replicate 2).
 pub(crate) fn group_code(g: Group) -> u64 {
     match g {
         Group::World => 0,
@@ -91,7 +99,7 @@ fn dtype_from(c: u64) -> Option<DType> {
 }
 
 /// Encodes a call as 8 words: op, group, reduction, dtype, send numel, recv numel, root, seq.
-pub(crate) fn encode_call(c: &CallDesc) -> [u64; CALL_WORDS] {
+pub(crate) fn encode_call(c: &CallDesc) -> Descriptor {
     [
         op_code(c.op),
         group_code(c.group),
@@ -105,7 +113,7 @@ pub(crate) fn encode_call(c: &CallDesc) -> [u64; CALL_WORDS] {
 }
 
 /// Decodes [`encode_call`]'s words; `None` for words it never writes.
-pub(crate) fn decode_call(w: &[u64; CALL_WORDS]) -> Option<CallDesc> {
+pub(crate) fn decode_call(w: &Descriptor) -> Option<CallDesc> {
     Some(CallDesc {
         op: op_from(w[0])?,
         group: group_from(w[1])?,
@@ -131,16 +139,20 @@ pub(crate) fn decode_call(w: &[u64; CALL_WORDS]) -> Option<CallDesc> {
 pub(crate) struct Writer(pub(crate) Vec<u8>);
 
 impl Writer {
+    /// Appends one word.
     pub(crate) fn u64(&mut self, x: u64) {
         self.0.extend_from_slice(&x.to_le_bytes());
     }
+    /// Appends a count or index as one word.
     pub(crate) fn usize(&mut self, x: usize) {
         self.u64(x as u64);
     }
+    /// Appends a length-prefixed UTF-8 string.
     pub(crate) fn str(&mut self, s: &str) {
         self.usize(s.len());
         self.0.extend_from_slice(s.as_bytes());
     }
+    /// Appends an encoded call.
     pub(crate) fn call(&mut self, c: &CallDesc) {
         for w in encode_call(c) {
             self.u64(w);
@@ -152,14 +164,17 @@ impl Writer {
 pub(crate) struct Reader<'a>(pub(crate) &'a [u8]);
 
 impl Reader<'_> {
+    /// Reads one word.
     pub(crate) fn u64(&mut self) -> Option<u64> {
         let (h, t) = self.0.split_first_chunk::<8>()?;
         self.0 = t;
         Some(u64::from_le_bytes(*h))
     }
+    /// Reads a count or index.
     pub(crate) fn usize(&mut self) -> Option<usize> {
         usize::try_from(self.u64()?).ok()
     }
+    /// Reads a length-prefixed UTF-8 string.
     pub(crate) fn string(&mut self) -> Option<String> {
         let n = self.usize()?;
         if n > self.0.len() {
@@ -169,6 +184,7 @@ impl Reader<'_> {
         self.0 = t;
         String::from_utf8(h.to_vec()).ok()
     }
+    /// Reads an encoded call.
     pub(crate) fn call(&mut self) -> Option<CallDesc> {
         let mut w = [0u64; CALL_WORDS];
         for x in &mut w {
@@ -510,6 +526,59 @@ pub(crate) fn decode_error(r: &mut Reader<'_>) -> Option<CommError> {
     })
 }
 
+/// Encodes an exit notice: the calls a rank made on each group (indexed by [`group_code`]).
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) fn encode_exit(calls: [u64; 3]) -> Vec<u8> {
+    let mut w = Writer::default();
+    for c in calls {
+        w.u64(c);
+    }
+    w.0
+}
+
+/// Decodes [`encode_exit`]'s bytes; `None` when fewer than three words arrived.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) fn decode_exit(b: &[u8]) -> Option<[u64; 3]> {
+    let mut r = Reader(b);
+    Some([r.u64()?, r.u64()?, r.u64()?])
+}
+
+/// Encodes one conformance rank's result: its values (as f64 bits) or its error.
+pub(crate) fn encode_result(r: &RankResult) -> Vec<u8> {
+    let mut w = Writer::default();
+    match r {
+        Ok(v) => {
+            w.u64(0);
+            w.usize(v.len());
+            for x in v {
+                w.u64(x.to_bits());
+            }
+        }
+        Err(e) => {
+            w.u64(1);
+            encode_error(e, &mut w);
+        }
+    }
+    w.0
+}
+
+/// Decodes [`encode_result`]'s bytes; `None` for an empty, truncated or otherwise undecodable
+/// message (each launcher names the rank in its own error for that).
+pub(crate) fn decode_result(b: &[u8]) -> Option<RankResult> {
+    let mut r = Reader(b);
+    match r.u64()? {
+        0 => {
+            let n = r.usize()?;
+            let v = (0..n)
+                .map(|_| r.u64().map(f64::from_bits))
+                .collect::<Option<Vec<f64>>>()?;
+            Some(Ok(v))
+        }
+        1 => Some(Err(decode_error(&mut r)?)),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -545,6 +614,26 @@ mod tests {
         let mut bad = encode_call(&b);
         bad[0] = 9;
         assert_eq!(decode_call(&bad), None);
+        let r = CallDesc {
+            op: OpKind::ReduceScatter,
+            group: Group::World,
+            reduce: Some(ReduceOp::Avg),
+            dtype: None,
+            send_numel: 0,
+            recv_numel: 0,
+            root: None,
+            seq: 0,
+        };
+        assert_eq!(decode_call(&encode_call(&r)), Some(r));
+        let mut bad = encode_call(&r);
+        bad[0] = 17;
+        assert_eq!(decode_call(&bad), None);
+    }
+
+    #[test]
+    fn exit_notices_round_trip() {
+        assert_eq!(decode_exit(&encode_exit([3, 0, 7])), Some([3, 0, 7]));
+        assert_eq!(decode_exit(&encode_exit([1, 2, 3])[..23]), None);
     }
 
     #[test]
@@ -648,5 +737,116 @@ mod tests {
             let mut short = Reader(&w.0[..w.0.len() - 1]);
             assert_eq!(decode_error(&mut short), None);
         }
+    }
+
+    #[test]
+    fn every_result_round_trips() {
+        let call = CallDesc {
+            op: OpKind::AllReduce,
+            group: Group::Shard,
+            reduce: Some(ReduceOp::Max),
+            dtype: Some(DType::F16),
+            send_numel: 9,
+            recv_numel: 9,
+            root: None,
+            seq: 3,
+        };
+        let results: Vec<RankResult> = vec![
+            Ok(vec![1.5, -0.0, f64::INFINITY]),
+            Ok(vec![]),
+            Err(CommError::InvalidTopology {
+                world_size: 5,
+                shard_size: 2,
+                replicate_size: 2,
+                reason: "world_size must equal shard_size x replicate_size",
+            }),
+            Err(CommError::SizeMismatch {
+                rank: 1,
+                op: OpKind::AllGather,
+                group: Group::World,
+                group_size: 3,
+                what: "recv",
+                expected: 12,
+                got: 11,
+            }),
+            Err(CommError::DTypeMismatch {
+                rank: 2,
+                op: OpKind::AllGather,
+                send: DType::BF16,
+                recv: DType::F32,
+            }),
+            Err(CommError::InvalidRoot {
+                rank: 0,
+                group: Group::Replicate,
+                root: 3,
+                group_size: 3,
+            }),
+            Err(CommError::MismatchedCalls {
+                calls: RankCalls(vec![(0, call), (1, call)]),
+            }),
+            Err(CommError::PeerExited {
+                rank: 0,
+                call,
+                peer: 1,
+                peer_calls: 7,
+            }),
+            Err(CommError::PeerFailed {
+                peer: 3,
+                reason: "x".into(),
+            }),
+            Err(CommError::Timeout {
+                rank: 0,
+                call,
+                waited_ms: 300,
+                missing: vec![1],
+            }),
+            Err(CommError::RankPanicked {
+                rank: 3,
+                message: "on purpose".into(),
+            }),
+            Err(CommError::DeviceBufferUnreachable {
+                rank: 1,
+                op: OpKind::Broadcast,
+                backend: "threads",
+                dtype: DType::F64,
+                numel: 77,
+                device: "cuda:1".into(),
+            }),
+            Err(CommError::InvalidTensor {
+                rank: 0,
+                op: OpKind::AllReduce,
+                dtype: "f32".into(),
+                shape: vec![4, 5, 6],
+                device: "cuda:0".into(),
+                reason: "on cuda:0 but the communicator runs on cuda:1".into(),
+            }),
+            Err(CommError::Unsupported {
+                backend: "nccl",
+                what: "w".into(),
+            }),
+            Err(CommError::Env {
+                name: "RANK",
+                value: None,
+                reason: "not set".into(),
+            }),
+            Err(CommError::Rendezvous {
+                addr: "127.0.0.1:1".into(),
+                rank: 1,
+                world_size: 2,
+                reason: "r".into(),
+            }),
+            Err(CommError::Device {
+                rank: 0,
+                library: "nccl",
+                call: "ncclAllGather".into(),
+                message: "m".into(),
+            }),
+        ];
+        for r in results {
+            let b = encode_result(&r);
+            assert_eq!(decode_result(&b).as_ref(), Some(&r));
+            assert_eq!(decode_result(&b[..b.len() - 1]), None);
+        }
+        assert_eq!(decode_result(&[]), None);
     }
 }
