@@ -43,7 +43,7 @@ fn huge_micro_batch_is_refused_by_the_memory_check() {
         "--micro-batch",
         "1000000",
     ]);
-    if fsdp::cli::train::available_memory().is_none() {
+    if fsdp::preflight::available_memory().is_none() {
         return; // no /proc/meminfo: the check is skipped by design
     }
     assert_eq!(code, 2, "{err}");
@@ -65,7 +65,7 @@ fn absurd_batch_values_do_not_overflow() {
         let (code, err) = fsdp(&["train", "--model", "tiny", "--steps", "1", flag, &max]);
         assert_eq!(code, 2, "{flag}: {err}");
         assert!(!err.contains("panicked"), "{flag}: {err}");
-        if flag == "--grad-accum" && fsdp::cli::train::available_memory().is_some() {
+        if flag == "--grad-accum" && fsdp::preflight::available_memory().is_some() {
             assert!(err.contains("not enough memory"), "{err}");
         }
     }
@@ -79,11 +79,12 @@ fn preflight_numbers_against_a_given_budget() {
         ..Default::default()
     };
     // 1 MiB cannot hold 4 tiny ranks; unknown memory skips the check; 64 GiB holds them.
-    let e = fsdp::cli::train::preflight_threads(&opts, Some(1 << 20)).unwrap_err();
+    let peak = fsdp::preflight::plan_peak(&opts).unwrap();
+    let e = fsdp::preflight::preflight_threads(&opts, peak, Some(1 << 20)).unwrap_err();
     assert_eq!(e.exit_code(), 2);
     let m = e.to_string();
     assert!(m.contains("4 rank thread(s) x peak"), "{m}");
     assert!(m.contains("> 1.0 MiB available"), "{m}");
-    assert!(fsdp::cli::train::preflight_threads(&opts, None).is_ok());
-    assert!(fsdp::cli::train::preflight_threads(&opts, Some(64 << 30)).is_ok());
+    assert!(fsdp::preflight::preflight_threads(&opts, peak, None).is_ok());
+    assert!(fsdp::preflight::preflight_threads(&opts, peak, Some(64 << 30)).is_ok());
 }
