@@ -13,6 +13,7 @@ pub mod memory;
 pub mod model;
 pub mod optim;
 pub mod preflight;
+pub mod process;
 pub mod run;
 pub mod runtime;
 pub mod train;

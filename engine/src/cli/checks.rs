@@ -50,10 +50,10 @@ pub fn seconds(s: &str) -> Result<f64, String> {
         .trim()
         .parse()
         .map_err(|_| format!("`{s}` is not a number of seconds; e.g. 60"))?;
-    if !(v.is_finite() && v > 0.0 && v <= super::train::MAX_WAIT_SECONDS) {
+    if !(v.is_finite() && v > 0.0 && v <= crate::process::MAX_WAIT_SECONDS) {
         return Err(format!(
             "must be a number of seconds in (0, {:e}], got {v}; e.g. 60",
-            super::train::MAX_WAIT_SECONDS
+            crate::process::MAX_WAIT_SECONDS
         ));
     }
     Ok(v)

@@ -26,7 +26,7 @@ use crate::preflight::{
     available_memory, cap_threads, cores, launcher_local_ranks, AutoResolution, Budget, RankHost,
     RankMemory,
 };
-use crate::run::{prepare, PreparedRun, RunError, RunRequest};
+use crate::run::{prepare, RunError, RunRequest};
 use crate::runtime::Placement;
 use crate::train::{train_prepared, StepReport, TrainOptions, TrainReport};
 use fsdp_planner::{GradSync, Strategy};
@@ -418,14 +418,14 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         .transpose()?;
     let mpi = match args.backend {
         BackendArg::Threads | BackendArg::Nccl => None,
-        BackendArg::Mpi => Some(mpi_backend::MpiProcess::init(
+        BackendArg::Mpi => Some(crate::process::mpi::MpiProcess::init(
             args.world_size,
             args.comm_timeout,
             &mut opts,
         )?),
     };
     let nccl = match args.backend {
-        BackendArg::Nccl => Some(NcclProcess::init(
+        BackendArg::Nccl => Some(crate::process::NcclProcess::init(
             args.world_size,
             args.comm_timeout,
             &mut opts,
@@ -433,7 +433,7 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         _ => None,
     };
     let root =
-        mpi.as_ref().is_none_or(|m| m.rank() == 0) && nccl.as_ref().is_none_or(|n| n.rank == 0);
+        mpi.as_ref().is_none_or(|m| m.rank() == 0) && nccl.as_ref().is_none_or(|n| n.rank() == 0);
     // Every MPI rank's node memory, gathered once, so that every rank resolves auto and
     // decides the pre-flight on the same numbers.
     let host = !opts.placement.device().is_cuda();
@@ -747,211 +747,5 @@ fn print_memory_report(r: &TrainReport) {
             mib(r.plan_peak_per_rank * r.world_size as u64)
         ),
         None => out!("process heap: not measured (no counting allocator installed)"),
-    }
-}
-
-/// `--backend nccl`: this process as one rank of an NCCL job started by `fsdp launch` (or
-/// torchrun), from its environment.
-struct NcclProcess {
-    rank: usize,
-    timeout: std::time::Duration,
-}
-
-impl NcclProcess {
-    /// Reads torchrun's environment and sets `opts.world_size` to `WORLD_SIZE`.
-    ///
-    /// Errors: [`CliError::Usage`] without a launcher's environment, when `--world-size`
-    /// (other than its default 1) disagrees with it, or for a bad `--comm-timeout`.
-    fn init(
-        world_size_flag: usize,
-        comm_timeout: f64,
-        opts: &mut TrainOptions,
-    ) -> Result<NcclProcess, CliError> {
-        let timeout = comm_timeout_arg(comm_timeout)?;
-        let env = fsdp_comm::rendezvous::LaunchEnv::from_env().map_err(|e| {
-            CliError::Usage(format!(
-                "--backend nccl runs one process per GPU under a launcher: `fsdp launch --nproc N -- train --device cuda --backend nccl ...` ({e})"
-            ))
-        })?;
-        if world_size_flag != 1 && world_size_flag != env.world_size {
-            return Err(CliError::Usage(format!(
-                "--world-size {world_size_flag} disagrees with WORLD_SIZE={} of the launcher; with --backend nccl the world size is the launcher's --nproc (omit --world-size)",
-                env.world_size
-            )));
-        }
-        opts.world_size = env.world_size;
-        if !fsdp_comm::NCCL_BUILT {
-            return Err(CliError::Usage(
-                "--backend nccl: this fsdp binary was built without CUDA support; rebuild with \
-                 `cargo build --release --features cuda` (see gpu/README.md)"
-                    .into(),
-            ));
-        }
-        Ok(NcclProcess {
-            rank: env.rank,
-            timeout,
-        })
-    }
-
-    /// Trains as this rank over an NCCL communicator (`fsdp_comm::nccl_from_env`).
-    fn train(
-        &self,
-        run: &PreparedRun,
-        alloc: Option<&'static CountingAllocator>,
-        hooks: &dyn crate::train::TrainHooks,
-        progress: &(dyn Fn(&StepReport) + Sync),
-    ) -> crate::error::Result<crate::train::TrainReport> {
-        let timeout = self.timeout;
-        let factory = move |t: fsdp_comm::Topology| fsdp_comm::nccl_from_env(t, timeout);
-        train_prepared(run, alloc, hooks, progress, Some(&factory))
-    }
-}
-
-/// Longest `--comm-timeout` / `--grace` accepted, in seconds (about 11.6 days): longer waits
-/// are no timeout at all, and a deadline that far out would overflow the clock.
-pub const MAX_WAIT_SECONDS: f64 = 1e6;
-
-/// `--comm-timeout` as a duration.
-///
-/// Errors: [`CliError::Usage`] unless it is a number of seconds in `(0, MAX_WAIT_SECONDS]`.
-fn comm_timeout_arg(comm_timeout: f64) -> Result<std::time::Duration, CliError> {
-    if !(comm_timeout.is_finite() && comm_timeout > 0.0 && comm_timeout <= MAX_WAIT_SECONDS) {
-        return Err(CliError::Usage(format!(
-            "--comm-timeout must be a positive number of seconds up to {MAX_WAIT_SECONDS:e}, got {comm_timeout}"
-        )));
-    }
-    Ok(std::time::Duration::from_secs_f64(comm_timeout))
-}
-
-/// `--backend mpi`: this process as one rank of an MPI job.
-mod mpi_backend {
-    use super::CliError;
-    use crate::memory::CountingAllocator;
-    use crate::preflight::RankHost;
-    use crate::run::PreparedRun;
-    use crate::train::{StepReport, TrainHooks, TrainOptions, TrainReport};
-
-    /// This process's MPI state: the initialised library (finalised on drop) and its rank.
-    pub(super) struct MpiProcess {
-        #[cfg(feature = "mpi")]
-        universe: std::sync::Arc<fsdp_comm::mpi::MpiUniverse>,
-        #[cfg(feature = "mpi")]
-        timeout: std::time::Duration,
-        rank: usize,
-    }
-
-    impl MpiProcess {
-        /// Initialises MPI and sets `opts.world_size` to the number of processes;
-        /// `comm_timeout` (seconds) bounds every wait for peers.
-        ///
-        /// Errors: [`CliError::Usage`] when `--world-size` (other than its default 1) disagrees
-        /// with the MPI job, `--comm-timeout` is not a positive number, or the binary lacks the
-        /// `mpi` feature; [`CliError::Failed`] when MPI cannot be initialised.
-        #[cfg(feature = "mpi")]
-        pub(super) fn init(
-            world_size_flag: usize,
-            comm_timeout: f64,
-            opts: &mut TrainOptions,
-        ) -> Result<MpiProcess, CliError> {
-            let timeout = super::comm_timeout_arg(comm_timeout)?;
-            let universe = fsdp_comm::mpi::MpiUniverse::init()
-                .map_err(|e| CliError::Failed(format!("--backend mpi: {e}")))?;
-            let n = universe.size();
-            if world_size_flag != 1 && world_size_flag != n {
-                return Err(CliError::Usage(format!(
-                    "--world-size {world_size_flag} disagrees with the {n} MPI processes of this \
-                     job; with --backend mpi the world size is mpirun's -n (omit --world-size)"
-                )));
-            }
-            opts.world_size = n;
-            Ok(MpiProcess {
-                rank: universe.rank(),
-                universe,
-                timeout,
-            })
-        }
-
-        /// Without the `mpi` feature: an error saying how to build with it.
-        #[cfg(not(feature = "mpi"))]
-        pub(super) fn init(_: usize, _: f64, _: &mut TrainOptions) -> Result<MpiProcess, CliError> {
-            Err(CliError::Usage(
-                "--backend mpi: this fsdp binary was built without MPI support; rebuild with \
-                 `cargo build --release --features mpi` (needs libopenmpi-dev and libclang-dev)"
-                    .into(),
-            ))
-        }
-
-        /// This process's MPI rank.
-        pub(super) fn rank(&self) -> usize {
-            self.rank
-        }
-
-        /// Every rank's [`RankHost`] in rank order, the same table on every rank: one
-        /// all-reduce (sum, f64, rank order) over a world communicator built for it and
-        /// dropped before training, of rows that are zero except the caller's own. Collective:
-        /// every process calls it.
-        ///
-        /// Errors: [`CliError::Failed`] when the collective fails (a peer exited or timed out;
-        /// the peers get the error too).
-        #[cfg(feature = "mpi")]
-        pub(super) fn gather_hosts(&self, mine: RankHost) -> Result<Vec<RankHost>, CliError> {
-            use fsdp_comm::{mpi::MpiComm, Communicator, Group, ReduceOp, Topology};
-            let n = self.universe.size();
-            let failed = |e: fsdp_comm::CommError| {
-                CliError::Failed(format!(
-                    "--backend mpi: rank {}: gathering the ranks' node memory for the pre-flight check: {e}",
-                    self.rank
-                ))
-            };
-            let topo = Topology::new(n, 1).map_err(failed)?;
-            let comm = MpiComm::world(&self.universe, topo, self.timeout).map_err(failed)?;
-            let mut table = vec![0f64; 3 * n];
-            table[3 * self.rank..3 * self.rank + 3].copy_from_slice(&mine.encode());
-            comm.all_reduce(Group::World, ReduceOp::Sum, (&mut table[..]).into())
-                .map_err(failed)?;
-            drop(comm);
-            Ok(table
-                .chunks_exact(3)
-                .map(|c| RankHost::decode([c[0], c[1], c[2]]))
-                .collect())
-        }
-
-        /// Without the `mpi` feature no MPI process exists ([`MpiProcess::init`] fails).
-        #[cfg(not(feature = "mpi"))]
-        pub(super) fn gather_hosts(&self, mine: RankHost) -> Result<Vec<RankHost>, CliError> {
-            Ok(vec![mine])
-        }
-
-        /// Trains as this rank. A failed rank aborts the whole MPI job (`MPI_Abort`, exit
-        /// status 1 on every process) after printing its error, so no peer waits for it.
-        pub(super) fn train(
-            &self,
-            run: &PreparedRun,
-            alloc: Option<&'static CountingAllocator>,
-            hooks: &dyn TrainHooks,
-            progress: &(dyn Fn(&StepReport) + Sync),
-        ) -> crate::error::Result<TrainReport> {
-            #[cfg(feature = "mpi")]
-            {
-                use fsdp_comm::{mpi::MpiComm, CommError, Communicator, Topology};
-                let factory = |t: Topology| -> Result<Box<dyn Communicator>, CommError> {
-                    let c = MpiComm::world(&self.universe, t, self.timeout)?;
-                    Ok(Box::new(c))
-                };
-                let r = crate::train::train_prepared(run, alloc, hooks, progress, Some(&factory));
-                if let Err(e) = &r {
-                    eprintln!("fsdp train: rank {}: {e}; aborting the MPI job", self.rank);
-                    self.universe.abort(1);
-                }
-                r
-            }
-            #[cfg(not(feature = "mpi"))]
-            {
-                let _ = (run, alloc, hooks, progress);
-                Err(crate::error::EngineError::Config(
-                    "--backend mpi needs a binary built with --features mpi".into(),
-                ))
-            }
-        }
     }
 }
