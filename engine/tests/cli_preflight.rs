@@ -88,3 +88,32 @@ fn preflight_numbers_against_a_given_budget() {
     assert!(fsdp::preflight::preflight_threads(&opts, peak, None).is_ok());
     assert!(fsdp::preflight::preflight_threads(&opts, peak, Some(64 << 30)).is_ok());
 }
+
+#[test]
+fn prepare_executes_the_plan_auto_chose() {
+    use fsdp::preflight::{Budget, RankMemory};
+    use fsdp::runtime::StagedModel;
+    let opts = fsdp::train::TrainOptions {
+        model: "tiny".into(),
+        world_size: 2,
+        micro_batch: 1,
+        seq_len: 16,
+        strategy: fsdp_planner::Strategy::Auto,
+        ..Default::default()
+    };
+    let run = fsdp::run::prepare(fsdp::run::RunRequest {
+        options: opts,
+        budget: Some(Budget {
+            bytes: 64 << 30,
+            given: "64GiB".into(),
+        }),
+        ranks: RankMemory::Device,
+    })
+    .unwrap();
+    assert_eq!(run.options.strategy, fsdp_planner::Strategy::NoShard);
+    assert!(run.auto.as_ref().is_some_and(|a| a.choice.fits));
+    // The chosen candidate's plan is the plan of the resolved options: nothing is re-planned.
+    let again =
+        fsdp_planner::plan(run.model.spec(), &fsdp::train::plan_config(&run.options)).unwrap();
+    assert_eq!(again.fingerprint(), run.plan.fingerprint());
+}
