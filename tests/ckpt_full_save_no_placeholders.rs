@@ -3,7 +3,7 @@
 //! must never be taken for a full checkpoint.
 //! Model: 2x Linear(8,8) with bias (one unit each), W=4 fully sharded, 1 training step.
 
-use fsdp::cli::ckpt::engine_to_ckpt;
+use fsdp::checkpoint::engine_to_ckpt;
 use fsdp::optim::{AdamWConfig, Optimizer};
 use fsdp::runtime::{EngineConfig, InitSync, RankEngine, StagedModel};
 use fsdp_checkpoints::{

@@ -7,7 +7,7 @@
 //! save a sharded checkpoint, consolidate; one AdamW step (lr 0.1, weight decay 0.1, gradient
 //! 1.0); consolidate again. Padding is never written into any file.
 
-use fsdp::cli::ckpt::{ckpt_to_engine, engine_to_ckpt};
+use fsdp::checkpoint::{ckpt_to_engine, engine_to_ckpt};
 use fsdp::optim::{AdamWConfig, Optimizer};
 use fsdp::runtime::{EngineConfig, InitSync, RankEngine, StagedModel};
 use fsdp_checkpoints::{

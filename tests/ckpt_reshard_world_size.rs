@@ -9,7 +9,7 @@
 //! W' in {1, 3, 4, 5, 8} (and DDP / hybrid layouts), and continues 2 steps; the W=2
 //! continuation is the reference.
 
-use fsdp::cli::ckpt::{ckpt_to_engine, engine_to_ckpt};
+use fsdp::checkpoint::{ckpt_to_engine, engine_to_ckpt};
 use fsdp::optim::{AdamWConfig, Optimizer};
 use fsdp::runtime::{EngineConfig, InitSync, RankEngine, StagedModel};
 use fsdp_checkpoints::{

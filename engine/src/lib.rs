@@ -4,6 +4,7 @@
 
 #![warn(missing_docs)]
 
+pub mod checkpoint;
 pub mod cli;
 pub mod data;
 pub mod error;
@@ -11,6 +12,9 @@ pub mod init;
 pub mod memory;
 pub mod model;
 pub mod optim;
+pub mod preflight;
+pub mod process;
+pub mod run;
 pub mod runtime;
 pub mod train;
 

@@ -13,6 +13,7 @@ use crate::init::{FileWeights, ParamSource};
 use crate::memory::{CountingAllocator, PhasePeak, PHASES};
 use crate::model::decoder::Decoder;
 use crate::optim::{AdamWConfig, LrSchedule, Optimizer};
+use crate::run::PreparedRun;
 use crate::runtime::{
     Clip, EngineConfig, InitSync, MicroBatch, NonFinitePolicy, NormType, Placement, RankEngine,
     RankState, StagedModel,
@@ -251,6 +252,12 @@ pub struct TrainReport {
     pub memory: Vec<Vec<CategoryReport>>,
     /// The plan's peak bytes per rank (all categories, activations estimated).
     pub plan_peak_per_rank: u64,
+    /// Per rank (this process's ranks, in rank order): the most engine-owned bytes the ledger
+    /// measured live at once during training (its categories, any phase; no activations).
+    pub measured_peak_per_rank: Vec<u64>,
+    /// The plan's most engine-owned bytes at one schedule position (the ledger's categories,
+    /// activations excluded): what `measured_peak_per_rank` is held against.
+    pub plan_engine_peak_per_rank: u64,
     /// Process heap peak during training minus the heap before the engines were built.
     pub process_peak: Option<u64>,
     /// On a CUDA device: the plan's peak bytes per rank against the largest measured device
@@ -391,6 +398,19 @@ pub struct AutoChoice {
 /// the planner refuses (sequence longer than the model's positions, zero sizes).
 pub fn resolve_auto(o: &TrainOptions, budget: Bytes) -> Result<AutoChoice> {
     let model = model_of(o)?;
+    search_auto(&model, o, budget).map(|(choice, _)| choice)
+}
+
+/// [`resolve_auto`] for a model already built, also returning the chosen candidate's plan
+/// (the plan of `o` with the choice's strategy and activation checkpointing), so a run plans
+/// its model once.
+///
+/// Errors: as [`resolve_auto`].
+pub fn search_auto(
+    model: &Decoder,
+    o: &TrainOptions,
+    budget: Bytes,
+) -> Result<(AutoChoice, ShardPlan)> {
     let strategies = fsdp_planner::auto_candidates(o.world_size as u64);
     let settings: Vec<Option<bool>> = match o.activation_checkpointing {
         Some(x) => vec![Some(x)],
@@ -412,7 +432,8 @@ pub fn resolve_auto(o: &TrainOptions, budget: Bytes) -> Result<AutoChoice> {
             c.strategy = s;
             c.activation_checkpointing = ckpt;
             c.device_memory = None;
-            let peak = plan(model.spec(), &c)?.memory.peak;
+            let candidate = plan(model.spec(), &c)?;
+            let peak = candidate.memory.peak;
             let name = label(s, ckpt);
             if s == Strategy::ShardOptimizer {
                 // Listed like any candidate when it does not fit (the planner's reason reads
@@ -437,7 +458,7 @@ pub fn resolve_auto(o: &TrainOptions, budget: Bytes) -> Result<AutoChoice> {
                 } else {
                     format!("; faster ones do not fit: {}", rejected.join(", "))
                 };
-                return Ok(AutoChoice {
+                let choice = AutoChoice {
                     strategy: s,
                     activation_checkpointing: ckpt,
                     peak,
@@ -448,14 +469,15 @@ pub fn resolve_auto(o: &TrainOptions, budget: Bytes) -> Result<AutoChoice> {
                         budget - peak,
                         skipped.unwrap_or_default()
                     ),
-                });
+                };
+                return Ok((choice, candidate));
             }
             rejected.push(format!("{name} needs {peak}"));
-            last = Some((s, ckpt, peak, name));
+            last = Some((s, ckpt, peak, name, candidate));
         }
     }
-    let (strategy, ckpt, peak, name) = last.expect("full shard is always a candidate");
-    Ok(AutoChoice {
+    let (strategy, ckpt, peak, name, candidate) = last.expect("full shard is always a candidate");
+    let choice = AutoChoice {
         strategy,
         activation_checkpointing: ckpt,
         peak,
@@ -467,7 +489,8 @@ pub fn resolve_auto(o: &TrainOptions, budget: Bytes) -> Result<AutoChoice> {
             peak - budget,
             skipped.unwrap_or_default()
         ),
-    })
+    };
+    Ok((choice, candidate))
 }
 
 fn to_micro_batch(b: &Batch) -> Result<MicroBatch> {
@@ -562,14 +585,40 @@ pub fn train_with(
     process_rank: Option<CommFactory<'_>>,
 ) -> Result<TrainReport> {
     validate(o)?;
+    let model = model_of(o)?;
+    let plan: ShardPlan = plan(model.spec(), &plan_config(o))?;
+    let run = PreparedRun {
+        options: o.clone(),
+        model,
+        plan,
+        auto: None,
+    };
+    train_prepared(&run, alloc, hooks, progress, process_rank)
+}
+
+/// Executes a prepared run ([`crate::run::prepare`]): its model and its plan, computed once
+/// before, under its options; otherwise as [`train_with`].
+///
+/// Errors: as [`train_with`].
+pub fn train_prepared(
+    run: &PreparedRun,
+    alloc: Option<&'static CountingAllocator>,
+    hooks: &dyn TrainHooks,
+    progress: &(dyn Fn(&StepReport) + Sync),
+    process_rank: Option<CommFactory<'_>>,
+) -> Result<TrainReport> {
+    let PreparedRun {
+        options: o,
+        model,
+        plan,
+        ..
+    } = run;
     if process_rank.is_none() && o.world_size > 1 && o.placement.device().is_cuda() {
         return Err(EngineError::Config(format!(
             "--device cuda with {} rank threads: the thread backend cannot reach GPU memory; start one process per GPU with `fsdp launch --nproc {} -- train --device cuda --backend nccl ...`",
             o.world_size, o.world_size
         )));
     }
-    let model = model_of(o)?;
-    let plan: ShardPlan = plan(model.spec(), &plan_config(o))?;
     let text = match &o.data {
         Some(p) => TokenSource::open(p).map_err(|e| EngineError::Data(e.to_string()))?,
         None => TextData::embedded().into(),
@@ -627,8 +676,19 @@ pub fn train_with(
         a.current()
     });
     let t_start = Instant::now();
-    let (model_ref, plan_ref, init_ref, sampler_ref, sched_ref) =
-        (&model, &plan, &*init, &sampler, &sched);
+    let ctx = RankContext {
+        model,
+        plan,
+        ecfg,
+        init: &*init,
+        sampler: &sampler,
+        o,
+        sched: &sched,
+        alloc,
+        hooks,
+        progress,
+    };
+    let ctx = &ctx;
     let body = |comm: Box<dyn Communicator>| -> Result<RankOutcome> {
         let rank = comm.rank();
         let pool = rayon::ThreadPoolBuilder::new()
@@ -636,21 +696,7 @@ pub fn train_with(
             .thread_name(move |i| format!("rank{rank}-compute{i}"))
             .build()
             .map_err(|e| EngineError::Config(format!("thread pool: {e}")))?;
-        pool.install(move || {
-            run_rank(
-                model_ref,
-                plan_ref,
-                &*comm,
-                ecfg,
-                init_ref,
-                sampler_ref,
-                o,
-                sched_ref,
-                alloc,
-                hooks,
-                progress,
-            )
-        })
+        pool.install(move || run_rank(ctx, &*comm))
     };
     let results: Vec<std::result::Result<Result<RankOutcome>, CommError>> = match process_rank {
         None => run_threads(topo, DEFAULT_TIMEOUT, |comm| body(Box::new(comm))),
@@ -733,6 +779,10 @@ pub fn train_with(
             v
         })
         .collect();
+    let measured_peak_per_rank = outcomes
+        .iter()
+        .map(|x| x.peaks.iter().map(|p| p.peak_total.0).max().unwrap_or(0))
+        .collect();
     Ok(TrainReport {
         model: model.name().to_string(),
         params: model.spec().numel().0,
@@ -764,6 +814,14 @@ pub fn train_with(
         steps: outcomes.swap_remove(0).steps,
         memory,
         plan_peak_per_rank: plan.memory.peak.0,
+        measured_peak_per_rank,
+        plan_engine_peak_per_rank: plan
+            .memory
+            .timeline
+            .iter()
+            .map(|t| (t.bytes.total() - t.bytes.activations).0)
+            .max()
+            .unwrap_or(0),
         process_peak: alloc
             .zip(heap_before)
             .map(|(a, b)| a.peak().saturating_sub(b)),
@@ -780,20 +838,35 @@ struct RankOutcome {
     device_peak: Option<u64>,
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run_rank(
-    model: &Decoder,
-    plan: &ShardPlan,
-    comm: &dyn Communicator,
+/// What every rank of a run shares: the model, the plan, the engine configuration, the
+/// initial values, the sampler, the options and schedule, and the run's callbacks.
+struct RankContext<'a> {
+    model: &'a Decoder,
+    plan: &'a ShardPlan,
     ecfg: EngineConfig,
-    init: &dyn ParamSource,
-    sampler: &Sampler,
-    o: &TrainOptions,
-    sched: &LrSchedule,
+    init: &'a dyn ParamSource,
+    sampler: &'a Sampler,
+    o: &'a TrainOptions,
+    sched: &'a LrSchedule,
     alloc: Option<&'static CountingAllocator>,
-    hooks: &dyn TrainHooks,
-    progress: &(dyn Fn(&StepReport) + Sync),
-) -> Result<RankOutcome> {
+    hooks: &'a dyn TrainHooks,
+    progress: &'a (dyn Fn(&StepReport) + Sync),
+}
+
+/// Trains one rank over `comm` from `ctx`'s start (or its hooks' resume) to the last step.
+fn run_rank(ctx: &RankContext<'_>, comm: &dyn Communicator) -> Result<RankOutcome> {
+    let RankContext {
+        model,
+        plan,
+        ecfg,
+        init,
+        sampler,
+        o,
+        sched,
+        alloc,
+        hooks,
+        progress,
+    } = *ctx;
     let mut e = RankEngine::new_from(model, plan, comm, ecfg, init, o.placement.clone())?;
     let rank = e.rank();
     let mut start = 0u64;

@@ -43,7 +43,7 @@ fn huge_micro_batch_is_refused_by_the_memory_check() {
         "--micro-batch",
         "1000000",
     ]);
-    if fsdp::cli::train::available_memory().is_none() {
+    if fsdp::preflight::available_memory().is_none() {
         return; // no /proc/meminfo: the check is skipped by design
     }
     assert_eq!(code, 2, "{err}");
@@ -65,7 +65,7 @@ fn absurd_batch_values_do_not_overflow() {
         let (code, err) = fsdp(&["train", "--model", "tiny", "--steps", "1", flag, &max]);
         assert_eq!(code, 2, "{flag}: {err}");
         assert!(!err.contains("panicked"), "{flag}: {err}");
-        if flag == "--grad-accum" && fsdp::cli::train::available_memory().is_some() {
+        if flag == "--grad-accum" && fsdp::preflight::available_memory().is_some() {
             assert!(err.contains("not enough memory"), "{err}");
         }
     }
@@ -79,11 +79,41 @@ fn preflight_numbers_against_a_given_budget() {
         ..Default::default()
     };
     // 1 MiB cannot hold 4 tiny ranks; unknown memory skips the check; 64 GiB holds them.
-    let e = fsdp::cli::train::preflight_threads(&opts, Some(1 << 20)).unwrap_err();
+    let peak = fsdp::preflight::plan_peak(&opts).unwrap();
+    let e = fsdp::preflight::preflight_threads(&opts, peak, Some(1 << 20)).unwrap_err();
     assert_eq!(e.exit_code(), 2);
     let m = e.to_string();
     assert!(m.contains("4 rank thread(s) x peak"), "{m}");
     assert!(m.contains("> 1.0 MiB available"), "{m}");
-    assert!(fsdp::cli::train::preflight_threads(&opts, None).is_ok());
-    assert!(fsdp::cli::train::preflight_threads(&opts, Some(64 << 30)).is_ok());
+    assert!(fsdp::preflight::preflight_threads(&opts, peak, None).is_ok());
+    assert!(fsdp::preflight::preflight_threads(&opts, peak, Some(64 << 30)).is_ok());
+}
+
+#[test]
+fn prepare_executes_the_plan_auto_chose() {
+    use fsdp::preflight::{Budget, RankMemory};
+    use fsdp::runtime::StagedModel;
+    let opts = fsdp::train::TrainOptions {
+        model: "tiny".into(),
+        world_size: 2,
+        micro_batch: 1,
+        seq_len: 16,
+        strategy: fsdp_planner::Strategy::Auto,
+        ..Default::default()
+    };
+    let run = fsdp::run::prepare(fsdp::run::RunRequest {
+        options: opts,
+        budget: Some(Budget {
+            bytes: 64 << 30,
+            given: "64GiB".into(),
+        }),
+        ranks: RankMemory::Device,
+    })
+    .unwrap();
+    assert_eq!(run.options.strategy, fsdp_planner::Strategy::NoShard);
+    assert!(run.auto.as_ref().is_some_and(|a| a.choice.fits));
+    // The chosen candidate's plan is the plan of the resolved options: nothing is re-planned.
+    let again =
+        fsdp_planner::plan(run.model.spec(), &fsdp::train::plan_config(&run.options)).unwrap();
+    assert_eq!(again.fingerprint(), run.plan.fingerprint());
 }

@@ -146,7 +146,7 @@ pub fn run(args: LaunchArgs) -> Result<u8, CliError> {
     if args.nproc == 0 {
         return Err(CliError::Usage("--nproc must be at least 1".into()));
     }
-    let max = super::train::MAX_WAIT_SECONDS;
+    let max = crate::process::MAX_WAIT_SECONDS;
     if !(args.grace.is_finite() && args.grace >= 0.0 && args.grace <= max) {
         return Err(CliError::Usage(format!(
             "--grace must be a non-negative number of seconds up to {max:e}, got {}",

@@ -22,6 +22,16 @@ pub enum CliError {
     Failed(String),
 }
 
+impl From<crate::run::RunError> for CliError {
+    /// Bad input stays bad input (exit code 2); a failure stays a failure (exit code 1).
+    fn from(e: crate::run::RunError) -> Self {
+        match e {
+            crate::run::RunError::Refused(m) => CliError::Usage(m),
+            crate::run::RunError::Failed(m) => CliError::Failed(m),
+        }
+    }
+}
+
 impl CliError {
     /// 2 for bad input, 1 for a failed run.
     pub fn exit_code(&self) -> u8 {

@@ -355,7 +355,7 @@ pub fn model_from_args(a: &PlanArgs) -> Result<ModelSpec, CliError> {
 /// Runs `fsdp plan`.
 pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
     if let Some(o) = &args.output {
-        super::ckpt::check_output_file("-o", o)?;
+        crate::checkpoint::offline::check_output_file("-o", o)?;
     }
     // The model `fsdp train` would run (one read of a --hf-config): a Llama-family model with
     // a sliding window (Mistral) trains only within it, so the default sequence stays inside
@@ -370,9 +370,10 @@ pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
             .as_deref()
             .and_then(|m| crate::model::decoder::Decoder::from_preset(m).ok()),
     };
-    let spec = match (&args.hf_config, &decoder) {
-        (Some(_), Some(d)) => crate::runtime::StagedModel::spec(d).clone(),
-        _ => model_from_args(&args)?,
+    // The model is read once: the decoder's spec when it was built (one source is given).
+    let spec = match &decoder {
+        Some(d) => crate::runtime::StagedModel::spec(d).clone(),
+        None => model_from_args(&args)?,
     };
     let window = decoder
         .as_ref()

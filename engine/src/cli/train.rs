@@ -19,10 +19,16 @@ macro_rules! out {
 }
 
 use super::CliError;
+use crate::checkpoint::{CheckpointHooks, SaveReport};
 use crate::error::EngineError;
 use crate::memory::CountingAllocator;
+use crate::preflight::{
+    available_memory, cap_threads, cores, launcher_local_ranks, AutoResolution, Budget, RankHost,
+    RankMemory,
+};
+use crate::run::{prepare, RunError, RunRequest};
 use crate::runtime::Placement;
-use crate::train::{train, StepReport, TrainOptions, TrainReport};
+use crate::train::{train_prepared, StepReport, TrainOptions, TrainReport};
 use fsdp_planner::{GradSync, Strategy};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
@@ -253,6 +259,11 @@ pub struct TrainArgs {
     /// One JSON line per step on stdout (and a JSON summary) instead of the progress bar.
     #[arg(long)]
     pub json: bool,
+    /// After the summary, print the memory report: per rank, phase and category the
+    /// engine-owned bytes measured (ledger peak) against the plan, the precision and the
+    /// process heap peak against the plan.
+    #[arg(long)]
+    pub memory_report: bool,
     /// Checkpoints: --ckpt-dir, --ckpt-every, --keep-last, --resume, --init-from.
     #[command(flatten)]
     pub ckpt: super::ckpt::TrainCkptArgs,
@@ -368,410 +379,10 @@ pub const SHARD_OPTIMIZER_PLAN_ONLY: &str = "--strategy shard-optimizer (zero1) 
     `fsdp plan` plans ZeRO-1, the engine does not run it yet; use shard-grad-op (zero2), which \
     also shards gradients, or full-shard (zero3)";
 
-/// Maps an engine error to the CLI's exit codes: bad input 2, failed run 1.
+/// Maps an engine error to the CLI's exit codes: bad input 2, failed run 1 (as
+/// [`RunError`] sorts them).
 pub fn cli_error(e: EngineError) -> CliError {
-    match e {
-        EngineError::Config(_)
-        | EngineError::Plan(_)
-        | EngineError::Data(_)
-        | EngineError::Init(_) => CliError::Usage(e.to_string()),
-        EngineError::NonFinite(_) => CliError::Failed(format!(
-            "{e}. Every rank stopped before updating anything: the newest checkpoint (if \
-             --ckpt-dir was given) is intact and `--resume` restarts from it; lower --lr or \
-             --clip, or pass --nonfinite skip to skip such steps"
-        )),
-        EngineError::TooManySkipped { .. } => CliError::Failed(format!(
-            "{e}. The run has diverged: the newest checkpoint (if --ckpt-dir was given) holds \
-             the last applied update; lower --lr, or raise --max-skipped"
-        )),
-        other => CliError::Failed(other.to_string()),
-    }
-}
-
-/// Most rank threads the in-process (`--backend threads`) backend starts: each rank is an OS
-/// thread with its own compute pool and stack, so tens of thousands of them exhaust the
-/// process's address space or thread limit long before the memory check below can help.
-/// Larger worlds need `--backend mpi`.
-pub const MAX_THREAD_WORLD_SIZE: usize = 1024;
-
-/// Safety margin of the pre-flight memory check, in percent of the plan: the plan counts
-/// engine-owned bytes and activations exactly (the measured process peak is 0.92-0.97 of it),
-/// the margin covers allocator slack, the data set and candle's short-lived temporaries.
-pub const MEMORY_MARGIN_PERCENT: u64 = 25;
-
-/// Bytes the kernel says a new allocation can still get (`MemAvailable` in `/proc/meminfo`),
-/// or `None` where that file is missing or unreadable (non-Linux): the pre-flight memory check
-/// is then skipped.
-pub fn available_memory() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    text.lines().find_map(|l| {
-        let kib = l.strip_prefix("MemAvailable:")?.trim().strip_suffix("kB")?;
-        kib.trim().parse::<u64>().ok()?.checked_mul(1024)
-    })
-}
-
-/// The thread backend's pre-flight check, before any rank starts: all `W` rank threads share
-/// this process, so `W x` the plan's per-rank peak (engine-owned bytes plus activations of one
-/// micro-batch) plus the step's token ids (`grad_accum x B x T x 8` bytes), plus
-/// [`MEMORY_MARGIN_PERCENT`], must fit in `available` bytes (skipped when
-/// `None`). Also caps `W` at [`MAX_THREAD_WORLD_SIZE`]. All arithmetic saturates, so huge
-/// `--micro-batch` / `--seq-len` values give a message, never an overflow.
-///
-/// Errors: [`CliError::Usage`] (exit 2) giving the numbers and the flags to lower; planning
-/// errors (unknown model, sequence too long) as [`cli_error`] maps them.
-pub fn preflight_threads(opts: &TrainOptions, available: Option<u64>) -> Result<(), CliError> {
-    let w = opts.world_size;
-    if w > MAX_THREAD_WORLD_SIZE {
-        return Err(CliError::Usage(format!(
-            "--world-size {w} exceeds the thread backend's limit of {MAX_THREAD_WORLD_SIZE} rank \
-             threads in one process; use a smaller --world-size or --backend mpi"
-        )));
-    }
-    let Some(available) = available else {
-        return Ok(());
-    };
-    let per_rank = plan_peak(opts)?.saturating_add(token_id_bytes(opts));
-    let total = per_rank.saturating_mul(w as u64);
-    let needed = with_margin(total);
-    if needed > available {
-        return Err(CliError::Usage(format!(
-            "not enough memory: {w} rank thread(s) x peak {} per rank (plan + token ids; --micro-batch {}, \
-             --seq-len {}, --grad-accum {}) = {} + {MEMORY_MARGIN_PERCENT}% margin = {} > {} \
-             available (MemAvailable); use a smaller --world-size, --micro-batch, --seq-len or \
-             --grad-accum",
-            mib(per_rank),
-            opts.micro_batch,
-            opts.seq_len,
-            opts.grad_accum,
-            mib(total),
-            mib(needed),
-            mib(available)
-        )));
-    }
-    Ok(())
-}
-
-/// The plan's peak bytes per rank for `opts` (a resolved strategy, not `Auto`).
-///
-/// Errors: [`CliError::Usage`] for an unknown model or options the planner refuses.
-pub fn plan_peak(opts: &TrainOptions) -> Result<u64, CliError> {
-    let model = crate::train::model_of(opts).map_err(cli_error)?;
-    let plan = fsdp_planner::plan(
-        crate::runtime::StagedModel::spec(&model),
-        &crate::train::plan_config(opts),
-    )
-    .map_err(|e| cli_error(e.into()))?;
-    Ok(plan.memory.peak.0)
-}
-
-/// Bytes of token ids a rank holds during a step, which the plan does not count: all
-/// `--grad-accum` micro-batches at once, input and target, u32 (8 bytes per token). Saturates.
-pub fn token_id_bytes(opts: &TrainOptions) -> u64 {
-    (opts.grad_accum as u64)
-        .saturating_mul(opts.micro_batch as u64)
-        .saturating_mul(opts.seq_len as u64)
-        .saturating_mul(8)
-}
-
-/// `total` plus [`MEMORY_MARGIN_PERCENT`] of it (of `total / 100`, rounded down), saturating:
-/// what the pre-flight checks need available.
-pub fn with_margin(total: u64) -> u64 {
-    total.saturating_add(total / 100 * MEMORY_MARGIN_PERCENT)
-}
-
-/// The per-rank memory budget of a host share: `available` bytes shared by `ranks` ranks,
-/// less the pre-flight's [`MEMORY_MARGIN_PERCENT`] margin and the token ids
-/// (`ids_per_rank`, [`token_id_bytes`]) each rank holds besides its plan:
-/// `floor(floor(available / ranks) x 100 / (100 + margin)) - ids_per_rank` (0 when the ids
-/// alone do not fit). A plan whose peak is at most this budget passes the pre-flight check
-/// ([`preflight_threads`], [`preflight_mpi`]) for the same `available` and `ranks`:
-/// `ranks x (budget + ids) x (1 + margin) <= available`. `ranks` 0 counts as 1.
-pub fn host_budget_per_rank(available: u64, ranks: u64, ids_per_rank: u64) -> u64 {
-    let share = available / ranks.max(1);
-    let budget = (share as u128 * 100 / (100 + MEMORY_MARGIN_PERCENT) as u128) as u64;
-    budget.saturating_sub(ids_per_rank)
-}
-
-/// What one MPI process read about its node before training, gathered from every rank so
-/// that every rank takes the same pre-flight decision on the same numbers
-/// ([`preflight_mpi`], [`mpi_auto_budget`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RankHost {
-    /// Bytes the kernel says new allocations can get on the rank's node
-    /// ([`available_memory`]); `None` where unreadable.
-    pub available: Option<u64>,
-    /// The rank's node: a 53-bit FNV-1a hash of its host name (ranks with equal values share a
-    /// node); `None` where the host name is unreadable.
-    pub node: Option<u64>,
-    /// Ranks on the node as the launcher says (`OMPI_COMM_WORLD_LOCAL_SIZE` of Open MPI,
-    /// `MPI_LOCALNRANKS` of MPICH's Hydra); `None` when neither is set.
-    pub launcher_local_ranks: Option<u64>,
-}
-
-impl RankHost {
-    /// This process's view: [`available_memory`], the host name
-    /// (`/proc/sys/kernel/hostname`, else `$HOSTNAME`) and the launcher's local size.
-    pub fn this_process() -> RankHost {
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .ok()
-            .map(|h| h.trim().to_string())
-            .filter(|h| !h.is_empty())
-            .or_else(|| std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty()));
-        RankHost {
-            available: available_memory(),
-            node: host.map(|h| node_id(&h)),
-            launcher_local_ranks: launcher_local_ranks(|k| std::env::var(k).ok()),
-        }
-    }
-
-    /// The three values as f64 (exact: all below 2^53; `None` as -1), one row of the table
-    /// the ranks all-reduce (sum over rows that are zero except the rank's own).
-    pub fn encode(&self) -> [f64; 3] {
-        let f = |v: Option<u64>| v.map_or(-1.0, |x| x.min(MAX_EXACT) as f64);
-        [
-            f(self.available),
-            f(self.node),
-            f(self.launcher_local_ranks),
-        ]
-    }
-
-    /// The inverse of [`RankHost::encode`] (negative values and NaN are `None`).
-    pub fn decode(row: [f64; 3]) -> RankHost {
-        let f = |v: f64| (v >= 0.0).then_some(v as u64);
-        RankHost {
-            available: f(row[0]),
-            node: f(row[1]),
-            launcher_local_ranks: f(row[2]),
-        }
-    }
-}
-
-/// Largest integer every f64 holds exactly below it (2^53 - 1).
-const MAX_EXACT: u64 = (1 << 53) - 1;
-
-/// The 53-bit FNV-1a hash of a host name (Fowler, Noll, Vo; 64-bit offset basis and prime),
-/// equal in every process for the same name.
-pub fn node_id(host: &str) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in host.bytes() {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h & MAX_EXACT
-}
-
-/// Ranks on this node as the MPI launcher reports it through `env` (a variable lookup):
-/// `OMPI_COMM_WORLD_LOCAL_SIZE` (Open MPI), then `MPI_LOCALNRANKS` (MPICH / Intel MPI Hydra);
-/// `None` when neither holds a positive integer.
-pub fn launcher_local_ranks(env: impl Fn(&str) -> Option<String>) -> Option<u64> {
-    ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
-        .iter()
-        .find_map(|k| env(k)?.trim().parse::<u64>().ok().filter(|&n| n > 0))
-}
-
-/// Ranks sharing rank `r`'s node: the launcher's count when it gives one, else the ranks
-/// whose host-name hash equals `r`'s; `None` when neither is known.
-pub fn local_ranks(hosts: &[RankHost], r: usize) -> Option<u64> {
-    let me = hosts.get(r)?;
-    me.launcher_local_ranks.or_else(|| {
-        me.node
-            .map(|n| hosts.iter().filter(|h| h.node == Some(n)).count() as u64)
-    })
-}
-
-/// The MPI backend's pre-flight check, the counterpart of [`preflight_threads`]: for every
-/// rank `r` of `hosts` (one entry per rank, in rank order, the same table on every rank),
-/// the ranks on `r`'s node ([`local_ranks`]) x (`plan_peak` + [`token_id_bytes`]) plus
-/// [`MEMORY_MARGIN_PERCENT`] must fit in what `r` read as available. A rank whose numbers are
-/// unknown is not checked. Every rank evaluates the same table, so every rank takes the same
-/// decision and refuses with the same message (naming the first short rank) before training:
-/// no rank is left waiting for a peer that quit.
-///
-/// Errors: [`CliError::Usage`] (exit 2) with the node's numbers and the flags to lower.
-pub fn preflight_mpi(
-    opts: &TrainOptions,
-    plan_peak: u64,
-    hosts: &[RankHost],
-) -> Result<(), CliError> {
-    let per_rank = plan_peak.saturating_add(token_id_bytes(opts));
-    let short: Vec<(usize, u64, u64, u64, u64)> = (0..hosts.len())
-        .filter_map(|r| {
-            let available = hosts[r].available?;
-            let local = local_ranks(hosts, r)?;
-            let total = per_rank.saturating_mul(local);
-            let needed = with_margin(total);
-            (needed > available).then_some((r, local, total, needed, available))
-        })
-        .collect();
-    let Some(&(r, local, total, needed, available)) = short.first() else {
-        return Ok(());
-    };
-    Err(CliError::Usage(format!(
-        "not enough memory on the node of MPI rank {r} ({} of {} ranks are short): {local} \
-         rank(s) on the node x peak {} per rank (plan {} + token ids; --micro-batch {}, \
-         --seq-len {}, --grad-accum {}) = {} + {MEMORY_MARGIN_PERCENT}% margin = {} > {} \
-         available (MemAvailable); use a smaller --micro-batch, --seq-len or --grad-accum, \
-         fewer ranks per node, or --strategy auto",
-        short.len(),
-        hosts.len(),
-        mib(per_rank),
-        mib(plan_peak),
-        opts.micro_batch,
-        opts.seq_len,
-        opts.grad_accum,
-        mib(total),
-        mib(needed),
-        mib(available)
-    )))
-}
-
-/// `--strategy auto`'s default budget under `--backend mpi`: the smallest
-/// [`host_budget_per_rank`] over the ranks of `hosts` (each rank's available memory shared by
-/// the ranks on its node), with a description of where it comes from; `None` when any
-/// rank's available memory or node is unknown. The same on every rank (the same table).
-pub fn mpi_auto_budget(opts: &TrainOptions, hosts: &[RankHost]) -> Option<(u64, String)> {
-    let ids = token_id_bytes(opts);
-    let mut best: Option<(u64, String)> = None;
-    for (r, h) in hosts.iter().enumerate() {
-        let available = h.available?;
-        let local = local_ranks(hosts, r)?;
-        let b = host_budget_per_rank(available, local, ids);
-        if best.as_ref().is_none_or(|(x, _)| b < *x) {
-            best = Some((
-                b,
-                format!(
-                    "the smallest share of the MPI ranks' nodes: MemAvailable {} on rank {r}'s node \
-                     / {local} rank(s) there, less the {MEMORY_MARGIN_PERCENT}% margin and {} of \
-                     token ids",
-                    fsdp_types::Bytes(available),
-                    fsdp_types::Bytes(ids)
-                ),
-            ));
-        }
-    }
-    best
-}
-
-/// `--strategy auto`'s default budget on the thread backend: [`host_budget_per_rank`] of
-/// `available` bytes over the `--world-size` rank threads of this process, with its
-/// description; `None` without `available`.
-pub fn threads_auto_budget(opts: &TrainOptions, available: Option<u64>) -> Option<(u64, String)> {
-    let available = available?;
-    let ids = token_id_bytes(opts);
-    let w = opts.world_size as u64;
-    Some((
-        host_budget_per_rank(available, w, ids),
-        format!(
-            "MemAvailable {} / {w} rank thread(s), less the {MEMORY_MARGIN_PERCENT}% margin and \
-             {} of token ids",
-            fsdp_types::Bytes(available),
-            fsdp_types::Bytes(ids)
-        ),
-    ))
-}
-
-/// `--strategy auto` resolved for a run: the choice and where its budget came from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AutoResolution {
-    /// The strategy, activation checkpointing, peak, budget and reason.
-    pub choice: crate::train::AutoChoice,
-    /// Where the budget came from (`--device-memory 512MiB`, or the host share it was
-    /// computed from).
-    pub source: String,
-}
-
-/// Resolves `--strategy auto` in `opts` (sets `strategy` and `activation_checkpointing` to the
-/// choice of [`crate::train::resolve_auto`]) for a budget per rank: `device_memory` (the raw
-/// `--device-memory` value) when given; else on the CPU the host share of `backend`
-/// ([`threads_auto_budget`] of `available` for the thread backend, [`mpi_auto_budget`] of
-/// `hosts` for MPI). With an explicit strategy and `device_memory`, checks the plan's peak
-/// per rank against it instead. `opts.world_size` must be the run's (after MPI init).
-///
-/// Returns `Some` for auto, `None` for an explicit strategy.
-///
-/// Errors: [`CliError::Usage`] (exit 2) for a bad `--device-memory`; auto on `--device cuda`
-/// or `--backend nccl` without `--device-memory` (no GPU query here); auto without a known
-/// host share; a budget nothing fits (naming the least-memory candidate's peak and the
-/// budget); an explicit strategy whose peak exceeds `--device-memory`; planning errors.
-pub fn resolve_strategy(
-    opts: &mut TrainOptions,
-    device_memory: Option<&str>,
-    backend: BackendArg,
-    hosts: Option<&[RankHost]>,
-    available: Option<u64>,
-) -> Result<Option<AutoResolution>, CliError> {
-    let flag = device_memory
-        .map(|raw| super::plan::parse_device_memory(raw).map(|b| (b.0, raw)))
-        .transpose()?;
-    if opts.strategy != Strategy::Auto {
-        if let Some((budget, raw)) = flag {
-            let peak = plan_peak(opts)?;
-            if peak > budget {
-                return Err(CliError::Usage(format!(
-                    "--strategy {}: the plan's peak {} per rank exceeds --device-memory {raw} = {}; \
-                     use --strategy auto, a sharded strategy, --activation-checkpointing on, or a \
-                     smaller --micro-batch or --seq-len",
-                    opts.strategy.cli_name(),
-                    bytes_exact(peak),
-                    bytes_exact(budget)
-                )));
-            }
-        }
-        return Ok(None);
-    }
-    let (budget, source) = match flag {
-        Some((b, raw)) => (b, format!("--device-memory {raw}")),
-        None if opts.placement.device().is_cuda() || backend == BackendArg::Nccl => {
-            return Err(CliError::Usage(
-                "--strategy auto on a GPU needs --device-memory BYTES (the memory of one GPU, \
-                 e.g. 80GiB): fsdp train does not query the device"
-                    .into(),
-            ))
-        }
-        None => {
-            let found = match backend {
-                BackendArg::Mpi => hosts.and_then(|h| mpi_auto_budget(opts, h)),
-                _ => threads_auto_budget(opts, available),
-            };
-            found.ok_or_else(|| {
-                CliError::Usage(
-                    "--strategy auto: this host's available memory per rank is unknown (no \
-                     /proc/meminfo, or the ranks' nodes cannot be told apart); give the budget \
-                     with --device-memory BYTES"
-                        .into(),
-                )
-            })?
-        }
-    };
-    let choice = crate::train::resolve_auto(opts, fsdp_types::Bytes(budget)).map_err(cli_error)?;
-    if !choice.fits {
-        return Err(CliError::Usage(format!(
-            "--strategy auto: nothing fits the memory budget of {} per rank ({source}): the \
-             least memory is {}{}, peak {} per rank; {}; use a smaller --micro-batch, --seq-len \
-             or --grad-accum, more ranks, or a larger --device-memory",
-            bytes_exact(budget),
-            choice.strategy,
-            if choice.activation_checkpointing == Some(true) {
-                " with activation checkpointing"
-            } else {
-                ""
-            },
-            bytes_exact(choice.peak.0),
-            choice.reason
-        )));
-    }
-    opts.strategy = choice.strategy;
-    opts.activation_checkpointing = choice.activation_checkpointing;
-    Ok(Some(AutoResolution { choice, source }))
-}
-
-/// A byte count as `1,234,567 B (1.18 MiB)`.
-fn bytes_exact(b: u64) -> String {
-    format!(
-        "{} B ({})",
-        fsdp_types::group_thousands(b),
-        fsdp_types::Bytes(b)
-    )
+    RunError::from(e).into()
 }
 
 fn mib(b: u64) -> String {
@@ -795,16 +406,26 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
             )));
         }
     }
+    let budget = args
+        .device_memory
+        .as_deref()
+        .map(|raw| {
+            super::plan::parse_device_memory(raw).map(|b| Budget {
+                bytes: b.0,
+                given: raw.to_string(),
+            })
+        })
+        .transpose()?;
     let mpi = match args.backend {
         BackendArg::Threads | BackendArg::Nccl => None,
-        BackendArg::Mpi => Some(mpi_backend::MpiProcess::init(
+        BackendArg::Mpi => Some(crate::process::mpi::MpiProcess::init(
             args.world_size,
             args.comm_timeout,
             &mut opts,
         )?),
     };
     let nccl = match args.backend {
-        BackendArg::Nccl => Some(NcclProcess::init(
+        BackendArg::Nccl => Some(crate::process::NcclProcess::init(
             args.world_size,
             args.comm_timeout,
             &mut opts,
@@ -812,57 +433,46 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         _ => None,
     };
     let root =
-        mpi.as_ref().is_none_or(|m| m.rank() == 0) && nccl.as_ref().is_none_or(|n| n.rank == 0);
-    // Flags first (any strategy stands in for auto, which `validate` leaves to this function).
-    let mut probe = opts.clone();
-    if probe.strategy == Strategy::Auto {
-        probe.strategy = Strategy::FullShard;
-    }
-    crate::train::validate(&probe).map_err(cli_error)?;
-    let host = !opts.placement.device().is_cuda();
+        mpi.as_ref().is_none_or(|m| m.rank() == 0) && nccl.as_ref().is_none_or(|n| n.rank() == 0);
     // Every MPI rank's node memory, gathered once, so that every rank resolves auto and
     // decides the pre-flight on the same numbers.
-    let hosts = match &mpi {
-        Some(m) if host => Some(m.gather_hosts(RankHost::this_process())?),
-        _ => None,
-    };
-    let auto = resolve_strategy(
-        &mut opts,
-        args.device_memory.as_deref(),
-        args.backend,
-        hosts.as_deref(),
-        if mpi.is_none() && nccl.is_none() && host {
-            available_memory()
-        } else {
-            None
+    let host = !opts.placement.device().is_cuda();
+    let ranks = match (&mpi, &nccl) {
+        (Some(m), _) if host => RankMemory::Mpi {
+            hosts: Some(m.gather_hosts(RankHost::this_process())?),
         },
-    )?;
-    crate::train::validate(&opts).map_err(cli_error)?;
-    if mpi.is_none() && nccl.is_none() && host {
-        preflight_threads(&opts, available_memory())?;
-    }
-    let (threads, warning) = super::checks::cap_threads(
-        opts.threads_per_rank,
+        (None, None) if host => RankMemory::Threads {
+            available: available_memory(),
+        },
+        _ => RankMemory::Device,
+    };
+    // One pass: the model, the plan (auto resolved), the pre-flight on that plan.
+    let mut run = prepare(RunRequest {
+        options: opts,
+        budget,
+        ranks,
+    })?;
+    let (threads, warning) = cap_threads(
+        run.options.threads_per_rank,
         match (&mpi, &nccl) {
-            (None, None) => opts.world_size,
+            (None, None) => run.options.world_size,
             _ => launcher_local_ranks(|k| std::env::var(k).ok()).unwrap_or(1) as usize,
         },
-        super::checks::cores(),
+        cores(),
     );
-    opts.threads_per_rank = threads;
+    run.options.threads_per_rank = threads;
     if root {
-        for note in [warning, super::checks::warmup_note(&opts)]
+        for note in [warning, super::checks::warmup_note(&run.options)]
             .into_iter()
             .flatten()
         {
             eprintln!("{note}");
         }
     }
-    if let Some(h) = &hosts {
-        preflight_mpi(&opts, plan_peak(&opts)?, h)?;
-    }
-    super::ckpt::check_init_from(&opts)?;
-    let mut hooks = super::ckpt::CheckpointHooks::new(&args.ckpt, &opts)?;
+    let mut hooks =
+        CheckpointHooks::new(&args.ckpt.config()?, &run, &mut |line| eprintln!("{line}"))?;
+    let opts = &run.options;
+    let auto = run.auto.clone();
     // A checkpoint already at or past --steps leaves no step to run: say so and succeed
     // (exit 0) rather than print a summary of zero steps (no loss, no speed to report).
     if let Some((step, dir)) = hooks.resume_step().filter(|(s, _)| *s >= opts.steps) {
@@ -895,7 +505,7 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
     let json = args.json;
     {
         let bar = bar.clone();
-        hooks.on_save(Box::new(move |s: &super::ckpt::SaveReport| {
+        hooks.on_save(Box::new(move |s: &SaveReport| {
             if json {
                 let line = serde_json::json!({
                     "event": "checkpoint",
@@ -994,9 +604,9 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         }
     };
     let report = match (&mpi, &nccl) {
-        (Some(m), _) => m.train(&opts, alloc, &hooks, &progress),
-        (None, Some(n)) => n.train(&opts, alloc, &hooks, &progress),
-        (None, None) => train(&opts, alloc, &hooks, &progress),
+        (Some(m), _) => m.train(&run, alloc, &hooks, &progress),
+        (None, Some(n)) => n.train(&run, alloc, &hooks, &progress),
+        (None, None) => train_prepared(&run, alloc, &hooks, &progress, None),
     }
     .map_err(cli_error)?;
     if !root {
@@ -1010,7 +620,7 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
             .map_err(|e| CliError::Failed(e.to_string()))?;
         out!("{s}");
     } else {
-        print_summary(&report);
+        print_summary(&report, args.memory_report);
     }
     Ok(())
 }
@@ -1044,19 +654,10 @@ fn summary_json(r: &TrainReport, auto: Option<&AutoResolution>) -> serde_json::V
     })
 }
 
-fn print_summary(r: &TrainReport) {
-    print_summary_lines(r);
-    if let Some(d) = r.device_memory {
-        out!(
-            "device memory: plan {} B, measured peak {} B ({:.4})",
-            d.plan_bytes,
-            d.measured_peak_bytes,
-            d.measured_peak_bytes as f64 / d.plan_bytes.max(1) as f64
-        );
-    }
-}
-
-fn print_summary_lines(r: &TrainReport) {
+/// The end-of-run summary: what ran, the losses, the speed, and per rank the engine-owned
+/// memory peak against the plan; with `memory_report` also the precision, the per-phase and
+/// per-category table and the process heap against the plan.
+fn print_summary(r: &TrainReport, memory_report: bool) {
     out!(
         "trained {} ({} params) on {} | world {} ({}, shard group {}, activation checkpointing {})",
         r.model,
@@ -1072,26 +673,48 @@ fn print_summary_lines(r: &TrainReport) {
         }
     );
     out!(
-        "train loss {:.4} (mean of last steps) | val loss {:.4} | {} tokens/s | {:.1} s",
+        "train loss {:.4} (mean of last steps) | val loss {:.4}{}",
         r.final_train_loss,
         r.final_val_loss,
-        fsdp_types::group_thousands(r.tokens_per_s.round() as u64),
-        r.seconds
-    );
-    out!(
-        "precision: {}{} | communication exposed (rank 0): {:.2} s of {:.1} s",
-        r.precision,
         if r.skipped_steps > 0 {
             format!(
-                " ({} steps skipped: non-finite gradients or loss)",
+                " | {} steps skipped (non-finite gradients or loss)",
                 r.skipped_steps
             )
         } else {
             String::new()
-        },
-        r.comm_exposed_seconds,
-        r.seconds
+        }
     );
+    out!(
+        "{} tokens/s | {:.1} s | communication exposed (rank 0): {:.2} s",
+        fsdp_types::group_thousands(r.tokens_per_s.round() as u64),
+        r.seconds,
+        r.comm_exposed_seconds
+    );
+    for (rank, peak) in r.measured_peak_per_rank.iter().enumerate() {
+        out!(
+            "memory rank {rank}: engine-owned peak {} of plan {} ({:.1}%)",
+            mib(*peak),
+            mib(r.plan_engine_peak_per_rank),
+            100.0 * *peak as f64 / r.plan_engine_peak_per_rank.max(1) as f64
+        );
+    }
+    if let Some(d) = r.device_memory {
+        out!(
+            "device memory: plan {} B, measured peak {} B ({:.4})",
+            d.plan_bytes,
+            d.measured_peak_bytes,
+            d.measured_peak_bytes as f64 / d.plan_bytes.max(1) as f64
+        );
+    }
+    if memory_report {
+        print_memory_report(r);
+    }
+}
+
+/// The memory report of `--memory-report`.
+fn print_memory_report(r: &TrainReport) {
+    out!("precision: {}", r.precision);
     out!("memory per rank, engine-owned bytes: measured (ledger peak) / plan, per phase");
     out!(
         "{:<6} {:<15} {:<28} {:>14} {:>14}",
@@ -1124,209 +747,5 @@ fn print_summary_lines(r: &TrainReport) {
             mib(r.plan_peak_per_rank * r.world_size as u64)
         ),
         None => out!("process heap: not measured (no counting allocator installed)"),
-    }
-}
-
-/// `--backend nccl`: this process as one rank of an NCCL job started by `fsdp launch` (or
-/// torchrun), from its environment.
-struct NcclProcess {
-    rank: usize,
-    timeout: std::time::Duration,
-}
-
-impl NcclProcess {
-    /// Reads torchrun's environment and sets `opts.world_size` to `WORLD_SIZE`.
-    ///
-    /// Errors: [`CliError::Usage`] without a launcher's environment, when `--world-size`
-    /// (other than its default 1) disagrees with it, or for a bad `--comm-timeout`.
-    fn init(
-        world_size_flag: usize,
-        comm_timeout: f64,
-        opts: &mut TrainOptions,
-    ) -> Result<NcclProcess, CliError> {
-        let timeout = comm_timeout_arg(comm_timeout)?;
-        let env = fsdp_comm::rendezvous::LaunchEnv::from_env().map_err(|e| {
-            CliError::Usage(format!(
-                "--backend nccl runs one process per GPU under a launcher: `fsdp launch --nproc N -- train --device cuda --backend nccl ...` ({e})"
-            ))
-        })?;
-        if world_size_flag != 1 && world_size_flag != env.world_size {
-            return Err(CliError::Usage(format!(
-                "--world-size {world_size_flag} disagrees with WORLD_SIZE={} of the launcher; with --backend nccl the world size is the launcher's --nproc (omit --world-size)",
-                env.world_size
-            )));
-        }
-        opts.world_size = env.world_size;
-        if !fsdp_comm::NCCL_BUILT {
-            return Err(CliError::Usage(
-                "--backend nccl: this fsdp binary was built without CUDA support; rebuild with \
-                 `cargo build --release --features cuda` (see gpu/README.md)"
-                    .into(),
-            ));
-        }
-        Ok(NcclProcess {
-            rank: env.rank,
-            timeout,
-        })
-    }
-
-    /// Trains as this rank over an NCCL communicator (`fsdp_comm::nccl_from_env`).
-    fn train(
-        &self,
-        o: &TrainOptions,
-        alloc: Option<&'static CountingAllocator>,
-        hooks: &dyn crate::train::TrainHooks,
-        progress: &(dyn Fn(&StepReport) + Sync),
-    ) -> crate::error::Result<crate::train::TrainReport> {
-        let timeout = self.timeout;
-        let factory = move |t: fsdp_comm::Topology| fsdp_comm::nccl_from_env(t, timeout);
-        crate::train::train_with(o, alloc, hooks, progress, Some(&factory))
-    }
-}
-
-/// Longest `--comm-timeout` / `--grace` accepted, in seconds (about 11.6 days): longer waits
-/// are no timeout at all, and a deadline that far out would overflow the clock.
-pub const MAX_WAIT_SECONDS: f64 = 1e6;
-
-/// `--comm-timeout` as a duration.
-///
-/// Errors: [`CliError::Usage`] unless it is a number of seconds in `(0, MAX_WAIT_SECONDS]`.
-fn comm_timeout_arg(comm_timeout: f64) -> Result<std::time::Duration, CliError> {
-    if !(comm_timeout.is_finite() && comm_timeout > 0.0 && comm_timeout <= MAX_WAIT_SECONDS) {
-        return Err(CliError::Usage(format!(
-            "--comm-timeout must be a positive number of seconds up to {MAX_WAIT_SECONDS:e}, got {comm_timeout}"
-        )));
-    }
-    Ok(std::time::Duration::from_secs_f64(comm_timeout))
-}
-
-/// `--backend mpi`: this process as one rank of an MPI job.
-mod mpi_backend {
-    use super::{CliError, RankHost};
-    use crate::memory::CountingAllocator;
-    use crate::train::{StepReport, TrainHooks, TrainOptions, TrainReport};
-
-    /// This process's MPI state: the initialised library (finalised on drop) and its rank.
-    pub(super) struct MpiProcess {
-        #[cfg(feature = "mpi")]
-        universe: std::sync::Arc<fsdp_comm::mpi::MpiUniverse>,
-        #[cfg(feature = "mpi")]
-        timeout: std::time::Duration,
-        rank: usize,
-    }
-
-    impl MpiProcess {
-        /// Initialises MPI and sets `opts.world_size` to the number of processes;
-        /// `comm_timeout` (seconds) bounds every wait for peers.
-        ///
-        /// Errors: [`CliError::Usage`] when `--world-size` (other than its default 1) disagrees
-        /// with the MPI job, `--comm-timeout` is not a positive number, or the binary lacks the
-        /// `mpi` feature; [`CliError::Failed`] when MPI cannot be initialised.
-        #[cfg(feature = "mpi")]
-        pub(super) fn init(
-            world_size_flag: usize,
-            comm_timeout: f64,
-            opts: &mut TrainOptions,
-        ) -> Result<MpiProcess, CliError> {
-            let timeout = super::comm_timeout_arg(comm_timeout)?;
-            let universe = fsdp_comm::mpi::MpiUniverse::init()
-                .map_err(|e| CliError::Failed(format!("--backend mpi: {e}")))?;
-            let n = universe.size();
-            if world_size_flag != 1 && world_size_flag != n {
-                return Err(CliError::Usage(format!(
-                    "--world-size {world_size_flag} disagrees with the {n} MPI processes of this \
-                     job; with --backend mpi the world size is mpirun's -n (omit --world-size)"
-                )));
-            }
-            opts.world_size = n;
-            Ok(MpiProcess {
-                rank: universe.rank(),
-                universe,
-                timeout,
-            })
-        }
-
-        /// Without the `mpi` feature: an error saying how to build with it.
-        #[cfg(not(feature = "mpi"))]
-        pub(super) fn init(_: usize, _: f64, _: &mut TrainOptions) -> Result<MpiProcess, CliError> {
-            Err(CliError::Usage(
-                "--backend mpi: this fsdp binary was built without MPI support; rebuild with \
-                 `cargo build --release --features mpi` (needs libopenmpi-dev and libclang-dev)"
-                    .into(),
-            ))
-        }
-
-        /// This process's MPI rank.
-        pub(super) fn rank(&self) -> usize {
-            self.rank
-        }
-
-        /// Every rank's [`RankHost`] in rank order, the same table on every rank: one
-        /// all-reduce (sum, f64, rank order) over a world communicator built for it and
-        /// dropped before training, of rows that are zero except the caller's own. Collective:
-        /// every process calls it.
-        ///
-        /// Errors: [`CliError::Failed`] when the collective fails (a peer exited or timed out;
-        /// the peers get the error too).
-        #[cfg(feature = "mpi")]
-        pub(super) fn gather_hosts(&self, mine: RankHost) -> Result<Vec<RankHost>, CliError> {
-            use fsdp_comm::{mpi::MpiComm, Communicator, Group, ReduceOp, Topology};
-            let n = self.universe.size();
-            let failed = |e: fsdp_comm::CommError| {
-                CliError::Failed(format!(
-                    "--backend mpi: rank {}: gathering the ranks' node memory for the pre-flight check: {e}",
-                    self.rank
-                ))
-            };
-            let topo = Topology::new(n, 1).map_err(failed)?;
-            let comm = MpiComm::world(&self.universe, topo, self.timeout).map_err(failed)?;
-            let mut table = vec![0f64; 3 * n];
-            table[3 * self.rank..3 * self.rank + 3].copy_from_slice(&mine.encode());
-            comm.all_reduce(Group::World, ReduceOp::Sum, (&mut table[..]).into())
-                .map_err(failed)?;
-            drop(comm);
-            Ok(table
-                .chunks_exact(3)
-                .map(|c| RankHost::decode([c[0], c[1], c[2]]))
-                .collect())
-        }
-
-        /// Without the `mpi` feature no MPI process exists ([`MpiProcess::init`] fails).
-        #[cfg(not(feature = "mpi"))]
-        pub(super) fn gather_hosts(&self, mine: RankHost) -> Result<Vec<RankHost>, CliError> {
-            Ok(vec![mine])
-        }
-
-        /// Trains as this rank. A failed rank aborts the whole MPI job (`MPI_Abort`, exit
-        /// status 1 on every process) after printing its error, so no peer waits for it.
-        pub(super) fn train(
-            &self,
-            o: &TrainOptions,
-            alloc: Option<&'static CountingAllocator>,
-            hooks: &dyn TrainHooks,
-            progress: &(dyn Fn(&StepReport) + Sync),
-        ) -> crate::error::Result<TrainReport> {
-            #[cfg(feature = "mpi")]
-            {
-                use fsdp_comm::{mpi::MpiComm, CommError, Communicator, Topology};
-                let factory = |t: Topology| -> Result<Box<dyn Communicator>, CommError> {
-                    let c = MpiComm::world(&self.universe, t, self.timeout)?;
-                    Ok(Box::new(c))
-                };
-                let r = crate::train::train_with(o, alloc, hooks, progress, Some(&factory));
-                if let Err(e) = &r {
-                    eprintln!("fsdp train: rank {}: {e}; aborting the MPI job", self.rank);
-                    self.universe.abort(1);
-                }
-                r
-            }
-            #[cfg(not(feature = "mpi"))]
-            {
-                let _ = (o, alloc, hooks, progress);
-                Err(crate::error::EngineError::Config(
-                    "--backend mpi needs a binary built with --features mpi".into(),
-                ))
-            }
-        }
     }
 }

@@ -3,7 +3,7 @@
 //! its message are the same on every rank; the default `--strategy auto` budget of a host
 //! share passes the pre-flight check it is derived from.
 
-use fsdp::cli::train::{
+use fsdp::preflight::{
     host_budget_per_rank, launcher_local_ranks, local_ranks, mpi_auto_budget, node_id,
     preflight_mpi, preflight_threads, token_id_bytes, with_margin, RankHost, MEMORY_MARGIN_PERCENT,
 };
@@ -188,9 +188,9 @@ fn the_default_auto_budget_passes_the_preflight_it_comes_from() {
         "ids alone do not fit"
     );
     // The thread pre-flight on the real plan: a budget from 4 GiB for 4 ranks holds tiny.
-    let peak = fsdp::cli::train::plan_peak(&o).unwrap();
+    let peak = fsdp::preflight::plan_peak(&o).unwrap();
     assert!(peak <= host_budget_per_rank(4 * GIB, 4, ids));
-    assert!(preflight_threads(&o, Some(4 * GIB)).is_ok());
+    assert!(preflight_threads(&o, peak, Some(4 * GIB)).is_ok());
     // MPI default budget: the smallest share over the nodes, naming it.
     let t = [
         host(8 * GIB, "a"),

@@ -4,7 +4,7 @@
 //! default budget (available memory per rank) that nothing fits.
 
 use super::{fsdp, SMALL};
-use fsdp::cli::train::{resolve_strategy, BackendArg};
+use fsdp::preflight::{resolve_strategy, Budget, RankMemory};
 use fsdp::train::TrainOptions;
 
 #[test]
@@ -37,7 +37,7 @@ fn an_explicit_strategy_over_its_budget_is_refused_with_the_numbers() {
         strategy: fsdp_planner::Strategy::NoShard,
         ..Default::default()
     };
-    let peak = fsdp::cli::train::plan_peak(&opts).unwrap();
+    let peak = fsdp::preflight::plan_peak(&opts).unwrap();
     let mut a = SMALL.to_vec();
     let budget = (peak - 1).to_string();
     a.extend([
@@ -92,7 +92,7 @@ fn auto_needs_a_budget_where_none_can_be_measured() {
     };
     // NCCL runs on GPUs: no device query here.
     let mut o = auto.clone();
-    let e = resolve_strategy(&mut o, None, BackendArg::Nccl, None, Some(64 << 30)).unwrap_err();
+    let e = resolve_strategy(&mut o, None, &RankMemory::Device).unwrap_err();
     assert_eq!(e.exit_code(), 2);
     assert!(
         e.to_string()
@@ -101,9 +101,12 @@ fn auto_needs_a_budget_where_none_can_be_measured() {
     );
     assert_eq!(o.strategy, fsdp_planner::Strategy::Auto, "left unresolved");
     // No MemAvailable (threads) and no node table (MPI).
-    for backend in [BackendArg::Threads, BackendArg::Mpi] {
+    for ranks in [
+        RankMemory::Threads { available: None },
+        RankMemory::Mpi { hosts: None },
+    ] {
         let mut o = auto.clone();
-        let e = resolve_strategy(&mut o, None, backend, None, None).unwrap_err();
+        let e = resolve_strategy(&mut o, None, &ranks).unwrap_err();
         assert_eq!(e.exit_code(), 2);
         assert!(
             e.to_string()
@@ -113,7 +116,11 @@ fn auto_needs_a_budget_where_none_can_be_measured() {
     }
     // With a budget the GPU case resolves (64 GiB: the fastest, no-shard).
     let mut o = auto.clone();
-    let r = resolve_strategy(&mut o, Some("64GiB"), BackendArg::Nccl, None, None)
+    let budget = Budget {
+        bytes: 64 << 30,
+        given: "64GiB".into(),
+    };
+    let r = resolve_strategy(&mut o, Some(&budget), &RankMemory::Device)
         .unwrap()
         .expect("auto resolved");
     assert_eq!(o.strategy, fsdp_planner::Strategy::NoShard);
@@ -123,9 +130,10 @@ fn auto_needs_a_budget_where_none_can_be_measured() {
     assert_eq!(r.source, "--device-memory 64GiB");
     // A thread-backend default budget: 8 GiB over 2 ranks less 25% and the token ids.
     let mut o = auto.clone();
-    let r = resolve_strategy(&mut o, None, BackendArg::Threads, None, Some(8 << 30))
-        .unwrap()
-        .unwrap();
+    let ranks = RankMemory::Threads {
+        available: Some(8 << 30),
+    };
+    let r = resolve_strategy(&mut o, None, &ranks).unwrap().unwrap();
     assert_eq!(r.choice.budget.0, (4u64 << 30) * 100 / 125 - 16 * 8);
     assert_eq!(
         r.source,
@@ -135,7 +143,7 @@ fn auto_needs_a_budget_where_none_can_be_measured() {
 
 #[test]
 fn the_default_budget_nothing_fits_is_refused_with_the_numbers() {
-    if fsdp::cli::train::available_memory().is_none() {
+    if fsdp::preflight::available_memory().is_none() {
         return; // no /proc/meminfo: auto asks for --device-memory (tested above)
     }
     // A million sequences per micro-batch: no strategy fits this host's memory.

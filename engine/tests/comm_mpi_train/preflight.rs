@@ -19,7 +19,7 @@ fn mpi_preflight_refuses_a_run_that_does_not_fit_on_every_rank_with_exit_2() {
         println!("SKIPPED: mpirun not found (install openmpi-bin)");
         return;
     };
-    if fsdp::cli::train::available_memory().is_none() {
+    if fsdp::preflight::available_memory().is_none() {
         println!("SKIPPED: no /proc/meminfo (the pre-flight is skipped by design)");
         return;
     }
@@ -51,7 +51,7 @@ fn mpi_auto_resolves_the_same_strategy_on_every_rank_and_trains_like_threads() {
         println!("SKIPPED: mpirun not found (install openmpi-bin)");
         return;
     };
-    if fsdp::cli::train::available_memory().is_none() {
+    if fsdp::preflight::available_memory().is_none() {
         println!("SKIPPED: no /proc/meminfo (auto needs --device-memory)");
         return;
     }

@@ -1,0 +1,1132 @@
+//! The checkpoint layer of a training run: which checkpoint a resume starts from (newest,
+//! newest intact, a given step; newer step directories set aside, never deleted), what a
+//! resume changes, the hooks that resume every rank and save sharded checkpoints with the
+//! crash-safe protocol of `fsdp_checkpoints`, and the check of `--init-from` weights against
+//! the run's model.
+
+use crate::run::RunError;
+use crate::train::TrainOptions;
+use fsdp_checkpoints::{Checkpoint, CheckpointLayout, CkptError, Verify};
+use std::path::{Path, PathBuf};
+
+use super::convert::{ckpt_to_engine, engine_to_ckpt};
+
+/// Where a run's checkpoints go and whether it resumes: the checkpoint flags of `fsdp train`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CheckpointConfig {
+    /// Checkpoint root (`step-N/` directories and the `latest` pointer); `None`: no
+    /// checkpoints.
+    pub dir: Option<PathBuf>,
+    /// Save every N optimizer steps (0: only after the last step).
+    pub every: u64,
+    /// Keep the newest K checkpoints (0: keep all).
+    pub keep_last: usize,
+    /// The resume asked for; `None` for a fresh run.
+    pub resume: Option<ResumeFrom>,
+}
+
+/// Which checkpoint a resume starts from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResumeFrom {
+    /// The newest checkpoint; refused when it is damaged or incomplete (`--resume`).
+    Newest,
+    /// The newest checkpoint that opens and verifies (`--resume-from latest-valid`).
+    LatestValid,
+    /// The checkpoint of this step (`--resume-from STEP`).
+    Step(u64),
+}
+
+impl ResumeFrom {
+    /// The `--resume-from` value that asks for it (`latest-valid`, a step; empty for the
+    /// newest, which `--resume` asks for).
+    pub fn flag_value(&self) -> String {
+        match self {
+            ResumeFrom::Newest => String::new(),
+            ResumeFrom::LatestValid => "latest-valid".into(),
+            ResumeFrom::Step(s) => s.to_string(),
+        }
+    }
+}
+
+/// A `step-N` directory under a checkpoint root.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepDir {
+    /// The step N.
+    pub step: u64,
+    /// The directory.
+    pub path: PathBuf,
+    /// Whether it holds `manifest.json` (a save writes it last: without it the directory is
+    /// incomplete or damaged).
+    pub has_manifest: bool,
+}
+
+/// Every `step-N` directory under `root` (with or without a manifest), newest first.
+///
+/// Errors: [`RunError::Refused`] when `root` cannot be listed.
+pub fn step_dirs(root: &Path) -> Result<Vec<StepDir>, RunError> {
+    let rd = std::fs::read_dir(root)
+        .map_err(|e| RunError::Refused(format!("cannot list {}: {e}", root.display())))?;
+    let mut out = Vec::new();
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if let Some(step) = fsdp_checkpoints::parse_step_dir(&name) {
+            if e.path().is_dir() {
+                out.push(StepDir {
+                    step,
+                    has_manifest: e.path().join(fsdp_checkpoints::MANIFEST_FILE).is_file(),
+                    path: e.path(),
+                });
+            }
+        }
+    }
+    out.sort_by_key(|d| std::cmp::Reverse(d.step));
+    Ok(out)
+}
+
+/// Warnings about what resolving the checkpoint root `root` to `chosen` passed over: a
+/// `latest` pointer naming a directory that is missing or has no manifest, and step
+/// directories newer than `chosen` without a manifest. Empty when `root` is itself a
+/// checkpoint directory.
+pub fn passed_over(root: &Path, chosen: &Path) -> Vec<String> {
+    let mut w = Vec::new();
+    if root.join(fsdp_checkpoints::MANIFEST_FILE).is_file() {
+        return w;
+    }
+    let chosen_step = chosen
+        .file_name()
+        .and_then(|n| fsdp_checkpoints::parse_step_dir(&n.to_string_lossy()))
+        .unwrap_or(0);
+    let latest = root.join(fsdp_checkpoints::LATEST_FILE);
+    let mut named = None;
+    if let Ok(t) = std::fs::read_to_string(&latest) {
+        let name = t.trim().to_string();
+        let d = root.join(&name);
+        if d != chosen {
+            let why = if d.is_dir() {
+                "has no manifest.json (incomplete or damaged)"
+            } else {
+                "does not exist"
+            };
+            w.push(format!(
+                "warning: {} names {name}, which {why}; using {}",
+                latest.display(),
+                chosen.display()
+            ));
+            named = Some(d);
+        }
+    }
+    for d in step_dirs(root).unwrap_or_default() {
+        if d.step > chosen_step && !d.has_manifest && Some(&d.path) != named.as_ref() {
+            w.push(format!(
+                "warning: {} has no manifest.json (incomplete or damaged), newer than {}; using {}",
+                d.path.display(),
+                chosen.display(),
+                chosen.display()
+            ));
+        }
+    }
+    w
+}
+
+/// Manifest `train.extra` key holding the Hugging Face `config.json` text of a Llama-family
+/// model, recorded by `fsdp train` at every save.
+pub const HF_CONFIG_KEY: &str = "hf_config";
+
+/// The `config.json` text to record for `model`, trained from the `config.json` at
+/// `hf_config` (its text, as given) or a preset (generated from the preset's sizes and
+/// numerics); `None` for a GPT without biases (its export is one safetensors file).
+///
+/// Errors: [`RunError::Refused`] when `hf_config` cannot be read.
+pub fn hf_config_text(
+    model: &crate::model::decoder::Decoder,
+    hf_config: Option<&Path>,
+) -> Result<Option<String>, RunError> {
+    if let Some(p) = hf_config {
+        return std::fs::read_to_string(p)
+            .map(Some)
+            .map_err(|e| RunError::Refused(format!("--hf-config {}: {e}", p.display())));
+    }
+    Ok(match model {
+        crate::model::decoder::Decoder::Llama(l) => {
+            Some(fsdp_planner::hf::llama_hf_config(&l.cfg, &l.numerics).to_string())
+        }
+        crate::model::decoder::Decoder::Gpt(g) => {
+            fsdp_planner::hf::gpt2_hf_config(&g.cfg).map(|v| v.to_string())
+        }
+    })
+}
+
+/// Checks `--init-from` against the run's model before any rank starts: opens the weight
+/// files (headers only) and binds every tensor to a parameter strictly
+/// ([`crate::init::FileWeights::open`]). Each rank later reads only its own shards' bytes.
+///
+/// Errors: [`RunError::Refused`] (exit 2) naming the file and the tensor: a missing, unexpected
+/// or mis-shaped tensor (with the model's name and how to name the right configuration), a
+/// truncated or malformed file, a per-rank shard file.
+pub fn check_init_from(
+    o: &TrainOptions,
+    model: &crate::model::decoder::Decoder,
+) -> Result<(), RunError> {
+    let Some(p) = &o.init_from else {
+        return Ok(());
+    };
+    match crate::init::FileWeights::open(p, crate::runtime::StagedModel::spec(model)) {
+        Ok(_) => Ok(()),
+        Err(
+            e @ (CkptError::MissingKey { .. }
+            | CkptError::UnexpectedKey { .. }
+            | CkptError::ShapeMismatch { .. }),
+        ) => {
+            let model_desc = format!(
+                "model {}{}",
+                model.name(),
+                o.hf_config
+                    .as_ref()
+                    .map(|c| format!(" (from {})", c.display()))
+                    .unwrap_or_else(|| " (a preset)".into())
+            );
+            // What the files hold, to point at the right model.
+            let family = fsdp_checkpoints::WeightFiles::open(p).ok().map(|w| {
+                let names = w.tensors();
+                if names.iter().any(|t| t.name.contains("model.layers.")) {
+                    "Llama-family names (model.layers.N....)"
+                } else if names
+                    .iter()
+                    .any(|t| t.name.starts_with("transformer.") || t.name.starts_with("h."))
+                {
+                    "GPT-2 names"
+                } else {
+                    "names of another model"
+                }
+            });
+            let sibling = p
+                .parent()
+                .map(|d| d.join(fsdp_checkpoints::hfdir::CONFIG_FILE))
+                .filter(|c| !p.is_dir() && c.is_file() && o.hf_config.as_deref() != Some(c));
+            let fix = match (&sibling, o.hf_config.is_some()) {
+                (Some(c), _) => format!(
+                    "pass the config.json beside them (--hf-config {}), or their directory as \
+                     --init-from",
+                    c.display()
+                ),
+                (None, true) => "pass the config.json they were saved with (--hf-config)".into(),
+                (None, false) => "name their model: --hf-config with the config.json they were \
+                     saved with, --model with the preset they were trained as, or their model \
+                     directory as --init-from"
+                    .into(),
+            };
+            let why = if matches!(e, CkptError::MissingKey { .. }) {
+                "Either the weights are incomplete (a file or an index entry missing) or they \
+                 belong to another model than"
+            } else {
+                "The weights belong to another model than"
+            };
+            Err(RunError::Refused(format!(
+                "{e}. {why} {model_desc}{}: {fix}",
+                family
+                    .map(|f| format!("; the files hold {f}"))
+                    .unwrap_or_default()
+            )))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The checkpoint layer of `fsdp train` ([`crate::train::TrainHooks`]): resumes every rank
+/// from the newest complete checkpoint (resharding if the run's layout differs) and saves a
+/// sharded checkpoint every `--ckpt-every` steps and after the last step, with the crash-safe
+/// protocol of `fsdp_checkpoints::save`.
+///
+/// Saving: rank 0 creates the temporary directory; every rank of replicate index 0 writes its
+/// own rank file (in parallel); rank 0 writes the manifest, renames the directory into place
+/// and updates `latest`. Between the phases the ranks all-gather a status (a barrier that works
+/// for rank threads and MPI processes alike), so every rank fails together and nothing partial
+/// is ever published.
+pub struct CheckpointHooks {
+    root: Option<PathBuf>,
+    every: u64,
+    keep_last: usize,
+    last_step: u64,
+    layout: CheckpointLayout,
+    resume_from: Option<Checkpoint>,
+    train: fsdp_checkpoints::TrainState,
+    /// Step directories newer than the resumed checkpoint and where rank 0 moves them before
+    /// the first save (`--resume-from`); emptied once done.
+    set_aside: std::sync::Mutex<Vec<(PathBuf, PathBuf)>>,
+    on_save: Option<SaveCallback>,
+}
+
+/// What a completed checkpoint save reports (rank 0): [`CheckpointHooks::on_save`].
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct SaveReport {
+    /// The step saved.
+    pub step: u64,
+    /// The checkpoint directory written.
+    pub path: PathBuf,
+    /// Bytes of its files (rank files and manifest).
+    pub bytes: u64,
+    /// Wall time of the save, from the first rank's export to `latest` updated.
+    pub seconds: f64,
+}
+
+/// The callback [`CheckpointHooks::on_save`] installs.
+pub type SaveCallback = Box<dyn Fn(&SaveReport) + Send + Sync>;
+
+impl std::fmt::Debug for CheckpointHooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CheckpointHooks")
+            .field("root", &self.root)
+            .field("every", &self.every)
+            .field("resume_from", &self.resume_from)
+            .finish()
+    }
+}
+
+impl CheckpointHooks {
+    /// Builds the checkpoint hooks of the prepared run `run` (its options after
+    /// `--init-from` was applied, its model and its plan: the checkpoint layout) under `a`.
+    /// With a resume, picks the checkpoint ([`choose_resume`]), verifies every checksum and
+    /// checks that it holds this model and was trained with this `--seed` (the data order
+    /// depends on it), before any rank starts. What the resume finds and changes
+    /// ([`resume_changes`]) goes to `note`, one line per call, as it is found.
+    ///
+    /// Errors: [`RunError::Refused`] for any checkpoint problem, naming the file.
+    pub fn new(
+        a: &CheckpointConfig,
+        run: &crate::run::PreparedRun,
+        note: &mut dyn FnMut(String),
+    ) -> Result<Self, RunError> {
+        let (o, model, plan) = (&run.options, &run.model, &run.plan);
+        let spec = crate::runtime::StagedModel::spec(model);
+        let layout = CheckpointLayout::from_plan(spec.clone(), plan)?;
+        if let Some(root) = &a.dir {
+            check_ckpt_dir(root)?;
+            if a.resume.is_none() {
+                refuse_fresh_run_into_checkpoints(root)?;
+            }
+        }
+        let mut resume_from = None;
+        let mut set_aside = Vec::new();
+        if let Some(mode) = a.resume {
+            let Some(root) = a.dir.as_deref() else {
+                return Err(RunError::Refused(
+                    "a resume needs a checkpoint directory (--ckpt-dir)".into(),
+                ));
+            };
+            let dirs = step_dirs(root)?;
+            if dirs.is_empty() && mode != ResumeFrom::Newest {
+                return Err(RunError::Refused(format!(
+                    "--resume-from {}: {} holds no checkpoint (no step-N directory)",
+                    mode.flag_value(),
+                    root.display()
+                )));
+            }
+            if dirs.is_empty() {
+                note(format!(
+                    "no checkpoint in {} yet: starting from step 0",
+                    root.display()
+                ));
+            } else {
+                let (ck, aside) = choose_resume(root, &dirs, mode, spec, note)?;
+                let saved_seed = ck.manifest().train.extra.get("seed").cloned();
+                if let Some(s) = saved_seed.filter(|s| *s != o.seed.to_string()) {
+                    return Err(RunError::Refused(format!(
+                        "{}: the checkpoint was trained with --seed {s}, this run has --seed {}; the data order would differ (pass --seed {s})",
+                        ck.dir().join(fsdp_checkpoints::MANIFEST_FILE).display(),
+                        o.seed
+                    )));
+                }
+                note(format!(
+                    "resuming from {} (step {}, saved at world size {} = shard {} x replicate {})",
+                    ck.dir().display(),
+                    ck.manifest().train.step,
+                    ck.manifest().world_size,
+                    ck.manifest().shard_size,
+                    ck.manifest().replicate_size
+                ));
+                for (key, now) in [
+                    ("param_dtype", o.param_dtype.to_string()),
+                    ("reduce_dtype", o.reduce_dtype.to_string()),
+                ] {
+                    if let Some(was) = ck.manifest().train.extra.get(key).filter(|w| **w != now) {
+                        note(format!(
+                            "note: the checkpoint was trained with {key} {was}, this run uses {now} (master weights and optimizer state are f32 either way)"
+                        ));
+                    }
+                }
+                for line in resume_changes(
+                    &ck.manifest().train.extra,
+                    ck.manifest().world_size,
+                    ck.manifest().train.step,
+                    o,
+                ) {
+                    note(format!("note: resuming with {line}"));
+                }
+                for (from, to) in &aside {
+                    note(format!(
+                        "note: {} is newer than the checkpoint resumed; it is kept and moved to {} at the first save",
+                        from.display(),
+                        to.display()
+                    ));
+                }
+                set_aside = aside;
+                resume_from = Some(ck);
+            }
+        }
+        let mut extra = std::collections::BTreeMap::new();
+        for (k, v) in [
+            ("model", o.model.clone()),
+            ("seed", o.seed.to_string()),
+            ("steps", o.steps.to_string()),
+            ("warmup", o.warmup.to_string()),
+            ("min_lr", o.min_lr.to_string()),
+            ("micro_batch", o.micro_batch.to_string()),
+            ("grad_accum", o.grad_accum.to_string()),
+            ("seq_len", o.seq_len.to_string()),
+            ("strategy", plan.strategy.cli_name().to_string()),
+            ("param_dtype", o.param_dtype.to_string()),
+            ("reduce_dtype", o.reduce_dtype.to_string()),
+            (
+                "data",
+                o.data
+                    .as_ref()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_else(|| "(embedded corpus)".into()),
+            ),
+        ] {
+            extra.insert(k.to_string(), v);
+        }
+        extra.extend(data_extra(o));
+        if let Some(t) = hf_config_text(model, o.hf_config.as_deref())? {
+            extra.insert(HF_CONFIG_KEY.to_string(), t);
+        }
+        let train = fsdp_checkpoints::TrainState {
+            step: 0,
+            data_position: 0,
+            rng_state: vec![o.seed],
+            optimizer: fsdp_checkpoints::OptimizerState {
+                name: "adamw".into(),
+                lr: o.lr,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: o.weight_decay,
+                step: 0,
+            },
+            extra,
+        };
+        Ok(CheckpointHooks {
+            root: a.dir.clone(),
+            every: a.every,
+            keep_last: a.keep_last,
+            last_step: o.steps,
+            layout,
+            resume_from,
+            train,
+            set_aside: std::sync::Mutex::new(set_aside),
+            on_save: None,
+        })
+    }
+
+    /// Calls `f` on rank 0 after every completed save (`fsdp train` prints `saved step N to
+    /// DIR in S s`, or a `{"event": "checkpoint", ...}` line with `--json`).
+    pub fn on_save(&mut self, f: SaveCallback) {
+        self.on_save = Some(f);
+    }
+}
+
+/// A name beside `dir` for setting it aside: `step-N.<what>`, then `step-N.<what>.2`, ... up
+/// to the first that does not exist.
+fn aside_name(dir: &Path, what: &str) -> PathBuf {
+    let base = format!("{}.{what}", dir.display());
+    let mut p = PathBuf::from(&base);
+    let mut i = 2;
+    while p.exists() {
+        p = PathBuf::from(format!("{base}.{i}"));
+        i += 1;
+    }
+    p
+}
+
+/// Opens and fully verifies the checkpoint directory `dir` for `spec`.
+fn open_intact(dir: &Path, spec: &fsdp_planner::ModelSpec) -> Result<Checkpoint, CkptError> {
+    let ck = Checkpoint::open(dir, Verify::Checksums)?;
+    ck.verify_all()?;
+    ck.check_model(spec)?;
+    Ok(ck)
+}
+
+/// Picks the checkpoint a resume starts from among `dirs` (the step directories of `root`,
+/// newest first, from [`step_dirs`]) and the newer step directories to set aside before the
+/// first save (damaged ones as `step-N.damaged`, intact ones as `step-N.superseded`).
+///
+/// - [`ResumeFrom::Newest`]: the newest step directory (or the one `latest` names, if newer
+///   is absent); when it is damaged or incomplete, refuses, naming it, the error and the
+///   newest intact checkpoint with the flag that resumes from it.
+/// - [`ResumeFrom::LatestValid`]: the newest that opens and verifies; each damaged newer one
+///   is named through `note`.
+/// - [`ResumeFrom::Step`]: that step's directory, which must be intact.
+///
+/// Errors: [`RunError::Refused`] (exit 2) naming the directories.
+pub fn choose_resume(
+    root: &Path,
+    dirs: &[StepDir],
+    mode: ResumeFrom,
+    spec: &fsdp_planner::ModelSpec,
+    note: &mut dyn FnMut(String),
+) -> Result<(Checkpoint, Vec<(PathBuf, PathBuf)>), RunError> {
+    let why = |d: &StepDir| -> Option<String> {
+        if !d.has_manifest {
+            return Some("no manifest.json (incomplete or damaged)".into());
+        }
+        open_intact(&d.path, spec).err().map(|e| e.to_string())
+    };
+    let newest_intact = |skip: usize| -> Option<(usize, Checkpoint)> {
+        dirs.iter()
+            .enumerate()
+            .skip(skip)
+            .find_map(|(i, d)| open_intact(&d.path, spec).ok().map(|c| (i, c)))
+    };
+    let aside_of = |upto: usize, damaged: &[usize]| -> Vec<(PathBuf, PathBuf)> {
+        dirs[..upto]
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let what = if damaged.contains(&i) {
+                    "damaged"
+                } else {
+                    "superseded"
+                };
+                (d.path.clone(), aside_name(&d.path, what))
+            })
+            .collect()
+    };
+    match mode {
+        ResumeFrom::Newest => {
+            let newest = &dirs[0];
+            let latest = root.join(fsdp_checkpoints::LATEST_FILE);
+            let pointer = std::fs::read_to_string(&latest)
+                .ok()
+                .map(|t| t.trim().to_string());
+            if let Some(problem) = why(newest) {
+                let pointer_note = match &pointer {
+                    Some(p) if root.join(p) == newest.path => " (`latest` names it)".to_string(),
+                    _ => String::new(),
+                };
+                let hint = match newest_intact(1) {
+                    Some((_, ck)) => format!(
+                        "the newest intact checkpoint is {} (step {}): resume from it with \
+                         --resume-from latest-valid (or --resume-from {}), which keeps {}, moved \
+                         aside as {}.damaged",
+                        ck.dir().display(),
+                        ck.manifest().train.step,
+                        ck.manifest().train.step,
+                        newest.path.display(),
+                        newest.path.display()
+                    ),
+                    None => format!(
+                        "no older checkpoint in {} is intact either; start over without \
+                         --resume in a new --ckpt-dir",
+                        root.display()
+                    ),
+                };
+                return Err(RunError::Refused(format!(
+                    "cannot resume from the newest checkpoint {}{pointer_note}: {problem}; {hint}",
+                    newest.path.display()
+                )));
+            }
+            let ck = open_intact(&newest.path, spec)?;
+            for w in passed_over(root, ck.dir()) {
+                note(w);
+            }
+            Ok((ck, Vec::new()))
+        }
+        ResumeFrom::LatestValid => {
+            let Some((i, ck)) = newest_intact(0) else {
+                return Err(RunError::Refused(format!(
+                    "--resume-from latest-valid: none of the {} checkpoints in {} is intact; \
+                     start over without --resume in a new --ckpt-dir",
+                    dirs.len(),
+                    root.display()
+                )));
+            };
+            let damaged: Vec<usize> = (0..i).collect();
+            for d in &dirs[..i] {
+                note(format!(
+                    "warning: skipping {}: {}",
+                    d.path.display(),
+                    why(d).unwrap_or_else(|| "damaged".into())
+                ));
+            }
+            Ok((ck, aside_of(i, &damaged)))
+        }
+        ResumeFrom::Step(step) => {
+            let Some(i) = dirs.iter().position(|d| d.step == step) else {
+                let have: Vec<String> = dirs.iter().rev().map(|d| d.step.to_string()).collect();
+                return Err(RunError::Refused(format!(
+                    "--resume-from {step}: {} has no checkpoint of step {step} (steps there: {})",
+                    root.display(),
+                    have.join(", ")
+                )));
+            };
+            if let Some(problem) = why(&dirs[i]) {
+                return Err(RunError::Refused(format!(
+                    "--resume-from {step}: {}: {problem}; pick another step or --resume-from \
+                     latest-valid",
+                    dirs[i].path.display()
+                )));
+            }
+            let ck = open_intact(&dirs[i].path, spec)?;
+            let damaged: Vec<usize> = (0..i).filter(|&k| why(&dirs[k]).is_some()).collect();
+            Ok((ck, aside_of(i, &damaged)))
+        }
+    }
+}
+
+/// Makes sure `--ckpt-dir` can take checkpoints before any rank starts, so a bad path is
+/// refused in a second rather than after the whole run, when the first save would fail and the
+/// training would be lost: creates the directory (and its parents) if missing, then creates and
+/// removes a probe file in it.
+///
+/// Errors: [`RunError::Refused`] (exit 2) when the path exists and is not a directory, cannot be
+/// created, or is not writable, naming the path and the OS error.
+fn check_ckpt_dir(root: &std::path::Path) -> Result<(), RunError> {
+    let bad = |what: &str, e: std::io::Error| {
+        RunError::Refused(format!(
+            "--ckpt-dir {}: {what} ({e}); no training was started",
+            root.display()
+        ))
+    };
+    if root.exists() && !root.is_dir() {
+        return Err(RunError::Refused(format!(
+            "--ckpt-dir {}: exists and is not a directory; no training was started",
+            root.display()
+        )));
+    }
+    if root.join(fsdp_checkpoints::MANIFEST_FILE).is_file() {
+        let parent = root
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let step = root
+            .file_name()
+            .and_then(|n| fsdp_checkpoints::parse_step_dir(&n.to_string_lossy()));
+        return Err(RunError::Refused(format!(
+            "--ckpt-dir {}: is a checkpoint (it holds manifest.json), not a checkpoint root: new \
+             checkpoints and `latest` would be written inside it; use --ckpt-dir {}{}",
+            root.display(),
+            parent.display(),
+            step.map(|s| format!(" --resume-from {s}"))
+                .unwrap_or_default()
+        )));
+    }
+    std::fs::create_dir_all(root).map_err(|e| bad("cannot create the directory", e))?;
+    let probe = root.join(format!(".fsdp-write-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"").map_err(|e| bad("cannot write into the directory", e))?;
+    std::fs::remove_file(&probe).map_err(|e| bad("cannot remove a file from the directory", e))?;
+    Ok(())
+}
+
+/// Refuses a fresh run (no `--resume`) whose `--ckpt-dir` already holds checkpoints: its saves
+/// would mix with another run's, `--keep-last` would prune by step number (deleting the new
+/// run's lower steps while keeping the old run's higher ones), and a later `--resume` could
+/// continue the wrong run.
+///
+/// Errors: [`RunError::Refused`] (exit 2) naming the directory, its newest step and the fixes.
+fn refuse_fresh_run_into_checkpoints(root: &Path) -> Result<(), RunError> {
+    let dirs = step_dirs(root)?;
+    let latest = root.join(fsdp_checkpoints::LATEST_FILE).is_file();
+    if dirs.is_empty() && !latest {
+        return Ok(());
+    }
+    let newest = dirs
+        .iter()
+        .map(|d| d.path.display().to_string())
+        .next()
+        .unwrap_or_else(|| {
+            root.join(fsdp_checkpoints::LATEST_FILE)
+                .display()
+                .to_string()
+        });
+    Err(RunError::Refused(format!(
+        "--ckpt-dir {}: already holds checkpoints of a run ({} step directories, newest {newest}); \
+         a fresh run would mix its checkpoints with them: pass --resume (or --resume-from STEP) \
+         to continue that run, or give a new or empty --ckpt-dir",
+        root.display(),
+        dirs.len()
+    )))
+}
+
+impl CheckpointHooks {
+    /// The 0-based step a `--resume` run continues from (the number of optimizer steps the
+    /// checkpoint has completed) and the checkpoint's directory; `None` when the run starts
+    /// fresh.
+    pub fn resume_step(&self) -> Option<(u64, &std::path::Path)> {
+        self.resume_from
+            .as_ref()
+            .map(|ck| (ck.manifest().train.step, ck.dir()))
+    }
+}
+
+/// Total bytes of the files directly in `dir` (0 for what cannot be read).
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.metadata().ok())
+                .filter(|m| m.is_file())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+impl CheckpointHooks {
+    /// Rank 0, before the first save of a `--resume-from` run: moves the newer step
+    /// directories aside (kept, renamed) so that the new checkpoints, `latest` and pruning
+    /// never mix with them.
+    fn move_aside(&self) -> Result<(), String> {
+        let mut pending = self
+            .set_aside
+            .lock()
+            .map_err(|_| "set-aside list poisoned".to_string())?;
+        for (from, to) in pending.drain(..) {
+            std::fs::rename(&from, &to).map_err(|e| {
+                format!(
+                    "cannot move {} aside to {}: {e}",
+                    from.display(),
+                    to.display()
+                )
+            })?;
+            eprintln!("moved {} aside to {}", from.display(), to.display());
+        }
+        Ok(())
+    }
+}
+
+impl crate::train::TrainHooks for CheckpointHooks {
+    fn resume(
+        &self,
+        rank: usize,
+    ) -> crate::error::Result<Option<(crate::runtime::RankState, u64)>> {
+        let Some(ck) = &self.resume_from else {
+            return Ok(None);
+        };
+        let st = ck
+            .load_rank(&self.layout, rank as u64)
+            .map_err(|e| crate::error::EngineError::State(e.to_string()))?;
+        let t = &ck.manifest().train;
+        let mut state = ckpt_to_engine(&self.layout, rank as u64, st, t.step);
+        // Steps skipped by f16 loss scaling made no AdamW update: the manifest's optimizer
+        // step counts updates, `step` counts training steps.
+        state.skipped_steps = t.step.saturating_sub(t.optimizer.step);
+        state.loss_scaler = match (
+            t.extra.get("loss_scale").map(|v| v.parse::<f64>()),
+            t.extra
+                .get("loss_scale_clean_steps")
+                .map(|v| v.parse::<u64>()),
+        ) {
+            (Some(Ok(scale)), Some(Ok(clean_steps))) if scale.is_finite() && scale >= 1.0 => {
+                Some(crate::runtime::LossScaler { scale, clean_steps })
+            }
+            (None, None) => None,
+            _ => {
+                return Err(crate::error::EngineError::State(format!(
+                    "checkpoint {}: unreadable loss_scale / loss_scale_clean_steps in the manifest",
+                    ck.dir().display()
+                )))
+            }
+        };
+        Ok(Some((state, t.step)))
+    }
+
+    fn after_step(
+        &self,
+        rank: usize,
+        step: u64,
+        engine: &mut crate::runtime::RankEngine<'_, crate::model::decoder::Decoder>,
+    ) -> crate::error::Result<()> {
+        let Some(root) = &self.root else {
+            return Ok(());
+        };
+        let due =
+            step == self.last_step || (self.every > 0 && step.checked_rem(self.every) == Some(0));
+        if !due {
+            return Ok(());
+        }
+        let rank = rank as u64;
+        let t0 = std::time::Instant::now();
+        let fail = |what: &str, e: String| {
+            crate::error::EngineError::Checkpoint(format!(
+                "checkpoint of step {step} in {}: {what}: {e}",
+                root.display()
+            ))
+        };
+        // Phase 1: every rank exports its state; rank 0 starts the save. Ranks agree on the
+        // outcome through a status all-gather (threads or processes alike).
+        let exported = engine
+            .export_state()
+            .map_err(|e| e.to_string())
+            .and_then(|s| engine_to_ckpt(&self.layout, &s).map_err(|e| e.to_string()));
+        let begun = if rank == 0 {
+            self.move_aside()
+                .and_then(|()| {
+                    fsdp_checkpoints::begin_save(root, &self.layout, step)
+                        .map_err(|e| e.to_string())
+                })
+                .map(Some)
+        } else {
+            Ok(None)
+        };
+        let mut local_err = exported.as_ref().err().or(begun.as_ref().err()).cloned();
+        // A state holding an infinite or NaN value is never saved. The status says which
+        // value (as -(1 + 3 * global parameter index + state kind)), so every rank can name
+        // the parameter, not only the one that holds it.
+        let bad = exported
+            .as_ref()
+            .ok()
+            .and_then(|st| fsdp_checkpoints::find_nonfinite(&self.layout, rank, &st.as_refs()));
+        let status = match &bad {
+            Some(b) => {
+                let before: usize = self.layout.spec.units[..b.unit]
+                    .iter()
+                    .map(|u| u.params.len())
+                    .sum();
+                let kind = fsdp_checkpoints::StateKind::ALL
+                    .iter()
+                    .position(|&k| k == b.kind)
+                    .unwrap_or(0);
+                -(1.0 + (3 * (before + b.param_index) + kind) as f64)
+            }
+            None => local_err.is_none() as u8 as f64,
+        };
+        let ok = engine.barrier_with_status(status)?;
+        if let Some((r, &code)) = ok.iter().enumerate().find(|(_, &x)| x < 0.0) {
+            let code = (-code - 1.0) as usize;
+            let (p, kind) = (code / 3, fsdp_checkpoints::StateKind::ALL[code % 3]);
+            let name = self
+                .layout
+                .spec
+                .units
+                .iter()
+                .flat_map(|u| &u.params)
+                .nth(p)
+                .map_or_else(|| format!("#{p}"), |x| x.name.clone());
+            return Err(crate::error::EngineError::Checkpoint(format!(
+                "checkpoint of step {step} in {}: refused: the {} of parameter {name} on rank {r} is not finite, and a checkpoint is never written from a non-finite state; the newest complete checkpoint is unchanged",
+                root.display(),
+                kind.suffix()
+            )));
+        }
+        if let Some(r) = ok.iter().position(|&x| x == 0.0) {
+            return Err(fail(
+                "begin",
+                local_err.unwrap_or_else(|| format!("rank {r} failed")),
+            ));
+        }
+        // Phase 2: the ranks of replicate index 0 write their files concurrently.
+        if self.layout.writes_model_state(rank) {
+            let st = exported.as_ref().expect("checked above");
+            let written = fsdp_checkpoints::PendingCheckpoint::attach(root, &self.layout, step)
+                .and_then(|p| p.write_rank(rank, &st.as_refs()));
+            local_err = written.err().map(|e| e.to_string());
+        }
+        let ok = engine.barrier_with_status(local_err.is_none() as u8 as f64)?;
+        if let Some(r) = ok.iter().position(|&x| x == 0.0) {
+            // Nothing is published; the next save removes the temporary directory.
+            return Err(fail(
+                "write",
+                local_err.unwrap_or_else(|| format!("rank {r} failed to write its file")),
+            ));
+        }
+        // Phase 3: rank 0 writes the manifest, renames into place, updates `latest`.
+        if let Ok(Some(p)) = begun {
+            let mut t = self.train.clone();
+            t.step = step;
+            t.data_position = step;
+            t.optimizer.step = engine.steps_taken() - engine.skipped_steps();
+            if let Some(sc) = engine.loss_scaler() {
+                t.extra.insert("loss_scale".into(), sc.scale.to_string());
+                t.extra
+                    .insert("loss_scale_clean_steps".into(), sc.clean_steps.to_string());
+            }
+            match p.commit(&t, self.keep_last) {
+                Ok(dir) => {
+                    if let Some(f) = &self.on_save {
+                        f(&SaveReport {
+                            step,
+                            bytes: dir_bytes(&dir),
+                            path: dir,
+                            seconds: t0.elapsed().as_secs_f64(),
+                        });
+                    }
+                }
+                Err(e) => local_err = Some(e.to_string()),
+            }
+        }
+        let ok = engine.barrier_with_status(local_err.is_none() as u8 as f64)?;
+        if ok.contains(&0.0) {
+            return Err(fail(
+                "commit",
+                local_err.unwrap_or_else(|| "rank 0 failed to commit".into()),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What a resume changes, given the checkpoint's saved flags (`extra`, the manifest's
+/// `train.extra`), its world size `saved_world` and completed `step`, against the run's
+/// options: one line per changed setting (the data file, the tokenizer of a token file,
+/// `--seq-len`, `--micro-batch`, `--grad-accum`, the world size), with where this run's sample
+/// stream starts against where the checkpoint's stopped (samples skipped or seen twice). Empty
+/// when nothing changes.
+pub fn resume_changes(
+    extra: &std::collections::BTreeMap<String, String>,
+    saved_world: u64,
+    step: u64,
+    o: &TrainOptions,
+) -> Vec<String> {
+    let mut lines = Vec::new();
+    let data_now = o
+        .data
+        .as_ref()
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|| "(embedded corpus)".into());
+    let get = |k: &str| extra.get(k).cloned();
+    let num = |k: &str| get(k).and_then(|v| v.parse::<u64>().ok());
+    if let Some(was) = get("data").filter(|w| *w != data_now) {
+        lines.push(format!(
+            "--data {data_now} (the checkpoint trained on {was}): the sample stream is cut from \
+             the new text, so steps from {} see other windows than an uninterrupted run",
+            step + 1
+        ));
+    }
+    let tokens_now = data_extra(o);
+    let tokenizer_now = tokens_now.get(DATA_TOKENIZER_KEY);
+    match (get(DATA_TOKENIZER_KEY), tokenizer_now) {
+        (Some(was), Some(now)) if was != *now => lines.push(format!(
+            "a token file made with another tokenizer (sha256 {}.., the checkpoint's {}..): \
+             its token ids name other pieces of text than the ones the model learned",
+            &now[..now.len().min(12)],
+            &was[..was.len().min(12)]
+        )),
+        (Some(_), None) => lines.push(
+            "text as bytes (the checkpoint trained on a token file): byte values are read \
+             as the token ids the model learned"
+                .into(),
+        ),
+        (None, Some(_)) if get("data").is_some() => lines.push(
+            "a token file (the checkpoint trained on text as bytes): its token ids are not \
+             the byte values the model learned"
+                .into(),
+        ),
+        _ => {}
+    }
+    // The model's math beyond its shapes (rotary base, norm epsilon, scaling, window): the
+    // checkpoint's shapes were checked, these are not in them.
+    let cfg_now = o
+        .hf_config
+        .as_ref()
+        .and_then(|p| std::fs::read_to_string(p).ok());
+    if let (Some(was), Some(now)) = (get(HF_CONFIG_KEY), cfg_now) {
+        let parse = |t: &str| fsdp_planner::hf::parse_llama_numerics(t, "config.json").ok();
+        if let (Some(a), Some(b)) = (parse(&was), parse(&now)) {
+            if a != b {
+                lines.push(format!(
+                    "--hf-config {} computes another model than the checkpoint's config.json \
+                     (rms_norm_eps {} was {}, rope_theta {} was {}, rope_scaling {} was {}, \
+                     sliding_window {:?} was {:?}): the same weights give other outputs",
+                    o.hf_config
+                        .as_ref()
+                        .map_or(String::new(), |p| p.display().to_string()),
+                    b.rms_norm_eps,
+                    a.rms_norm_eps,
+                    b.rope_theta,
+                    a.rope_theta,
+                    b.rope_scaling
+                        .map_or("none".into(), |s| format!("llama3 x{}", s.factor)),
+                    a.rope_scaling
+                        .map_or("none".into(), |s| format!("llama3 x{}", s.factor)),
+                    b.sliding_window,
+                    a.sliding_window
+                ));
+            }
+        }
+    }
+    let seq_now = o.seq_len as u64;
+    if let Some(was) = num("seq_len").filter(|w| *w != seq_now) {
+        lines.push(format!(
+            "--seq-len {seq_now} (the checkpoint used {was}): the text is re-cut into windows of \
+             {} bytes, so the window order differs from step {} on",
+            seq_now + 1,
+            step + 1
+        ));
+    }
+    let (mb_was, ga_was) = (num("micro_batch"), num("grad_accum"));
+    let (mb_now, ga_now, w_now) = (
+        o.micro_batch as u64,
+        o.grad_accum as u64,
+        o.world_size as u64,
+    );
+    let mut shape = Vec::new();
+    if let Some(was) = mb_was.filter(|w| *w != mb_now) {
+        shape.push(format!("--micro-batch {mb_now} (was {was})"));
+    }
+    if let Some(was) = ga_was.filter(|w| *w != ga_now) {
+        shape.push(format!("--grad-accum {ga_now} (was {was})"));
+    }
+    if saved_world != w_now {
+        shape.push(format!("world size {w_now} (was {saved_world})"));
+    }
+    if !shape.is_empty() {
+        let per_step_was = mb_was
+            .unwrap_or(mb_now)
+            .saturating_mul(ga_was.unwrap_or(ga_now))
+            .saturating_mul(saved_world);
+        let per_step_now = mb_now.saturating_mul(ga_now).saturating_mul(w_now);
+        let consumed = step.saturating_mul(per_step_was);
+        let start = step.saturating_mul(per_step_now);
+        let g = fsdp_types::group_thousands;
+        let effect = match start.cmp(&consumed) {
+            std::cmp::Ordering::Greater => format!(
+                "sequences {}..{} of the stream are skipped",
+                g(consumed),
+                g(start)
+            ),
+            std::cmp::Ordering::Less => format!(
+                "sequences {}..{} of the stream are seen a second time",
+                g(start),
+                g(consumed)
+            ),
+            std::cmp::Ordering::Equal => "no sequence is skipped or repeated".into(),
+        };
+        lines.push(format!(
+            "{}: {} sequences per step (was {}); the checkpoint consumed {} sequences \
+             ({step} steps), this run starts at sequence {}: {effect}",
+            shape.join(", "),
+            g(per_step_now),
+            g(per_step_was),
+            g(consumed),
+            g(start)
+        ));
+    }
+    lines
+}
+
+/// The checkpoint key recording the SHA-256 of the tokenizer a token file `--data` was made
+/// with (64 hex digits, from the file's header).
+pub const DATA_TOKENIZER_KEY: &str = "data_tokenizer_sha256";
+
+/// What the checkpoint records about a token file `--data` (empty for text): its tokenizer
+/// hash ([`DATA_TOKENIZER_KEY`]), token count (`data_tokens`) and vocabulary size
+/// (`data_vocab_size`), from the header. Text and the embedded corpus record nothing here.
+pub fn data_extra(o: &TrainOptions) -> std::collections::BTreeMap<String, String> {
+    let mut m = std::collections::BTreeMap::new();
+    if let Some(h) = o
+        .data
+        .as_deref()
+        .and_then(|p| crate::data::tokens::probe(p).ok().flatten())
+    {
+        m.insert(DATA_TOKENIZER_KEY.to_string(), h.tokenizer_hex());
+        m.insert("data_tokens".to_string(), h.count.to_string());
+        m.insert("data_vocab_size".to_string(), h.vocab_size.to_string());
+    }
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resume_changes_name_other_model_math() {
+        let t = tempfile::tempdir().unwrap();
+        let cfg = |theta: &str| {
+            format!(
+                r#"{{"model_type":"llama","vocab_size":256,"hidden_size":32,
+                "intermediate_size":64,"num_hidden_layers":1,"num_attention_heads":2,
+                "rope_theta":{theta}}}"#
+            )
+        };
+        let mut extra = std::collections::BTreeMap::new();
+        extra.insert(super::HF_CONFIG_KEY.to_string(), cfg("10000.0"));
+        let p = t.path().join("config.json");
+        std::fs::write(&p, cfg("10000.0")).unwrap();
+        let o = TrainOptions {
+            hf_config: Some(p.clone()),
+            ..TrainOptions::default()
+        };
+        assert!(resume_changes(&extra, 1, 5, &o).is_empty());
+        std::fs::write(&p, cfg("1234.0")).unwrap();
+        let l = resume_changes(&extra, 1, 5, &o);
+        assert_eq!(l.len(), 1, "{l:?}");
+        assert!(l[0].contains("rope_theta 1234 was 10000"), "{l:?}");
+    }
+
+    #[test]
+    fn resume_changes_count_skipped_sequences() {
+        let mut extra = std::collections::BTreeMap::new();
+        extra.insert("micro_batch".to_string(), "8".to_string());
+        extra.insert("grad_accum".to_string(), "1".to_string());
+        extra.insert("seq_len".to_string(), "128".to_string());
+        extra.insert("data".to_string(), "(embedded corpus)".to_string());
+        let o = TrainOptions {
+            micro_batch: 16,
+            seq_len: 128,
+            world_size: 1,
+            ..TrainOptions::default()
+        };
+        let l = resume_changes(&extra, 1, 20, &o);
+        assert_eq!(l.len(), 1, "{l:?}");
+        assert!(
+            l[0].contains("sequences 160..320 of the stream are skipped"),
+            "{l:?}"
+        );
+        let same = TrainOptions {
+            micro_batch: 8,
+            ..o
+        };
+        assert!(resume_changes(&extra, 1, 20, &same).is_empty());
+    }
+
+    #[test]
+    fn resume_changes_name_another_tokenizer() {
+        use crate::data::tokens::TokenWriter;
+        let dir = tempfile::tempdir().unwrap();
+        let file = |name: &str, sha: u8| {
+            let p = dir.path().join(name);
+            let mut w = TokenWriter::create(&p, 500, [sha; 32]).unwrap();
+            w.push(&[1, 2, 3]).unwrap();
+            w.finish().unwrap();
+            p
+        };
+        let (a, b) = (file("a.bin", 0xaa), file("b.bin", 0xbb));
+        let on = |p: &std::path::Path| TrainOptions {
+            data: Some(p.to_path_buf()),
+            ..TrainOptions::default()
+        };
+        let saved = data_extra(&on(&a));
+        assert_eq!(saved[DATA_TOKENIZER_KEY], "aa".repeat(32));
+        assert_eq!(saved["data_tokens"], "3");
+        assert_eq!(saved["data_vocab_size"], "500");
+        let mut extra = saved.clone();
+        extra.insert("data".into(), a.display().to_string());
+        assert!(resume_changes(&extra, 1, 5, &on(&a)).is_empty());
+        // The same path rewritten by another tokenizer.
+        std::fs::copy(&b, &a).unwrap();
+        let l = resume_changes(&extra, 1, 5, &on(&a));
+        assert_eq!(l.len(), 1, "{l:?}");
+        assert!(
+            l[0].contains(
+                "another tokenizer (sha256 bbbbbbbbbbbb.., the checkpoint's aaaaaaaaaaaa..)"
+            ),
+            "{l:?}"
+        );
+        // Text after a token file.
+        let text = dir.path().join("t.txt");
+        std::fs::write(&text, "text").unwrap();
+        let l = resume_changes(&extra, 1, 5, &on(&text));
+        assert!(l.iter().any(|x| x.starts_with("text as bytes")), "{l:?}");
+    }
+}

@@ -1,0 +1,157 @@
+//! From a validated [`TrainOptions`] to a run, in one pass: the model is built once from its
+//! preset or `config.json`, the plan is computed once (`Strategy::Auto` chooses here, for a
+//! memory budget), the pre-flight memory checks read that plan, and the training driver
+//! executes it ([`crate::train::train_prepared`]).
+//!
+//! ```text
+//! TrainOptions ──validate──▶ model (Decoder) ──plan──▶ ShardPlan ──preflight──▶ PreparedRun ──▶ train
+//! ```
+//!
+//! A new run setting is one field of [`TrainOptions`], read by
+//! [`crate::train::plan_config`] (what the planner sees) and the driver (what the engine does).
+
+use crate::checkpoint::check_init_from;
+use crate::error::EngineError;
+use crate::model::decoder::Decoder;
+use crate::preflight::{self, AutoResolution, Budget, RankMemory};
+use crate::train::{model_of, validate, TrainOptions};
+use fsdp_checkpoints::CkptError;
+use fsdp_planner::{ShardPlan, Strategy};
+
+/// Why preparing a run, or offline checkpoint work, did not go through. The two kinds are
+/// what a command-line front end tells apart: bad input (nothing was started) and a failure
+/// of work that had started.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RunError {
+    /// Bad input: a flag value, a file, a model description, a budget nothing fits; nothing
+    /// was started or written.
+    #[error("{0}")]
+    Refused(String),
+    /// Work that started and failed (a run, a write).
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl RunError {
+    /// The exit status a command line reports for it: 2 for bad input, 1 for a failed run.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            RunError::Refused(_) => 2,
+            RunError::Failed(_) => 1,
+        }
+    }
+}
+
+impl From<CkptError> for RunError {
+    /// Every checkpoint error is bad input (a file, a model, a layout).
+    fn from(e: CkptError) -> Self {
+        RunError::Refused(e.to_string())
+    }
+}
+
+impl From<EngineError> for RunError {
+    /// Configuration, plan, data and initial-value errors are bad input; everything else is a
+    /// failed run, non-finite values and diverged runs with what to do next.
+    fn from(e: EngineError) -> Self {
+        match e {
+            EngineError::Config(_)
+            | EngineError::Plan(_)
+            | EngineError::Data(_)
+            | EngineError::Init(_) => RunError::Refused(e.to_string()),
+            EngineError::NonFinite(_) => RunError::Failed(format!(
+                "{e}. Every rank stopped before updating anything: the newest checkpoint (if \
+                 --ckpt-dir was given) is intact and `--resume` restarts from it; lower --lr or \
+                 --clip, or pass --nonfinite skip to skip such steps"
+            )),
+            EngineError::TooManySkipped { .. } => RunError::Failed(format!(
+                "{e}. The run has diverged: the newest checkpoint (if --ckpt-dir was given) holds \
+                 the last applied update; lower --lr, or raise --max-skipped"
+            )),
+            other => RunError::Failed(other.to_string()),
+        }
+    }
+}
+
+impl From<fsdp_planner::PlanError> for RunError {
+    /// A plan the planner refuses is bad input.
+    fn from(e: fsdp_planner::PlanError) -> Self {
+        RunError::from(EngineError::from(e))
+    }
+}
+
+/// What [`prepare`] needs besides the options: the memory budget per rank and what the ranks
+/// can see of their hosts' memory.
+#[derive(Debug, Clone)]
+pub struct RunRequest {
+    /// The run's options; `strategy` may be [`Strategy::Auto`]. `world_size` is the run's
+    /// (an MPI or NCCL job's, after its initialisation).
+    pub options: TrainOptions,
+    /// The memory budget per rank (`--device-memory`): what `Auto` fits, or the bound an
+    /// explicit strategy's plan peak must keep.
+    pub budget: Option<Budget>,
+    /// The ranks' host memory: what the pre-flight checks and auto's default budget read.
+    pub ranks: RankMemory,
+}
+
+/// A run ready to start: its resolved options, its model and its plan, each computed once and
+/// checked by the pre-flight.
+#[derive(Debug)]
+pub struct PreparedRun {
+    /// The options with the strategy resolved (never `Auto`) and activation checkpointing as
+    /// the auto search chose it.
+    pub options: TrainOptions,
+    /// The model the options name (preset or `config.json`), checked against the data.
+    pub model: Decoder,
+    /// The plan of `model` under `options`: the one the pre-flight checked and the engine
+    /// executes.
+    pub plan: ShardPlan,
+    /// How `Strategy::Auto` was resolved (`None` for an explicit strategy).
+    pub auto: Option<AutoResolution>,
+}
+
+/// Prepares a run in one pass: validates the flags, builds the model once
+/// ([`model_of`]), plans once (resolving `Strategy::Auto` for the budget, or checking an
+/// explicit strategy's peak against it), runs the pre-flight memory check of the ranks' hosts
+/// on that plan ([`preflight::preflight_threads`], [`preflight::preflight_mpi`]) and checks
+/// `--init-from` against the model.
+///
+/// Errors: [`RunError::Refused`] for bad flags, an unknown model, a plan the planner refuses,
+/// a budget nothing fits, not enough memory, weights of another model.
+pub fn prepare(req: RunRequest) -> Result<PreparedRun, RunError> {
+    let RunRequest {
+        options: mut o,
+        budget,
+        ranks,
+    } = req;
+    // Flags first (any strategy stands in for auto, which the plan below resolves).
+    let mut probe = o.clone();
+    if probe.strategy == Strategy::Auto {
+        probe.strategy = Strategy::FullShard;
+    }
+    validate(&probe)?;
+    if let RankMemory::Threads { .. } = ranks {
+        preflight::check_thread_world_size(o.world_size)?;
+    }
+    let auto_budget = if o.strategy == Strategy::Auto {
+        Some(preflight::auto_budget(&o, budget.as_ref(), &ranks)?)
+    } else {
+        None
+    };
+    let model = model_of(&o)?;
+    let (plan, auto) = preflight::plan_for(&model, &mut o, budget.as_ref(), auto_budget)?;
+    validate(&o)?;
+    match &ranks {
+        RankMemory::Threads { available } => {
+            preflight::preflight_threads(&o, plan.memory.peak.0, *available)?
+        }
+        RankMemory::Mpi { hosts: Some(h) } => preflight::preflight_mpi(&o, plan.memory.peak.0, h)?,
+        RankMemory::Mpi { hosts: None } | RankMemory::Device => {}
+    }
+    check_init_from(&o, &model)?;
+    Ok(PreparedRun {
+        options: o,
+        model,
+        plan,
+        auto,
+    })
+}
