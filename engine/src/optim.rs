@@ -9,7 +9,7 @@ use crate::error::{EngineError, Result};
 use candle_core::Tensor;
 pub use fsdp_kernels::optim::{AdamWConfig, SgdConfig};
 use fsdp_kernels::span::Span;
-use fsdp_kernels::tensor::TensorKernels;
+use fsdp_kernels::tensor::{AdamWTensors, TensorKernels};
 
 /// The optimizer of a run.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -198,7 +198,17 @@ impl Optimizer {
                         state.len()
                     )));
                 };
-                kernels.adamw_step(param, grad, m, v, spans, c, step)?;
+                kernels.adamw_step(
+                    AdamWTensors {
+                        param,
+                        grad,
+                        exp_avg: m,
+                        exp_avg_sq: v,
+                    },
+                    spans,
+                    c,
+                    step,
+                )?;
             }
             Optimizer::Sgd(c) => {
                 let momentum = match state {

@@ -14,7 +14,7 @@ use fsdp_kernels::cuda::device_or_skip;
 #[cfg(feature = "cuda")]
 mod gpu {
     use candle_core::{Device, Tensor};
-    use fsdp_kernels::tensor::TensorKernels;
+    use fsdp_kernels::tensor::{AdamWTensors, TensorKernels};
     use fsdp_kernels::{AdamWConfig, KernelError, SgdConfig, Span};
     use fsdp_types::DType;
     use rand::rngs::StdRng;
@@ -102,15 +102,35 @@ mod gpu {
         let gv = buf.narrow(0, 3 + 2 * n, n).unwrap();
         for step in 1..=3u64 {
             let g = spread(&mut rng, n);
-            cpu.adamw_step(&cp, &on(&Device::Cpu, &g), &cm, &cv, &spans, &cfg, step)
-                .unwrap();
+            cpu.adamw_step(
+                AdamWTensors {
+                    param: &cp,
+                    grad: &on(&Device::Cpu, &g),
+                    exp_avg: &cm,
+                    exp_avg_sq: &cv,
+                },
+                &spans,
+                &cfg,
+                step,
+            )
+            .unwrap();
             let gg = on(&dev, &g)
                 .reshape((n / 8, 8))
                 .unwrap()
                 .flatten_all()
                 .unwrap();
-            gpu.adamw_step(&gp, &gg, &gm, &gv, &spans, &cfg, step)
-                .unwrap();
+            gpu.adamw_step(
+                AdamWTensors {
+                    param: &gp,
+                    grad: &gg,
+                    exp_avg: &gm,
+                    exp_avg_sq: &gv,
+                },
+                &spans,
+                &cfg,
+                step,
+            )
+            .unwrap();
             same_bits(&format!("adamw step {step} param"), &host(&gp), &host(&cp));
             same_bits(
                 &format!("adamw step {step} exp_avg"),
@@ -306,7 +326,17 @@ mod gpu {
         ));
         let all = [Span::new(0, 16, true)];
         assert!(matches!(
-            gpu.adamw_step(&g, &g, &g, &g, &all, &AdamWConfig::default(), 1),
+            gpu.adamw_step(
+                AdamWTensors {
+                    param: &g,
+                    grad: &g,
+                    exp_avg: &g,
+                    exp_avg_sq: &g
+                },
+                &all,
+                &AdamWConfig::default(),
+                1
+            ),
             Err(KernelError::AliasedBuffers { .. })
         ));
         assert!(matches!(

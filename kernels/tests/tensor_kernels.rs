@@ -5,7 +5,7 @@
 
 use candle_core::{DType as CDType, Device, IndexOp, Tensor};
 use fsdp_kernels::cast;
-use fsdp_kernels::tensor::{from_candle_dtype, to_candle_dtype, TensorKernels};
+use fsdp_kernels::tensor::{from_candle_dtype, to_candle_dtype, AdamWTensors, TensorKernels};
 use fsdp_kernels::{bf16, f16, AdamWConfig, KernelError, SgdConfig, Span};
 use fsdp_types::DType;
 use rand::rngs::StdRng;
@@ -98,13 +98,43 @@ fn adamw_matches_slice_kernel_on_whole_narrow_and_shaped_buffers() {
     for step in 1..=3u64 {
         let g = spread(&mut rng, n);
         fsdp_kernels::adamw_step(&mut p, &g, &mut m, &mut v, &spans, &cfg, step).unwrap();
-        k.adamw_step(&tp, &t(&g), &tm, &tv, &spans, &cfg, step)
-            .unwrap();
+        k.adamw_step(
+            AdamWTensors {
+                param: &tp,
+                grad: &t(&g),
+                exp_avg: &tm,
+                exp_avg_sq: &tv,
+            },
+            &spans,
+            &cfg,
+            step,
+        )
+        .unwrap();
         let (_, vg) = padded(&g, 3, sentinel);
-        k.adamw_step(&vp, &vg, &vm, &vv, &spans, &cfg, step)
-            .unwrap();
-        k.adamw_step(&sp, &shape(&t(&g)), &sm, &sv, &spans, &cfg, step)
-            .unwrap();
+        k.adamw_step(
+            AdamWTensors {
+                param: &vp,
+                grad: &vg,
+                exp_avg: &vm,
+                exp_avg_sq: &vv,
+            },
+            &spans,
+            &cfg,
+            step,
+        )
+        .unwrap();
+        k.adamw_step(
+            AdamWTensors {
+                param: &sp,
+                grad: &shape(&t(&g)),
+                exp_avg: &sm,
+                exp_avg_sq: &sv,
+            },
+            &spans,
+            &cfg,
+            step,
+        )
+        .unwrap();
         for (what, x, want) in [
             ("param", &tp, &p),
             ("exp_avg", &tm, &m),
@@ -152,7 +182,18 @@ fn adamw_on_disjoint_narrows_of_one_storage_does_not_deadlock() {
     k.copy_into(&v, 0, &t(&wv)).unwrap();
     let mut wv = wv;
     fsdp_kernels::adamw_step(wp, wg, wm, &mut wv, &spans, &cfg, 1).unwrap();
-    k.adamw_step(&p, &g, &m, &v, &spans, &cfg, 1).unwrap();
+    k.adamw_step(
+        AdamWTensors {
+            param: &p,
+            grad: &g,
+            exp_avg: &m,
+            exp_avg_sq: &v,
+        },
+        &spans,
+        &cfg,
+        1,
+    )
+    .unwrap();
     same_bits("param", &host(&p), wp);
     same_bits("grad (read only)", &host(&g), wg);
     same_bits("exp_avg", &host(&m), wm);
@@ -518,7 +559,17 @@ fn errors_carry_the_numbers_and_write_nothing() {
     // dtype mismatch: a bf16 gradient.
     let gb = k.from_f32(&[0.5; 12], DType::BF16).unwrap();
     assert_eq!(
-        k.adamw_step(&p, &gb, &m, &v, &all, &cfg, 1),
+        k.adamw_step(
+            AdamWTensors {
+                param: &p,
+                grad: &gb,
+                exp_avg: &m,
+                exp_avg_sq: &v
+            },
+            &all,
+            &cfg,
+            1
+        ),
         Err(KernelError::DTypeMismatch {
             what: "grad",
             expected: DType::F32,
@@ -528,7 +579,17 @@ fn errors_carry_the_numbers_and_write_nothing() {
     // length mismatch.
     let short = t(&[0.0; 11]);
     assert_eq!(
-        k.adamw_step(&p, &g, &m, &short, &all, &cfg, 1),
+        k.adamw_step(
+            AdamWTensors {
+                param: &p,
+                grad: &g,
+                exp_avg: &m,
+                exp_avg_sq: &short
+            },
+            &all,
+            &cfg,
+            1
+        ),
         Err(KernelError::LengthMismatch {
             what: "exp_avg_sq",
             expected: 12,
@@ -581,7 +642,17 @@ fn errors_carry_the_numbers_and_write_nothing() {
         })
     ));
     assert_eq!(
-        k.adamw_step(&p, &g, &m, &v, &all, &cfg, 0),
+        k.adamw_step(
+            AdamWTensors {
+                param: &p,
+                grad: &g,
+                exp_avg: &m,
+                exp_avg_sq: &v
+            },
+            &all,
+            &cfg,
+            0
+        ),
         Err(KernelError::ZeroStep { step: 0 })
     );
     // out-of-range offsets.
@@ -631,7 +702,17 @@ fn errors_carry_the_numbers_and_write_nothing() {
     }
     // Two written buffers overlapping in one storage.
     assert_eq!(
-        k.adamw_step(&p, &g, &p, &v, &all, &cfg, 1),
+        k.adamw_step(
+            AdamWTensors {
+                param: &p,
+                grad: &g,
+                exp_avg: &p,
+                exp_avg_sq: &v
+            },
+            &all,
+            &cfg,
+            1
+        ),
         Err(KernelError::AliasedBuffers {
             first: "param",
             first_start: 0,
@@ -647,7 +728,17 @@ fn errors_carry_the_numbers_and_write_nothing() {
         buf.narrow(0, 10, 12).unwrap(),
     );
     assert!(matches!(
-        k.adamw_step(&a, &g, &b, &v, &all, &cfg, 1),
+        k.adamw_step(
+            AdamWTensors {
+                param: &a,
+                grad: &g,
+                exp_avg: &b,
+                exp_avg_sq: &v
+            },
+            &all,
+            &cfg,
+            1
+        ),
         Err(KernelError::AliasedBuffers {
             first_end: 12,
             second_start: 10,

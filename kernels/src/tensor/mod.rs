@@ -116,6 +116,20 @@ impl std::fmt::Debug for TensorKernels {
     }
 }
 
+/// The four f32 buffers of one AdamW step ([`TensorKernels::adamw_step`]), each N elements
+/// on the kernels' device.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWTensors<'a> {
+    /// The parameters, updated in place.
+    pub param: &'a Tensor,
+    /// The gradient, read.
+    pub grad: &'a Tensor,
+    /// The first moment, updated in place.
+    pub exp_avg: &'a Tensor,
+    /// The second moment, updated in place.
+    pub exp_avg_sq: &'a Tensor,
+}
+
 /// What a validated argument is.
 struct Checked {
     dtype: DType,
@@ -271,17 +285,19 @@ impl TensorKernels {
     /// [`KernelError::SpanOutOfBounds`], [`KernelError::SpansOverlap`],
     /// [`KernelError::InvalidHyperparameter`], [`KernelError::ZeroStep`],
     /// [`KernelError::AliasedBuffers`]; [`KernelError::Device`] (CUDA).
-    #[allow(clippy::too_many_arguments)]
     pub fn adamw_step(
         &self,
-        param: &Tensor,
-        grad: &Tensor,
-        exp_avg: &Tensor,
-        exp_avg_sq: &Tensor,
+        t: AdamWTensors<'_>,
         spans: &[Span],
         cfg: &AdamWConfig,
         step: u64,
     ) -> Result<(), KernelError> {
+        let AdamWTensors {
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+        } = t;
         let n = self.check_f32(param, "param")?;
         check_len("grad", n, self.check_f32(grad, "grad")?)?;
         check_len("exp_avg", n, self.check_f32(exp_avg, "exp_avg")?)?;
