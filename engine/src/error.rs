@@ -16,13 +16,24 @@ pub enum EngineError {
     /// A kernel rejected its arguments (length mismatch, bad hyper-parameter, bad spans).
     #[error("kernel: {0}")]
     Kernel(#[from] fsdp_kernels::KernelError),
-    /// A collective failed (mismatched call, dead peer, timeout).
-    #[error("collective on rank {rank}: {message}")]
+    /// A collective failed (mismatched call, dead peer, timeout): the communicator's error,
+    /// kept whole, with the rank that observed it.
+    #[error("collective on rank {rank}: {source}")]
     Comm {
         /// The rank that observed the failure.
         rank: usize,
-        /// The communicator's message.
-        message: String,
+        /// The communicator's error.
+        #[source]
+        source: fsdp_comm::CommError,
+    },
+    /// The communicator of a launched process could not be built for `topology`.
+    #[error("collective on rank 0: cannot build the communicator for {topology}: {source}")]
+    CommSetup {
+        /// The world the plan needs (`Topology`'s words).
+        topology: String,
+        /// The communicator's error.
+        #[source]
+        source: fsdp_comm::CommError,
     },
     /// candle-core failed while computing a unit's forward or backward.
     #[error("compute: {0}")]
@@ -86,6 +97,19 @@ pub enum EngineError {
     /// training.
     #[error("initial weights: {0}")]
     Init(String),
+    /// An FSDP unit was asked for a transition its state does not allow (an engine bug, never
+    /// a user error): the unit, its state and the refused transition.
+    #[error("unit {unit}: {transition} refused in state {state}: {reason}")]
+    UnitTransition {
+        /// The unit's name.
+        unit: String,
+        /// The state it was in.
+        state: crate::runtime::UnitState,
+        /// The refused transition (`start_unshard`, `finish_unshard`, `gather_grads`, ...).
+        transition: &'static str,
+        /// Why that state does not allow it.
+        reason: &'static str,
+    },
     /// A rank thread panicked.
     #[error("rank {rank} panicked: {message}")]
     RankPanicked {

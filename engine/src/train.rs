@@ -576,7 +576,7 @@ pub type CommFactory<'a> =
 /// memory rows only, the steps and losses as rank 0 sees them on rank 0.
 ///
 /// Errors: as [`train`]; [`EngineError::Config`] when the communicator's world does not match
-/// `o.world_size` or the plan's topology; [`EngineError::Comm`] when it cannot be built.
+/// `o.world_size` or the plan's topology; [`EngineError::CommSetup`] when it cannot be built.
 pub fn train_with(
     o: &TrainOptions,
     alloc: Option<&'static CountingAllocator>,
@@ -701,9 +701,9 @@ pub fn train_prepared(
     let results: Vec<std::result::Result<Result<RankOutcome>, CommError>> = match process_rank {
         None => run_threads(topo, DEFAULT_TIMEOUT, |comm| body(Box::new(comm))),
         Some(factory) => {
-            let comm = factory(topo).map_err(|e| EngineError::Comm {
-                rank: 0,
-                message: format!("cannot build the communicator for {topo}: {e}"),
+            let comm = factory(topo).map_err(|source| EngineError::CommSetup {
+                topology: topo.to_string(),
+                source,
             })?;
             if comm.topology() != topo {
                 return Err(EngineError::Config(format!(
@@ -731,10 +731,7 @@ pub fn train_prepared(
                 first_err.get_or_insert(e);
             }
             Err(e) => {
-                first_err.get_or_insert(EngineError::Comm {
-                    rank,
-                    message: e.to_string(),
-                });
+                first_err.get_or_insert(EngineError::Comm { rank, source: e });
             }
         }
     }

@@ -76,11 +76,8 @@ fn on_ranks<M: StagedModel, T: Send>(
     })
     .into_iter()
     .map(|r| {
-        r.map_err(|e| EngineError::Comm {
-            rank: 0,
-            message: e.to_string(),
-        })
-        .and_then(|x| x)
+        r.map_err(|source| EngineError::Comm { rank: 0, source })
+            .and_then(|x| x)
     })
     .collect()
 }

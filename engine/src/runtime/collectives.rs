@@ -70,9 +70,9 @@ impl<'a> Collectives<'a> {
         let r = f(self.comm);
         self.spent += t.elapsed();
         self.calls += 1;
-        r.map_err(|e| EngineError::Comm {
+        r.map_err(|source| EngineError::Comm {
             rank: self.comm.rank(),
-            message: e.to_string(),
+            source,
         })
     }
 
@@ -108,9 +108,9 @@ impl<'a> Collectives<'a> {
         let t = Instant::now();
         let r = op.wait_all();
         self.spent += t.elapsed();
-        r.map_err(|e| EngineError::Comm {
+        r.map_err(|source| EngineError::Comm {
             rank: self.comm.rank(),
-            message: e.to_string(),
+            source,
         })
     }
 

@@ -1,0 +1,40 @@
+//! The optimizer step (plan phase optimizer step): the optimizer on every trainable flat shard
+//! with the plan's spans (padding untouched, weight decay only on decayed spans), then the
+//! gradient shards zeroed.
+
+use super::RankEngine;
+use crate::error::Result;
+use crate::runtime::staged::StagedModel;
+use fsdp_planner::Phase;
+
+impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
+    /// One optimizer step with learning rate `lr` on every trainable flat shard (spans from
+    /// the plan: padding untouched, weight decay only on decayed spans), then zeroes the
+    /// gradient shards. Frozen flat parameters are never touched.
+    pub fn optimizer_step(&mut self, lr: f64) -> Result<()> {
+        self.ledger.enter(Phase::OptimizerStep);
+        let opt = self.cfg.optimizer.with_lr(lr);
+        let step = self.step + 1;
+        // AdamW's step counts updates made: skipped steps are not updates.
+        let update = step - self.skipped;
+        for f in self.units.iter_mut().flat_map(|u| u.flats.iter_mut()) {
+            if f.layout.trainable {
+                f.step(&opt, update)?;
+            }
+        }
+        self.step = step;
+        self.consecutive_skips = 0;
+        self.zero_grad()
+    }
+
+    /// Sets every gradient shard to zero.
+    ///
+    /// Errors: a device kernel failure.
+    pub fn zero_grad(&mut self) -> Result<()> {
+        self.local_sum_squares = None;
+        for f in self.units.iter_mut().flat_map(|u| u.flats.iter_mut()) {
+            f.grad.zero()?;
+        }
+        Ok(())
+    }
+}

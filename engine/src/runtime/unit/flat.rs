@@ -1,0 +1,406 @@
+//! The flat buffers of a unit's shards: [`F32Buf`] (an fp32 buffer on the host or a device),
+//! [`FlatShard`] (one flat parameter's master, gradient and optimizer-state shards, and the
+//! optimizer step on them) and the host-tensor access helpers [`mut_f32`] and [`with_f32`].
+//! These exist in every state of a unit (`param_shards`, `grad_shards`, `optimizer_state`).
+
+use crate::error::{EngineError, Result};
+use crate::optim::Optimizer;
+use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor};
+use fsdp_comm::OwnedBuf;
+use fsdp_kernels::tensor::TensorKernels;
+use fsdp_kernels::Span;
+use fsdp_planner::FlatParamLayout;
+use fsdp_types::DType;
+use std::cell::RefCell;
+use std::sync::Arc;
+
+/// An fp32 flat buffer of a shard (master weights, gradient, optimizer state): a host `Vec`
+/// or a 1-D f32 tensor on the placement's device with the kernels that update it.
+#[derive(Debug)]
+pub(crate) enum F32Buf {
+    Host(Vec<f32>),
+    Dev(Tensor, Arc<TensorKernels>),
+}
+
+impl F32Buf {
+    /// `values` where `dev` is `None`, else a copy of them on the device.
+    pub(crate) fn from_vec(dev: Option<&Arc<TensorKernels>>, values: Vec<f32>) -> Result<F32Buf> {
+        Ok(match dev {
+            None => F32Buf::Host(values),
+            Some(k) => F32Buf::Dev(k.from_f32(&values, DType::F32)?, k.clone()),
+        })
+    }
+
+    /// `n` zeros.
+    pub(crate) fn zeros(dev: Option<&Arc<TensorKernels>>, n: usize) -> Result<F32Buf> {
+        Ok(match dev {
+            None => F32Buf::Host(vec![0.0; n]),
+            Some(k) => F32Buf::Dev(k.zeros(DType::F32, n)?, k.clone()),
+        })
+    }
+
+    /// An empty buffer (frozen flat parameters have no gradient).
+    pub(crate) fn empty() -> F32Buf {
+        F32Buf::Host(Vec::new())
+    }
+
+    /// Elements.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            F32Buf::Host(v) => v.len(),
+            F32Buf::Dev(t, _) => t.elem_count(),
+        }
+    }
+
+    /// A host copy.
+    pub(crate) fn to_vec(&self) -> Result<Vec<f32>> {
+        Ok(match self {
+            F32Buf::Host(v) => v.clone(),
+            F32Buf::Dev(t, k) => k.to_f32(t)?,
+        })
+    }
+
+    /// Overwrites the buffer with `values` (same length).
+    pub(crate) fn set(&mut self, values: &[f32]) -> Result<()> {
+        if values.len() != self.len() {
+            return Err(EngineError::State(format!(
+                "{} values for a buffer of {} elements",
+                values.len(),
+                self.len()
+            )));
+        }
+        match self {
+            F32Buf::Host(v) => v.copy_from_slice(values),
+            F32Buf::Dev(t, k) => k.copy_into(t, 0, &k.from_f32(values, DType::F32)?)?,
+        }
+        Ok(())
+    }
+
+    /// Largest absolute value over `spans` (NaN if any is NaN).
+    pub(crate) fn max_abs(&self, spans: &[Span]) -> Result<f32> {
+        Ok(match self {
+            F32Buf::Host(v) => fsdp_kernels::max_abs(v, spans)?,
+            F32Buf::Dev(t, k) => k.max_abs(t, spans)?,
+        })
+    }
+
+    /// Sum of squares over `spans`, accumulated in f64.
+    pub(crate) fn sum_squares(&self, spans: &[Span]) -> Result<f64> {
+        Ok(match self {
+            F32Buf::Host(v) => fsdp_kernels::sum_squares(v, spans)?,
+            F32Buf::Dev(t, k) => k.sum_squares(t, spans)?,
+        })
+    }
+
+    /// Multiplies every element by `a`.
+    pub(crate) fn scale(&mut self, a: f32) -> Result<()> {
+        match self {
+            F32Buf::Host(v) => fsdp_kernels::scale(v, a),
+            F32Buf::Dev(t, k) => k.scale(t, a)?,
+        }
+        Ok(())
+    }
+
+    /// Divides every element by `d`.
+    pub(crate) fn div_scalar(&mut self, d: f32) -> Result<()> {
+        match self {
+            F32Buf::Host(v) => fsdp_kernels::div_scalar(v, d),
+            F32Buf::Dev(t, k) => k.div_scalar(t, d)?,
+        }
+        Ok(())
+    }
+
+    /// Sets every element to zero.
+    pub(crate) fn zero(&mut self) -> Result<()> {
+        match self {
+            F32Buf::Host(v) => fsdp_kernels::zero(v),
+            F32Buf::Dev(t, k) => k.zero(t)?,
+        }
+        Ok(())
+    }
+
+    /// Adds a reduced gradient shard (`len()` elements of any dtype) into this fp32 buffer;
+    /// 16-bit values widen exactly.
+    pub(crate) fn accumulate(&mut self, src: &OwnedBuf) -> Result<()> {
+        if self.len() != src.len() {
+            return Err(EngineError::Config(format!(
+                "reduced gradient of {} elements for a shard of {}",
+                src.len(),
+                self.len()
+            )));
+        }
+        match (self, src) {
+            (F32Buf::Host(grad), OwnedBuf::F32(v)) => fsdp_kernels::accumulate(grad, v)?,
+            (F32Buf::Host(grad), OwnedBuf::BF16(v)) => {
+                grad.iter_mut().zip(v).for_each(|(g, x)| *g += x.to_f32())
+            }
+            (F32Buf::Host(grad), OwnedBuf::F16(v)) => {
+                grad.iter_mut().zip(v).for_each(|(g, x)| *g += x.to_f32())
+            }
+            (F32Buf::Host(grad), OwnedBuf::F64(v)) => {
+                grad.iter_mut().zip(v).for_each(|(g, x)| *g += *x as f32)
+            }
+            (F32Buf::Dev(t, k), OwnedBuf::Tensor(x)) => k.accumulate(t, x)?,
+            (F32Buf::Host(_), _) | (F32Buf::Dev(..), _) => {
+                return Err(EngineError::Config(
+                    "a reduced gradient and its shard live on different devices".into(),
+                ))
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Storage of a master fp32 shard.
+#[derive(Debug)]
+pub(super) enum Master {
+    /// Shard group > 1: the shard as one flat buffer of `s_f` elements.
+    Flat(F32Buf),
+    /// Shard group of one: one tensor per segment (variables when trainable); padding and
+    /// alignment gaps are implicit zeros.
+    Parts(Vec<Tensor>),
+}
+
+/// One flat parameter of a unit on this rank.
+#[derive(Debug)]
+pub struct FlatShard {
+    /// The plan's layout of this flat parameter.
+    pub layout: FlatParamLayout,
+    /// This rank's shard index in the shard group.
+    pub shard_index: u64,
+    pub(super) master: Master,
+    /// The fp32 accumulated gradient shard (`s_f` elements); empty for frozen flat params.
+    pub(crate) grad: F32Buf,
+    /// Optimizer state buffers (`s_f` elements each): AdamW `[exp_avg, exp_avg_sq]`, SGD
+    /// `[momentum]` or none; empty for frozen flat params.
+    pub(crate) state: Vec<F32Buf>,
+    /// The real spans of this shard with their weight-decay flags (padding excluded).
+    pub spans: Vec<Span>,
+    /// The device kernels when the shard lives on a compute device ([`Placement::Device`]).
+    pub(crate) dev: Option<Arc<TensorKernels>>,
+}
+
+impl FlatShard {
+    /// Shard length `s_f` (elements).
+    pub fn shard_numel(&self) -> usize {
+        self.layout.shard_numel().0 as usize
+    }
+
+    /// Padded length `P_f` (elements).
+    pub fn padded_numel(&self) -> usize {
+        self.layout.padded_numel.0 as usize
+    }
+
+    /// A copy of the master shard (`s_f` elements, padding zero).
+    pub fn param_vec(&self) -> Result<Vec<f32>> {
+        match &self.master {
+            Master::Flat(v) => v.to_vec(),
+            Master::Parts(parts) => {
+                let mut out = vec![0f32; self.shard_numel()];
+                for (seg, t) in self.layout.segments.iter().zip(parts) {
+                    let r = seg_range(seg);
+                    match &self.dev {
+                        None => with_f32(t, |x| out[r].copy_from_slice(x))?,
+                        Some(k) => out[r].copy_from_slice(&k.to_f32(t)?),
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    /// A host copy of the fp32 gradient shard (`s_f` elements; empty for frozen ones).
+    pub fn grad_vec(&self) -> Result<Vec<f32>> {
+        self.grad.to_vec()
+    }
+
+    /// Host copies of the optimizer state buffers (`s_f` elements each).
+    pub fn state_vecs(&self) -> Result<Vec<Vec<f32>>> {
+        self.state.iter().map(F32Buf::to_vec).collect()
+    }
+
+    /// Overwrites optimizer state buffer `i` with `values` (`s_f` elements).
+    ///
+    /// Errors: [`EngineError::State`] on a bad index or length.
+    pub fn set_state(&mut self, i: usize, values: &[f32]) -> Result<()> {
+        let n = self.state.len();
+        self.state
+            .get_mut(i)
+            .ok_or_else(|| EngineError::State(format!("optimizer state {i} of {n}")))?
+            .set(values)
+    }
+
+    /// Overwrites the master shard with `values` (`s_f` elements; padding must be zero).
+    ///
+    /// Errors: [`EngineError::State`] on a length mismatch.
+    pub fn set_param(&mut self, values: &[f32]) -> Result<()> {
+        if values.len() != self.shard_numel() {
+            return Err(EngineError::State(format!(
+                "unit {} flat param: {} elements given, shard has {}",
+                self.layout.unit,
+                values.len(),
+                self.shard_numel()
+            )));
+        }
+        match &mut self.master {
+            Master::Flat(v) => v.set(values)?,
+            Master::Parts(parts) => {
+                for (seg, t) in self.layout.segments.iter().zip(parts.iter()) {
+                    let r = seg_range(seg);
+                    match &self.dev {
+                        None => mut_f32(t, |x| x.copy_from_slice(&values[r]))?,
+                        Some(k) => k.copy_into(t, 0, &k.from_f32(&values[r], DType::F32)?)?,
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One optimizer step on this shard (trainable only) with the plan's spans: padding is
+    /// never read or written, weight decay only where the span says so.
+    pub(crate) fn step(&mut self, opt: &Optimizer, step: u64) -> Result<()> {
+        let FlatShard {
+            master,
+            grad,
+            state,
+            spans,
+            layout,
+            ..
+        } = self;
+        if let (Master::Flat(F32Buf::Dev(p, k)), F32Buf::Dev(g, _)) = (&*master, &*grad) {
+            let st = dev_tensors(state)?;
+            return opt.step_tensors(k, p, g, &st, spans, step);
+        }
+        if let (Master::Parts(parts), F32Buf::Dev(g, k)) = (&*master, &*grad) {
+            let st = dev_tensors(state)?;
+            for (seg, t) in layout.segments.iter().zip(parts.iter()) {
+                let r = seg_range(seg);
+                let sp = [Span::new(0, r.len(), seg.weight_decay)];
+                let gs = g.narrow(0, r.start, r.len())?;
+                let ss: Vec<Tensor> = st
+                    .iter()
+                    .map(|s| s.narrow(0, r.start, r.len()))
+                    .collect::<candle_core::Result<_>>()?;
+                opt.step_tensors(k, t, &gs, &ss, &sp, step)?;
+            }
+            return Ok(());
+        }
+        let (F32Buf::Host(grad), Ok(mut state)) = (&*grad, host_slices(state)) else {
+            return Err(EngineError::Config(
+                "a shard's master, gradient and optimizer state live on different devices".into(),
+            ));
+        };
+        match master {
+            Master::Flat(F32Buf::Host(p)) => opt.step_shard(p, grad, &mut state, spans, step),
+            Master::Flat(F32Buf::Dev(..)) => Err(EngineError::Config(
+                "a shard's master and gradient live on different devices".into(),
+            )),
+            Master::Parts(parts) => {
+                let mut err = None;
+                for (seg, t) in layout.segments.iter().zip(parts.iter()) {
+                    let r = seg_range(seg);
+                    let sp = [Span::new(0, r.len(), seg.weight_decay)];
+                    let mut st: Vec<&mut [f32]> =
+                        state.iter_mut().map(|s| &mut s[r.clone()]).collect();
+                    let g = &grad[r.clone()];
+                    mut_f32(t, |x| {
+                        if let Err(e) = opt.step_shard(x, g, &mut st, &sp, step) {
+                            err = Some(e);
+                        }
+                    })?;
+                    if let Some(e) = err.take() {
+                        return Err(e);
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The device tensors of state buffers (all must be on the device).
+fn dev_tensors(state: &[F32Buf]) -> Result<Vec<Tensor>> {
+    state
+        .iter()
+        .map(|s| match s {
+            F32Buf::Dev(t, _) => Ok(t.clone()),
+            F32Buf::Host(_) => Err(EngineError::Config(
+                "optimizer state on the host for a shard on a device".into(),
+            )),
+        })
+        .collect()
+}
+
+/// The host slices of state buffers (all must be on the host).
+fn host_slices(state: &mut [F32Buf]) -> std::result::Result<Vec<&mut [f32]>, ()> {
+    state
+        .iter_mut()
+        .map(|s| match s {
+            F32Buf::Host(v) => Ok(v.as_mut_slice()),
+            F32Buf::Dev(..) => Err(()),
+        })
+        .collect()
+}
+
+/// The element range of a segment in its flat parameter (or in a shard of one).
+pub(super) fn seg_range(seg: &fsdp_planner::Segment) -> std::ops::Range<usize> {
+    let r = seg.range();
+    r.start as usize..r.end as usize
+}
+
+type MutFn<'a> = Box<dyn FnOnce(&mut [f32]) + 'a>;
+
+/// A candle in-place op handing a closure the f32 elements of a contiguous CPU tensor.
+struct MutSlice<'a>(RefCell<Option<MutFn<'a>>>);
+
+impl InplaceOp1 for MutSlice<'_> {
+    fn name(&self) -> &'static str {
+        "fsdp-mut-slice"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let (start, end) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("master tensor is not contiguous".into()))?;
+        let CpuStorage::F32(v) = storage else {
+            candle_core::bail!("master tensor is not f32");
+        };
+        if let Some(f) = self.0.borrow_mut().take() {
+            f(&mut v[start..end]);
+        }
+        Ok(())
+    }
+}
+
+/// Runs `f` on the f32 elements of the contiguous CPU tensor `t`, mutably, through a candle
+/// in-place op (other handles of the same storage see the change).
+///
+/// Errors: a non-contiguous, non-f32 or non-CPU tensor.
+pub fn mut_f32<'a>(t: &Tensor, f: impl FnOnce(&mut [f32]) + 'a) -> Result<()> {
+    let op = MutSlice(RefCell::new(Some(Box::new(f))));
+    t.inplace_op1(&op)?;
+    Ok(())
+}
+
+/// Runs `f` on the f32 elements of `t` (made contiguous first if needed; CPU only).
+///
+/// Errors: a non-f32 or non-CPU tensor.
+pub fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    let owned;
+    let t = if t.is_contiguous() {
+        t
+    } else {
+        owned = t.contiguous()?;
+        &owned
+    };
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        return Err(EngineError::Config(
+            "the engine's flat buffers live on the CPU in this build".into(),
+        ));
+    };
+    let all = cpu.as_slice::<f32>()?;
+    let start = layout.start_offset();
+    Ok(f(&all[start..start + t.elem_count()]))
+}
