@@ -703,7 +703,7 @@ pub fn train_prepared(
         Some(factory) => {
             let comm = factory(topo).map_err(|source| EngineError::CommSetup {
                 topology: topo.to_string(),
-                source,
+                source: Box::new(source),
             })?;
             if comm.topology() != topo {
                 return Err(EngineError::Config(format!(
@@ -731,7 +731,10 @@ pub fn train_prepared(
                 first_err.get_or_insert(e);
             }
             Err(e) => {
-                first_err.get_or_insert(EngineError::Comm { rank, source: e });
+                first_err.get_or_insert(EngineError::Comm {
+                    rank,
+                    source: Box::new(e),
+                });
             }
         }
     }
