@@ -221,7 +221,7 @@ pub fn local_ranks(hosts: &[RankHost], r: usize) -> Option<u64> {
 /// decision and refuses with the same message (naming the first short rank) before training:
 /// no rank is left waiting for a peer that quit.
 ///
-/// Errors: [`RunError::Refused`] (exit 2) with the node's numbers and the flags to lower.
+/// Errors: [`RunError::Refused`] with the node's numbers and the flags to lower.
 pub fn preflight_mpi(
     opts: &TrainOptions,
     plan_peak: u64,

@@ -17,7 +17,7 @@ use super::resume::{passed_over, HF_CONFIG_KEY};
 /// checkpoint of the same step and move `latest` to the resharded one, possibly backwards past
 /// newer checkpoints. A new or empty directory is fine.
 ///
-/// Errors: [`RunError::Refused`] (exit 2) naming the directory.
+/// Errors: [`RunError::Refused`] naming the directory.
 pub fn refuse_occupied_output(out: &Path, src_dir: &Path) -> Result<(), RunError> {
     let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
         (Ok(a), Ok(b)) => a == b,
@@ -131,7 +131,7 @@ pub fn open_verified(dir: &Path, note: &mut dyn FnMut(String)) -> Result<Checkpo
 /// Refuses a model-directory output before any work: an existing file, a non-empty directory
 /// or a missing parent directory, naming the path and the fix.
 ///
-/// Errors: [`RunError::Refused`] (exit 2).
+/// Errors: [`RunError::Refused`].
 pub fn check_output_model_dir(path: &Path) -> Result<(), RunError> {
     if path.is_file() {
         return Err(RunError::Refused(format!(
@@ -161,7 +161,7 @@ pub fn check_output_model_dir(path: &Path) -> Result<(), RunError> {
 /// preset of the checkpoint's model name; checked to describe the checkpoint's model
 /// ([`fsdp_planner::hf::export_hf_config`]).
 ///
-/// Errors: [`RunError::Refused`] (exit 2) when none is available (naming `--hf-config`) or the
+/// Errors: [`RunError::Refused`] when none is available (naming `--hf-config`) or the
 /// config describes another model.
 pub fn export_config(
     ck: &Checkpoint,
@@ -255,7 +255,7 @@ pub fn check_output_file(flag: &str, path: &Path) -> Result<(), RunError> {
 
 /// Refuses an output `path` (given with `flag`) whose parent directory does not exist.
 ///
-/// Errors: [`RunError::Refused`] (exit 2) naming the directory and the `mkdir -p` that fixes it.
+/// Errors: [`RunError::Refused`] naming the directory and the `mkdir -p` that fixes it.
 fn check_parent_exists(flag: &str, path: &Path) -> Result<(), RunError> {
     let parent = path
         .parent()

@@ -160,7 +160,7 @@ pub fn hf_config_text(
 /// files (headers only) and binds every tensor to a parameter strictly
 /// ([`crate::init::FileWeights::open`]). Each rank later reads only its own shards' bytes.
 ///
-/// Errors: [`RunError::Refused`] (exit 2) naming the file and the tensor: a missing, unexpected
+/// Errors: [`RunError::Refused`] naming the file and the tensor: a missing, unexpected
 /// or mis-shaped tensor (with the model's name and how to name the right configuration), a
 /// truncated or malformed file, a per-rank shard file.
 pub fn check_init_from(
@@ -467,7 +467,7 @@ fn open_intact(dir: &Path, spec: &fsdp_planner::ModelSpec) -> Result<Checkpoint,
 ///   is named through `note`.
 /// - [`ResumeFrom::Step`]: that step's directory, which must be intact.
 ///
-/// Errors: [`RunError::Refused`] (exit 2) naming the directories.
+/// Errors: [`RunError::Refused`] naming the directories.
 pub fn choose_resume(
     root: &Path,
     dirs: &[StepDir],
@@ -588,7 +588,7 @@ pub fn choose_resume(
 /// training would be lost: creates the directory (and its parents) if missing, then creates and
 /// removes a probe file in it.
 ///
-/// Errors: [`RunError::Refused`] (exit 2) when the path exists and is not a directory, cannot be
+/// Errors: [`RunError::Refused`] when the path exists and is not a directory, cannot be
 /// created, or is not writable, naming the path and the OS error.
 fn check_ckpt_dir(root: &std::path::Path) -> Result<(), RunError> {
     let bad = |what: &str, e: std::io::Error| {
@@ -632,7 +632,7 @@ fn check_ckpt_dir(root: &std::path::Path) -> Result<(), RunError> {
 /// run's lower steps while keeping the old run's higher ones), and a later `--resume` could
 /// continue the wrong run.
 ///
-/// Errors: [`RunError::Refused`] (exit 2) naming the directory, its newest step and the fixes.
+/// Errors: [`RunError::Refused`] naming the directory, its newest step and the fixes.
 fn refuse_fresh_run_into_checkpoints(root: &Path) -> Result<(), RunError> {
     let dirs = step_dirs(root)?;
     let latest = root.join(fsdp_checkpoints::LATEST_FILE).is_file();
