@@ -1,11 +1,13 @@
 //! The FSDP runtime: FSDP units and their state transitions ([`mod@unit`]), the per-rank step loop
 //! executing a plan ([`engine`]), the model interface it runs ([`staged`]), the collectives
-//! wrapper ([`collectives`]) and the GPT adapter ([`gpt`]).
+//! wrapper ([`collectives`]), the host side of an offloaded rank ([`offload`]) and the GPT
+//! adapter ([`gpt`]).
 
 pub mod collectives;
 pub mod engine;
 pub mod gpt;
 mod init_shards;
+pub mod offload;
 pub mod staged;
 pub mod unit;
 

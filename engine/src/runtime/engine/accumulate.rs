@@ -8,7 +8,7 @@ use crate::error::{EngineError, Result};
 use crate::memory::LEDGER_CATEGORIES;
 use crate::runtime::staged::{MicroBatch, StagedModel};
 use fsdp_comm::{BufMut, Group, ReduceOp};
-use fsdp_planner::{GradSync, Phase};
+use fsdp_planner::Phase;
 use fsdp_types::DType;
 
 /// What one call of [`RankEngine::accumulate`] produced (identical on every rank).
@@ -52,7 +52,7 @@ impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
                 "a step needs at least one micro-batch".into(),
             ));
         }
-        self.ledger.reset_peaks();
+        self.reset_ledger_peaks();
         self.pending_nonfinite = None;
         self.local_sum_squares = None;
         for flags in self.contribution_nonfinite.iter_mut() {
@@ -60,9 +60,15 @@ impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
         }
         // Persistent unsharded gradients (sync on the last micro-batch) belong to the forward
         // phase of the first micro-batch.
-        self.ledger.enter(Phase::Forward);
+        self.enter_phase(Phase::Forward);
         let k_total = mbs.len();
-        let sync_last = self.plan.config.grad_sync == GradSync::LastMicroBatch && k_total > 1;
+        // Deferred to the last micro-batch under `grad_sync = last`, and always under the
+        // replicated shard-optimizer schedule (the planner decides with the same function).
+        let sync_last = fsdp_planner::memory::defers_grad_sync(
+            &self.plan.config,
+            &self.plan.schedule,
+            k_total as u64,
+        );
         if sync_last {
             for u in 0..self.units.len() {
                 if self.units[u].trainable() {
@@ -75,8 +81,11 @@ impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
             let last = k + 1 == k_total;
             local_loss += self.micro_batch(mb, sync_last, !sync_last || last)?;
         }
-        // End of the backward phase: everything unsharded goes.
-        self.transition_to(&[], None, &[])?;
+        // End of the backward phase: everything unsharded goes, except the replicated
+        // parameters of shard-optimizer, kept through the optimizer step.
+        if !self.plan.schedule.replicated {
+            self.transition_to(&[], None, &[])?;
+        }
         for u in self.units.iter_mut() {
             u.free_flat_grads(&mut self.ledger);
         }
@@ -148,21 +157,45 @@ impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
             return None;
         }
         for phase in [Phase::Forward, Phase::Backward] {
-            let measured = self.ledger.peak(phase).max;
-            let planned = self.plan.memory.phase(phase).max;
-            for c in LEDGER_CATEGORIES {
-                if measured.get(c) > planned.get(c) {
-                    return Some(EngineError::MemoryOverPlan {
-                        step: self.step + 1,
-                        rank: self.rank,
-                        phase: phase.name(),
-                        category: c.name(),
-                        measured: measured.get(c).0,
-                        planned: planned.get(c).0,
-                    });
+            let planned = self.plan.memory.phase(phase);
+            // The device (or host placement) ledger, then an offloaded rank's host ledger.
+            for (measured, planned, side) in [
+                (self.ledger.peak(phase).max, planned.max, ""),
+                (self.host_ledger.peak(phase).max, planned.host_max, "host "),
+            ] {
+                for c in LEDGER_CATEGORIES {
+                    if measured.get(c) > planned.get(c) {
+                        return Some(EngineError::MemoryOverPlan {
+                            step: self.step + 1,
+                            rank: self.rank,
+                            phase: phase.name(),
+                            category: if side.is_empty() {
+                                c.name()
+                            } else {
+                                host_category_name(c)
+                            },
+                            measured: measured.get(c).0,
+                            planned: planned.get(c).0,
+                        });
+                    }
                 }
             }
         }
         None
+    }
+}
+
+/// The name a host-ledger category is reported under (`host param_shards`, ...).
+fn host_category_name(c: fsdp_planner::Category) -> &'static str {
+    use fsdp_planner::Category as C;
+    match c {
+        C::ParamShards => "host param_shards",
+        C::ParamShardsLowPrecision => "host param_shards_low_precision",
+        C::GradShards => "host grad_shards",
+        C::OptimizerState => "host optimizer_state",
+        C::UnshardedParams => "host unsharded_params",
+        C::UnshardedGrads => "host unsharded_grads",
+        C::Staging => "host staging",
+        C::Activations => "host activations",
     }
 }

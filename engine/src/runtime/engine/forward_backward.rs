@@ -35,7 +35,7 @@ impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
         // same tensors before its backward, see `FsdpUnit::reshard`).
         let keep = !sched.activation_checkpointing;
         let m = self.stage_units.len();
-        self.ledger.enter(Phase::Forward);
+        self.enter_phase(Phase::Forward);
         // Per stage: the input kept for backward, and (keep mode) the output with its graph.
         let mut inputs: Vec<Option<Tensor>> = vec![None; m];
         let mut outputs: Vec<Option<Tensor>> = vec![None; m];
@@ -85,7 +85,7 @@ impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
             }
         }
         drop(x);
-        self.ledger.enter(Phase::Backward);
+        self.enter_phase(Phase::Backward);
         let mut g_out: Option<Tensor> = None;
         let mut touched = vec![false; self.units.len()];
         let grad_dtype = if sync_last {

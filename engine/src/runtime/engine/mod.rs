@@ -63,16 +63,17 @@ use crate::init::{FullValues, ParamSource};
 use crate::memory::{MemoryLedger, PhasePeak};
 use crate::runtime::collectives::{f64_chunks_to_u64, u64_to_f64_chunks, Collectives};
 use crate::runtime::init_shards::init_shards;
+use crate::runtime::offload::HostStaging;
 use crate::runtime::staged::{MicroBatch, StagedModel};
-use crate::runtime::unit::{with_f32, FsdpUnit, Placement, UnitInit};
+use crate::runtime::unit::{with_f32, FsdpUnit, OffloadInit, Placement, UnitInit};
 use candle_core::Tensor;
 use clip::check_max_norm;
 use fsdp_comm::Communicator;
 use fsdp_kernels::tensor::TensorKernels;
-use fsdp_planner::{Phase, ShardPlan};
+use fsdp_planner::{Offload, Phase, ShardPlan};
 use fsdp_types::DType;
 use serde::Serialize;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Timing and measurements of one training step on one rank.
@@ -118,6 +119,9 @@ pub struct RankEngine<'a, M: StagedModel + ?Sized> {
     needs_input_grad: Vec<bool>,
     needs_backward: Vec<bool>,
     ledger: MemoryLedger,
+    /// The host ledger of an offloaded rank (master, gradient and optimizer-state shards, the
+    /// staging buffers); empty without offload.
+    host_ledger: MemoryLedger,
     step: u64,
     /// Steps skipped (non-finite gradients or loss; not counted as AdamW updates).
     skipped: u64,
@@ -174,9 +178,8 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
     ///
     /// `init` is `[unit][non-tied param][element]` (see [`StagedModel::init_params`]).
     ///
-    /// Errors: [`EngineError::Config`] (a shard-optimizer plan, which this engine does not
-    /// execute; world size, shard size, dtypes, optimizer or stages differ from the plan;
-    /// wrong init sizes), [`EngineError::RankMismatch`] (fingerprint or
+    /// Errors: [`EngineError::Config`] (world size, shard size, dtypes, optimizer or stages
+    /// differ from the plan; wrong init sizes; an offloading plan on the host placement), [`EngineError::RankMismatch`] (fingerprint or
     /// initial-weight checksum differs from rank 0's), [`EngineError::Comm`].
     pub fn new(
         model: &'a M,
@@ -228,10 +231,10 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         source: &dyn ParamSource,
         placement: Placement,
     ) -> Result<Self> {
-        if plan.strategy.replicated_params_and_grads() {
+        let offload = plan.config.offload_mode();
+        if offload.is_some() && matches!(placement, Placement::Host) {
             return Err(EngineError::Config(format!(
-                "strategy {} (ZeRO-1: replicated params and grads, sharded optimizer state) is planned by `fsdp plan` but this engine does not execute it; use full-shard, shard-grad-op, no-shard or hybrid",
-                plan.strategy
+                "the plan offloads with --offload {offload}, which moves state from a compute device to host memory, but this rank computes on the host placement; compute on a device (Placement::Device; `fsdp train --device cpu --offload ...` uses the CPU device) or plan without offload"
             )));
         }
         let f16 = plan.config.param_dtype == DType::F16;
@@ -334,6 +337,13 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             Placement::Device(d) => Some(Arc::new(TensorKernels::new(d)?)),
         };
         let mut ledger = MemoryLedger::new();
+        let mut host_ledger = MemoryLedger::new();
+        let offload = plan.config.offload_mode();
+        let staging = offload
+            .is_some()
+            .then(|| Arc::new(Mutex::new(HostStaging::new(plan, &mut host_ledger))));
+        // The offloaded optimizer step's threads: the rank's share of the machine.
+        let threads = rayon::current_num_threads().max(1);
         let mut units = Vec::with_capacity(spec.units.len());
         let mut shards_iter = shards.into_iter();
         for (u, (us, ul)) in spec.units.iter().zip(&plan.units).enumerate() {
@@ -346,6 +356,12 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
                 state_buffers: cfg.optimizer.state_buffers(),
                 param_dtype: plan.config.param_dtype,
                 dev: dev.as_ref(),
+                offload: staging.as_ref().map(|st| OffloadInit {
+                    device_shard: offload == Offload::Optimizer,
+                    staging: st.clone(),
+                    threads,
+                    host: &mut host_ledger,
+                }),
             };
             units.push(FsdpUnit::new(init, &mut ledger)?);
         }
@@ -369,6 +385,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             needs_input_grad,
             needs_backward,
             ledger,
+            host_ledger,
             step: 0,
             skipped: 0,
             pending_nonfinite: None,
@@ -451,9 +468,28 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         self.step
     }
 
-    /// The memory ledger (live bytes and per-phase peaks).
+    /// The memory ledger of the compute device (or of the host placement): live bytes and
+    /// per-phase peaks.
     pub fn ledger(&self) -> &MemoryLedger {
         &self.ledger
+    }
+
+    /// The host ledger of an offloaded rank: the bytes the plan counts in host memory beside
+    /// the device ([`fsdp_planner::MemoryPlan::host_peak`]); empty without offload.
+    pub fn host_ledger(&self) -> &MemoryLedger {
+        &self.host_ledger
+    }
+
+    /// Enters `phase` in both ledgers.
+    pub(crate) fn enter_phase(&mut self, phase: fsdp_planner::Phase) {
+        self.ledger.enter(phase);
+        self.host_ledger.enter(phase);
+    }
+
+    /// Starts new per-phase peaks in both ledgers (at the start of a step).
+    pub(crate) fn reset_ledger_peaks(&mut self) {
+        self.ledger.reset_peaks();
+        self.host_ledger.reset_peaks();
     }
 
     /// The FSDP units (shards, gradient shards, optimizer state).
@@ -537,7 +573,7 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
         if skipped {
             // No update: the step still counts for the data position and checkpoint
             // numbering, not for AdamW's bias correction or the learning-rate schedule.
-            self.ledger.enter(Phase::OptimizerStep);
+            self.enter_phase(Phase::OptimizerStep);
             self.step += 1;
             self.skipped += 1;
             self.consecutive_skips += 1;

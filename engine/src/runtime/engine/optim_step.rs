@@ -1,6 +1,7 @@
 //! The optimizer step (plan phase optimizer step): the optimizer on every trainable flat shard
 //! with the plan's spans (padding untouched, weight decay only on decayed spans), then the
-//! gradient shards zeroed.
+//! gradient shards zeroed. Under shard-optimizer the replicated parameters, kept unsharded
+//! since the step's first forward position, are freed after the update.
 
 use super::RankEngine;
 use crate::error::Result;
@@ -12,7 +13,7 @@ impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
     /// the plan: padding untouched, weight decay only on decayed spans), then zeroes the
     /// gradient shards. Frozen flat parameters are never touched.
     pub fn optimizer_step(&mut self, lr: f64) -> Result<()> {
-        self.ledger.enter(Phase::OptimizerStep);
+        self.enter_phase(Phase::OptimizerStep);
         let opt = self.cfg.optimizer.with_lr(lr);
         let step = self.step + 1;
         // AdamW's step counts updates made: skipped steps are not updates.
@@ -24,7 +25,17 @@ impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
         }
         self.step = step;
         self.consecutive_skips = 0;
+        // Shard-optimizer: the replicated parameters are stale now; they go, and the next
+        // step's first forward position gathers every unit's updated shards.
+        self.reshard_all()?;
         self.zero_grad()
+    }
+
+    /// Reshards every unit (frees what is unsharded). A no-op for units already sharded.
+    ///
+    /// Errors: the failure of an in-flight all-gather.
+    pub(crate) fn reshard_all(&mut self) -> Result<()> {
+        self.transition_to(&[], None, &[])
     }
 
     /// Sets every gradient shard to zero.

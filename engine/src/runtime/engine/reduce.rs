@@ -154,7 +154,7 @@ impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
                 .filter(|f| f.layout.trainable)
                 .nth(fr.t)
                 .expect("trainable flat index");
-            fs.grad.accumulate(&reduced)?;
+            fs.accumulate_reduced(&reduced)?;
             let send = if s > 1 {
                 self.ledger
                     .free(fsdp_planner::Category::Staging, owned_bytes(&reduced));

@@ -177,6 +177,8 @@ impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
                 }
             }
         }
+        // Unsharded copies (shard-optimizer keeps them between steps) would be stale.
+        self.reshard_all()?;
         let mut it = st.flats.iter();
         for unit in self.units.iter_mut() {
             for fs in unit.flats.iter_mut() {

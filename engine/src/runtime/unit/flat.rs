@@ -5,6 +5,7 @@
 
 use crate::error::{EngineError, Result};
 use crate::optim::Optimizer;
+use crate::runtime::offload::HostStaging;
 use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor};
 use fsdp_comm::OwnedBuf;
 use fsdp_kernels::tensor::TensorKernels;
@@ -12,7 +13,13 @@ use fsdp_kernels::Span;
 use fsdp_planner::FlatParamLayout;
 use fsdp_types::DType;
 use std::cell::RefCell;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Locks the rank's host staging buffers (one rank's threads share them).
+pub(crate) fn lock(s: &Mutex<HostStaging>) -> Result<MutexGuard<'_, HostStaging>> {
+    s.lock()
+        .map_err(|_| EngineError::Config("offload: a thread panicked while copying".into()))
+}
 
 /// An fp32 flat buffer of a shard (master weights, gradient, optimizer state): a host `Vec`
 /// or a 1-D f32 tensor on the placement's device with the kernels that update it.
@@ -161,6 +168,18 @@ pub(super) enum Master {
     Parts(Vec<Tensor>),
 }
 
+/// What an offloaded shard keeps beside its host buffers (see [`crate::runtime::offload`]).
+#[derive(Debug)]
+pub(crate) struct Offloaded {
+    /// Under `--offload optimizer`: the device's `param_dtype` copy of the master shard (`s_f`
+    /// elements; the all-gather input), refreshed after every update. `None` under `params`.
+    pub(crate) device_shard: Option<Tensor>,
+    /// The rank's host staging buffers, shared by all its shards.
+    pub(crate) staging: Arc<Mutex<HostStaging>>,
+    /// Threads the optimizer step on the host uses.
+    pub(crate) threads: usize,
+}
+
 /// One flat parameter of a unit on this rank.
 #[derive(Debug)]
 pub struct FlatShard {
@@ -176,8 +195,11 @@ pub struct FlatShard {
     pub(crate) state: Vec<F32Buf>,
     /// The real spans of this shard with their weight-decay flags (padding excluded).
     pub spans: Vec<Span>,
-    /// The device kernels when the shard lives on a compute device ([`Placement::Device`]).
+    /// The device kernels when the unit computes on a device ([`Placement::Device`]).
     pub(crate) dev: Option<Arc<TensorKernels>>,
+    /// Offloaded: the master, gradient and optimizer-state shards are host buffers and this
+    /// holds the rest (`None` without offload).
+    pub(crate) offload: Option<Offloaded>,
 }
 
 impl FlatShard {
@@ -230,6 +252,37 @@ impl FlatShard {
             .set(values)
     }
 
+    /// Whether the shard's master, gradient and optimizer state are offloaded to host memory.
+    pub fn is_offloaded(&self) -> bool {
+        self.offload.is_some()
+    }
+
+    /// Adds a reduced gradient shard (`s_f` elements of reduce_dtype, where the reduction left
+    /// it: a host buffer, or a device tensor) into the f32 gradient shard. Offloaded, a device
+    /// tensor is copied to the host through the gradient staging buffer first.
+    ///
+    /// Errors: a length or placement mismatch, a kernel or device failure.
+    pub(crate) fn accumulate_reduced(&mut self, reduced: &OwnedBuf) -> Result<()> {
+        match (&self.offload, &mut self.grad, reduced, &self.dev) {
+            (Some(o), F32Buf::Host(g), OwnedBuf::Tensor(t), Some(k)) => {
+                lock(&o.staging)?.download_accumulate(k, t, g)
+            }
+            _ => self.grad.accumulate(reduced),
+        }
+    }
+
+    /// Offloaded under `optimizer`: casts the host master shard into the device's
+    /// `param_dtype` shard through the parameter staging buffer (after an update or a load).
+    /// A no-op otherwise.
+    ///
+    /// Errors: a kernel or device failure.
+    fn refresh_device_shard(&self) -> Result<()> {
+        match (&self.offload, &self.master) {
+            (Some(o), Master::Flat(F32Buf::Host(p))) => refresh(o, p, self.dev.as_deref()),
+            _ => Ok(()),
+        }
+    }
+
     /// Overwrites the master shard with `values` (`s_f` elements; padding must be zero).
     ///
     /// Errors: [`EngineError::State`] on a length mismatch.
@@ -243,7 +296,10 @@ impl FlatShard {
             )));
         }
         match &mut self.master {
-            Master::Flat(v) => v.set(values)?,
+            Master::Flat(v) => {
+                v.set(values)?;
+                self.refresh_device_shard()?;
+            }
             Master::Parts(parts) => {
                 for (seg, t) in self.layout.segments.iter().zip(parts.iter()) {
                     let r = seg_range(seg);
@@ -266,6 +322,8 @@ impl FlatShard {
             state,
             spans,
             layout,
+            offload,
+            dev,
             ..
         } = self;
         if let (Master::Flat(F32Buf::Dev(p, k)), F32Buf::Dev(g, _)) = (&*master, &*grad) {
@@ -292,7 +350,15 @@ impl FlatShard {
             ));
         };
         match master {
-            Master::Flat(F32Buf::Host(p)) => opt.step_shard(p, grad, &mut state, spans, step),
+            Master::Flat(F32Buf::Host(p)) => match &*offload {
+                // Offloaded: the step on the CPU, on several threads (bitwise one thread's),
+                // then the device's param_dtype shard refreshed from the new master.
+                Some(o) => {
+                    opt.step_shard_threads(p, grad, &mut state, spans, step, o.threads)?;
+                    refresh(o, p, dev.as_deref())
+                }
+                None => opt.step_shard(p, grad, &mut state, spans, step),
+            },
             Master::Flat(F32Buf::Dev(..)) => Err(EngineError::Config(
                 "a shard's master and gradient live on different devices".into(),
             )),
@@ -316,6 +382,18 @@ impl FlatShard {
                 Ok(())
             }
         }
+    }
+}
+
+/// Casts the host master shard `p` into `o`'s device `param_dtype` shard (under `--offload
+/// optimizer`; nothing under `params`).
+fn refresh(o: &Offloaded, p: &[f32], dev: Option<&TensorKernels>) -> Result<()> {
+    match (&o.device_shard, dev) {
+        (Some(ds), Some(k)) => lock(&o.staging)?.upload_cast(k, p, ds, 0),
+        (Some(_), None) => Err(EngineError::Config(
+            "an offloaded shard without device kernels".into(),
+        )),
+        (None, _) => Ok(()),
     }
 }
 

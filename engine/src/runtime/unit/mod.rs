@@ -65,15 +65,16 @@ pub(crate) use grads::owned_bytes;
 use crate::error::{EngineError, Result};
 use crate::memory::{Category, MemoryLedger};
 use crate::runtime::collectives::Collectives;
+use crate::runtime::offload::HostStaging;
 use candle_core::{Device, Tensor, Var};
-use flat::{seg_range, Master};
+use flat::{lock, seg_range, Master, Offloaded};
 use fsdp_comm::{Group, OwnedBuf, PendingOp};
 use fsdp_kernels::tensor::TensorKernels;
 use fsdp_kernels::Span;
 use fsdp_planner::{FlatParamLayout, UnitLayout, UnitSpec};
 use fsdp_types::DType;
 use park::{refill, release_storages};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Where a rank's flat buffers live and its FSDP units compute.
 #[derive(Debug, Clone, Default)]
@@ -198,6 +199,21 @@ pub(crate) struct UnitInit<'a> {
     pub param_dtype: DType,
     /// The device kernels under [`Placement::Device`].
     pub dev: Option<&'a Arc<TensorKernels>>,
+    /// Offloaded shards (`--offload optimizer|params`; needs `dev`).
+    pub offload: Option<OffloadInit<'a>>,
+}
+
+/// How an offloaded unit's shards are built ([`UnitInit::offload`]).
+#[derive(Debug)]
+pub(crate) struct OffloadInit<'a> {
+    /// Keep a device `param_dtype` copy of each shard (`--offload optimizer`).
+    pub device_shard: bool,
+    /// The rank's host staging buffers.
+    pub staging: Arc<Mutex<HostStaging>>,
+    /// Threads of the host optimizer step.
+    pub threads: usize,
+    /// The rank's host ledger (master, gradient and optimizer-state shards).
+    pub host: &'a mut MemoryLedger,
 }
 
 /// One FSDP unit on one rank.
@@ -242,7 +258,14 @@ impl FsdpUnit {
             state_buffers,
             param_dtype,
             dev,
+            mut offload,
         } = init;
+        if offload.is_some() && dev.is_none() {
+            return Err(EngineError::Config(format!(
+                "unit {}: offloaded shards need a compute device",
+                spec.name
+            )));
+        }
         if !matches!(param_dtype, DType::F32 | DType::BF16 | DType::F16) {
             return Err(EngineError::Config(format!(
                 "param_dtype {param_dtype}: the engine computes in f32, bf16 or f16"
@@ -268,6 +291,50 @@ impl FsdpUnit {
                 )));
             }
             let n = shard.len();
+            if let (Some(o), Some(k)) = (offload.as_mut(), dev) {
+                // Offloaded: master, gradient and optimizer state on the host; the device keeps
+                // a param_dtype copy of the shard under `optimizer` only.
+                o.host.alloc(Category::ParamShards, 4 * n as u64);
+                let (grad, state) = if fl.trainable {
+                    o.host.alloc(Category::GradShards, 4 * n as u64);
+                    o.host
+                        .alloc(Category::OptimizerState, 4 * (n * state_buffers) as u64);
+                    (
+                        F32Buf::Host(vec![0.0; n]),
+                        (0..state_buffers)
+                            .map(|_| F32Buf::Host(vec![0.0; n]))
+                            .collect(),
+                    )
+                } else {
+                    (F32Buf::empty(), Vec::new())
+                };
+                let device_shard = if o.device_shard {
+                    ledger.alloc(
+                        Category::ParamShardsLowPrecision,
+                        param_dtype.size_bytes() * n as u64,
+                    );
+                    let t = k.zeros(param_dtype, n)?;
+                    lock(&o.staging)?.upload_cast(k, &shard, &t, 0)?;
+                    Some(t)
+                } else {
+                    None
+                };
+                flats.push(FlatShard {
+                    layout: fl.clone(),
+                    shard_index,
+                    spans: shard_spans(fl, shard_index),
+                    master: Master::Flat(F32Buf::Host(shard)),
+                    grad,
+                    state,
+                    dev: Some(k.clone()),
+                    offload: Some(Offloaded {
+                        device_shard,
+                        staging: o.staging.clone(),
+                        threads: o.threads,
+                    }),
+                });
+                continue;
+            }
             ledger.alloc(Category::ParamShards, 4 * n as u64);
             let (grad, state) = if fl.trainable {
                 ledger.alloc(Category::GradShards, 4 * n as u64);
@@ -279,17 +346,7 @@ impl FsdpUnit {
             } else {
                 (F32Buf::empty(), Vec::new())
             };
-            let spans = fl
-                .shard_spans(shard_index)
-                .into_iter()
-                .map(|s| {
-                    Span::new(
-                        s.range.start as usize,
-                        (s.range.end - s.range.start) as usize,
-                        s.weight_decay,
-                    )
-                })
-                .collect();
+            let spans = shard_spans(fl, shard_index);
             let device = dev.map_or(Device::Cpu, |k| k.device().clone());
             let master = if copies {
                 Master::Flat(F32Buf::from_vec(dev, shard)?)
@@ -317,6 +374,7 @@ impl FsdpUnit {
                 state,
                 spans,
                 dev: dev.cloned(),
+                offload: None,
             });
         }
         let mut locs = Vec::with_capacity(spec.params.len());
@@ -510,6 +568,23 @@ impl FsdpUnit {
         let pd = self.param_dtype;
         for fs in &self.flats {
             let p = fs.padded_numel();
+            if let (Some(o), Some(k), Master::Flat(F32Buf::Host(shard))) =
+                (&fs.offload, &fs.dev, &fs.master)
+            {
+                // Offloaded: this rank's block comes from the device's param_dtype shard
+                // (`optimizer`) or from the host master through the staging buffer (`params`).
+                let b = pd.size_bytes() * p as u64;
+                ledger.alloc(Category::UnshardedParams, b);
+                *charged += b;
+                let buf = k.zeros(pd, p)?;
+                let at = fs.shard_index as usize * shard.len();
+                match &o.device_shard {
+                    Some(ds) => k.copy_into(&buf, at, ds)?,
+                    None => lock(&o.staging)?.upload_cast(k, shard, &buf, at)?,
+                }
+                gathers.push(comm.start_all_gather_in_place(Group::Shard, OwnedBuf::Tensor(buf))?);
+                continue;
+            }
             match &fs.master {
                 Master::Parts(_) => {
                     if pd != DType::F32 {
@@ -740,6 +815,20 @@ fn views(full: &Tensor, layout: &FlatParamLayout, trainable: bool) -> Result<Vec
     Ok(ts)
 }
 
+/// The real spans of shard `shard_index` of `fl`, with their weight-decay flags.
+fn shard_spans(fl: &FlatParamLayout, shard_index: u64) -> Vec<Span> {
+    fl.shard_spans(shard_index)
+        .into_iter()
+        .map(|s| {
+            Span::new(
+                s.range.start as usize,
+                (s.range.end - s.range.start) as usize,
+                s.weight_decay,
+            )
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -776,6 +865,7 @@ mod tests {
             state_buffers: 2,
             param_dtype,
             dev: None,
+            offload: None,
         };
         FsdpUnit::new(init, ledger).unwrap()
     }
