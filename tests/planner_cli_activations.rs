@@ -19,6 +19,7 @@ fn args(device: PlanDeviceArg, activations: ActivationsArg) -> PlanArgs {
         strategy: StrategyArg::FullShard,
         shard_size: None,
         activation_checkpointing: None,
+        offload: None,
         param_dtype: fsdp::cli::train::DTypeArg::Bf16,
         reduce_dtype: fsdp::cli::train::DTypeArg::F32,
         optimizer: OptimizerArg::Adamw,

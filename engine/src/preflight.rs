@@ -85,6 +85,37 @@ pub fn preflight_threads(
     Ok(())
 }
 
+/// The host side of an offloaded run beside a GPU: `local_ranks` ranks of this node each keep
+/// `host_bytes` (the plan's [`fsdp_planner::MemoryPlan::host_peak`]: master, gradient and
+/// optimizer-state shards and the staging buffers) in this host's memory, which must hold
+/// them with the margin. `available`: this host's `MemAvailable` (`None`: unknown, no check).
+///
+/// Errors: [`RunError::Refused`] with the numbers when they do not fit.
+pub fn preflight_offload_host(
+    opts: &TrainOptions,
+    host_bytes: u64,
+    available: Option<u64>,
+    local_ranks: u64,
+) -> Result<(), RunError> {
+    let Some(available) = available else {
+        return Ok(());
+    };
+    let total = host_bytes.saturating_mul(local_ranks.max(1));
+    let needed = with_margin(total);
+    if needed > available {
+        return Err(RunError::Refused(format!(
+            "not enough host memory for --offload {}: {} rank(s) on this node x {} of offloaded              state per rank = {} + {MEMORY_MARGIN_PERCENT}% margin = {} > {} available              (MemAvailable); use more nodes, --offload optimizer instead of params, or a smaller              model",
+            opts.offload.unwrap_or_default(),
+            local_ranks.max(1),
+            mib(host_bytes),
+            mib(total),
+            mib(needed),
+            mib(available)
+        )));
+    }
+    Ok(())
+}
+
 /// The plan's peak bytes per rank for `opts` (a resolved strategy, not `Auto`), planned on its
 /// own: a run reads its peak from the plan [`crate::run::prepare`] made.
 ///
@@ -428,10 +459,13 @@ pub fn plan_for(
              or --grad-accum, more ranks, or a larger --device-memory",
             bytes_exact(budget),
             choice.strategy,
-            if choice.activation_checkpointing == Some(true) {
-                " with activation checkpointing"
-            } else {
-                ""
+            match (choice.activation_checkpointing, choice.offload) {
+                (Some(true), Some(o)) if o.is_some() => {
+                    format!(" with activation checkpointing and --offload {o}")
+                }
+                (Some(true), _) => " with activation checkpointing".to_string(),
+                (_, Some(o)) if o.is_some() => format!(" with --offload {o}"),
+                _ => String::new(),
             },
             bytes_exact(choice.peak.0),
             choice.reason
@@ -439,6 +473,7 @@ pub fn plan_for(
     }
     opts.strategy = choice.strategy;
     opts.activation_checkpointing = choice.activation_checkpointing;
+    opts.offload = choice.offload;
     Ok((plan, Some(AutoResolution { choice, source })))
 }
 

@@ -14,6 +14,7 @@ use crate::checkpoint::check_init_from;
 use crate::error::EngineError;
 use crate::model::decoder::Decoder;
 use crate::preflight::{self, AutoResolution, Budget, RankMemory};
+use crate::runtime::Placement;
 use crate::train::{model_of, validate, TrainOptions};
 use fsdp_checkpoints::CkptError;
 use fsdp_planner::{ShardPlan, Strategy};
@@ -140,11 +141,35 @@ pub fn prepare(req: RunRequest) -> Result<PreparedRun, RunError> {
     let model = model_of(&o)?;
     let (plan, auto) = preflight::plan_for(&model, &mut o, budget.as_ref(), auto_budget)?;
     validate(&o)?;
+    // Offloading moves state from a compute device to host memory: on the CPU the run
+    // computes on the CPU device (flat buffers as device tensors, state in host buffers).
+    if plan.config.offload_mode().is_some() && matches!(o.placement, Placement::Host) {
+        o.placement = Placement::Device(candle_core::Device::Cpu);
+    }
+    // What each rank holds in this host's memory: the plan's peak and its host bytes on the
+    // CPU; only the host bytes (offload) beside a GPU.
+    let host_bytes = plan.memory.host_peak.0;
+    let resident = if o.placement.device().is_cuda() {
+        host_bytes
+    } else {
+        plan.memory.peak.0 + host_bytes
+    };
     match &ranks {
         RankMemory::Threads { available } => {
-            preflight::preflight_threads(&o, plan.memory.peak.0, *available)?
+            preflight::preflight_threads(&o, resident, *available)?
         }
-        RankMemory::Mpi { hosts: Some(h) } => preflight::preflight_mpi(&o, plan.memory.peak.0, h)?,
+        RankMemory::Mpi { hosts: Some(h) } => preflight::preflight_mpi(&o, resident, h)?,
+        RankMemory::Device if host_bytes > 0 => preflight::preflight_offload_host(
+            &o,
+            host_bytes,
+            preflight::available_memory(),
+            // `fsdp launch` (torchrun's variables), else the MPI launcher's, else one.
+            std::env::var("LOCAL_WORLD_SIZE")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .or_else(|| preflight::launcher_local_ranks(|k| std::env::var(k).ok()))
+                .unwrap_or(1),
+        )?,
         RankMemory::Mpi { hosts: None } | RankMemory::Device => {}
     }
     check_init_from(&o, &model)?;

@@ -74,6 +74,11 @@ pub struct TrainOptions {
     /// Unit-level activation checkpointing (`fsdp train --activation-checkpointing`):
     /// `None` is the strategy's default (`fsdp_planner::config::default_activation_checkpointing`).
     pub activation_checkpointing: Option<bool>,
+    /// What lives in host memory instead of on the compute device (`fsdp train --offload`):
+    /// `None` is none, except that a resolved `--strategy auto` may set it when nothing else
+    /// fits. An offloading run on the CPU computes on the CPU device
+    /// ([`crate::run::prepare`] sets the placement).
+    pub offload: Option<fsdp_planner::Offload>,
     /// dtype the units compute in and the all-gather moves (f32, bf16, f16); master weights,
     /// gradient shards and optimizer state stay f32. f16 turns on dynamic loss scaling.
     pub param_dtype: fsdp_types::DType,
@@ -122,6 +127,7 @@ impl Default for TrainOptions {
             eval_batches: 16,
             prefetch: 1,
             activation_checkpointing: None,
+            offload: None,
             param_dtype: fsdp_types::DType::F32,
             reduce_dtype: fsdp_types::DType::F32,
             threads_per_rank: None,
@@ -258,6 +264,12 @@ pub struct TrainReport {
     /// The plan's most engine-owned bytes at one schedule position (the ledger's categories,
     /// activations excluded): what `measured_peak_per_rank` is held against.
     pub plan_engine_peak_per_rank: u64,
+    /// Per rank (as `measured_peak_per_rank`): the bytes the host ledger holds under offload
+    /// (master, gradient and optimizer-state shards, staging buffers); 0 without offload.
+    pub host_peak_per_rank: Vec<u64>,
+    /// The plan's host bytes per rank ([`fsdp_planner::MemoryPlan::host_peak`]; 0 without
+    /// offload).
+    pub plan_host_peak_per_rank: u64,
     /// Process heap peak during training minus the heap before the engines were built.
     pub process_peak: Option<u64>,
     /// On a CUDA device: the plan's peak bytes per rank against the largest measured device
@@ -348,6 +360,7 @@ pub fn plan_config(o: &TrainOptions) -> PlanConfig {
     c.seq_len = o.seq_len as u64;
     c.prefetch = o.prefetch;
     c.activation_checkpointing = o.activation_checkpointing;
+    c.offload = o.offload;
     c.param_dtype = o.param_dtype;
     c.reduce_dtype = o.reduce_dtype;
     // On CUDA the model computes through the composite ops (`OpsPath::Auto`), which keep
@@ -361,35 +374,36 @@ pub fn plan_config(o: &TrainOptions) -> PlanConfig {
 /// What `fsdp train --strategy auto` resolved to for a per-rank memory budget.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AutoChoice {
-    /// The strategy to run (never `Auto` or `ShardOptimizer`).
+    /// The strategy to run (never `Auto`).
     pub strategy: Strategy,
     /// The `TrainOptions::activation_checkpointing` to run it with: the options' own setting
     /// when given, else `None` (the strategy's default, off) for the first pass and
     /// `Some(true)` for the second.
     pub activation_checkpointing: Option<bool>,
-    /// The chosen plan's peak bytes per rank.
+    /// The `TrainOptions::offload` to run it with: the options' own setting, or the offload
+    /// the search added as its last resort.
+    pub offload: Option<fsdp_planner::Offload>,
+    /// The chosen plan's peak bytes per rank (the device's under offload).
     pub peak: Bytes,
     /// The budget searched against, bytes per rank.
     pub budget: Bytes,
-    /// Whether `peak <= budget`. When nothing fits, the choice is the last candidate (full
-    /// shard, with activation checkpointing when the options leave it open: the least memory)
-    /// and this is `false`; the caller must refuse the run.
+    /// Whether `peak <= budget`. When nothing fits, the choice is the last candidate (the
+    /// least memory) and this is `false`; the caller must refuse the run.
     pub fits: bool,
-    /// Why: the chosen candidate's peak against the budget, the faster candidates that did not
-    /// fit and their peaks, and shard-optimizer (ZeRO-1) when it would have fit.
+    /// Why: the planner's reason (the chosen candidate's peak against the budget, the faster
+    /// candidates that did not fit and their peaks).
     pub reason: String,
 }
 
-/// Resolves `Strategy::Auto` for the engine: the fastest strategy this engine executes whose
-/// per-rank plan peak fits `budget` bytes. The search is `fsdp_planner::plan`'s for
-/// `Strategy::Auto` (the same candidates, order and plans, so it picks what `fsdp plan
-/// --strategy auto --device-memory B` picks for the same flags): no-shard, shard-grad-op,
-/// hybrid (shard-group sizes dividing `W`, smallest first), full shard — every one without
-/// activation checkpointing first, then every one with it, unless `o.activation_checkpointing`
-/// is set. The one difference is shard-optimizer (ZeRO-1), which the planner tries between
-/// no-shard and shard-grad-op but this engine does not execute: it is skipped, and named in
-/// the reason when it would have fit. Ranking after Rajbhandari et al. 2020 (ZeRO), sec. 7:
-/// replicated parameters move the least, full shard gathers again in backward (1.5x).
+/// Resolves `Strategy::Auto` for the engine: the fastest strategy whose per-rank plan peak
+/// fits `budget` bytes, as `fsdp_planner::plan` resolves `Strategy::Auto` (so it picks what
+/// `fsdp plan --strategy auto --device-memory B` picks for the same flags): no-shard,
+/// shard-optimizer, shard-grad-op, hybrid (shard-group sizes dividing `W`, smallest first),
+/// full shard — every one without activation checkpointing first, then every one with it,
+/// unless `o.activation_checkpointing` is set — and, when nothing fits and `o.offload` is
+/// not set, full shard with the optimizer (then the parameters too) offloaded to host memory.
+/// Ranking after Rajbhandari et al. 2020 (ZeRO), sec. 7: replicated parameters move the
+/// least, full shard gathers again in backward (1.5x).
 ///
 /// `o.strategy` is ignored (normally `Auto`). Pure and deterministic: the same options and
 /// budget give the same choice on every rank.
@@ -401,9 +415,8 @@ pub fn resolve_auto(o: &TrainOptions, budget: Bytes) -> Result<AutoChoice> {
     search_auto(&model, o, budget).map(|(choice, _)| choice)
 }
 
-/// [`resolve_auto`] for a model already built, also returning the chosen candidate's plan
-/// (the plan of `o` with the choice's strategy and activation checkpointing), so a run plans
-/// its model once.
+/// [`resolve_auto`] for a model already built, also returning the plan the run executes: the
+/// plan of `o` with the choice's strategy, activation checkpointing and offload.
 ///
 /// Errors: as [`resolve_auto`].
 pub fn search_auto(
@@ -411,86 +424,27 @@ pub fn search_auto(
     o: &TrainOptions,
     budget: Bytes,
 ) -> Result<(AutoChoice, ShardPlan)> {
-    let strategies = fsdp_planner::auto_candidates(o.world_size as u64);
-    let settings: Vec<Option<bool>> = match o.activation_checkpointing {
-        Some(x) => vec![Some(x)],
-        None => vec![None, Some(true)],
-    };
-    let label = |s: Strategy, ckpt: Option<bool>| -> String {
-        if ckpt == Some(true) && o.activation_checkpointing.is_none() {
-            format!("{s} with activation checkpointing")
-        } else {
-            s.to_string()
-        }
-    };
-    let mut rejected: Vec<String> = Vec::new();
-    let mut skipped: Option<String> = None;
-    let mut last = None;
-    for ckpt in settings {
-        for &s in &strategies {
-            let mut c = plan_config(o);
-            c.strategy = s;
-            c.activation_checkpointing = ckpt;
-            c.device_memory = None;
-            let candidate = plan(model.spec(), &c)?;
-            let peak = candidate.memory.peak;
-            let name = label(s, ckpt);
-            if s == Strategy::ShardOptimizer {
-                // Listed like any candidate when it does not fit (the planner's reason reads
-                // the same); named once when it would have fit.
-                if peak > budget {
-                    rejected.push(format!("{name} needs {peak}"));
-                } else if skipped.is_none() {
-                    skipped = Some(format!(
-                        "; {name} would fit (peak {peak}) but fsdp train does not execute it (plan only)"
-                    ));
-                }
-                continue;
-            }
-            if peak <= budget {
-                let head = if rejected.is_empty() {
-                    format!("{name} is the fastest strategy and fits")
-                } else {
-                    format!("{name} is the fastest strategy that fits")
-                };
-                let faster = if rejected.is_empty() {
-                    String::new()
-                } else {
-                    format!("; faster ones do not fit: {}", rejected.join(", "))
-                };
-                let choice = AutoChoice {
-                    strategy: s,
-                    activation_checkpointing: ckpt,
-                    peak,
-                    budget,
-                    fits: true,
-                    reason: format!(
-                        "{head}: peak {peak} of {budget} ({} free){faster}{}",
-                        budget - peak,
-                        skipped.unwrap_or_default()
-                    ),
-                };
-                return Ok((choice, candidate));
-            }
-            rejected.push(format!("{name} needs {peak}"));
-            last = Some((s, ckpt, peak, name, candidate));
-        }
-    }
-    let (strategy, ckpt, peak, name, candidate) = last.expect("full shard is always a candidate");
+    let mut c = plan_config(o);
+    c.strategy = Strategy::Auto;
+    c.device_memory = Some(budget);
+    let searched = plan(model.spec(), &c)?;
     let choice = AutoChoice {
-        strategy,
-        activation_checkpointing: ckpt,
-        peak,
+        strategy: searched.strategy,
+        activation_checkpointing: searched.config.activation_checkpointing,
+        offload: searched.config.offload,
+        peak: searched.memory.peak,
         budget,
-        fits: false,
-        reason: format!(
-            "nothing fits in {budget}: {}; keeping {name} (the least memory), over by {}{}",
-            rejected.join(", "),
-            peak - budget,
-            skipped.unwrap_or_default()
-        ),
+        fits: searched.memory.peak <= budget,
+        reason: searched.auto_reason.clone().unwrap_or_default(),
     };
-    Ok((choice, candidate))
+    let resolved = TrainOptions {
+        strategy: choice.strategy,
+        activation_checkpointing: choice.activation_checkpointing,
+        offload: choice.offload,
+        ..o.clone()
+    };
+    let run_plan = plan(model.spec(), &plan_config(&resolved))?;
+    Ok((choice, run_plan))
 }
 
 fn to_micro_batch(b: &Batch) -> Result<MicroBatch> {
@@ -783,6 +737,7 @@ pub fn train_prepared(
         .iter()
         .map(|x| x.peaks.iter().map(|p| p.peak_total.0).max().unwrap_or(0))
         .collect();
+    let host_peak_per_rank = outcomes.iter().map(|x| x.host_peak).collect();
     Ok(TrainReport {
         model: model.name().to_string(),
         params: model.spec().numel().0,
@@ -815,6 +770,8 @@ pub fn train_prepared(
         memory,
         plan_peak_per_rank: plan.memory.peak.0,
         measured_peak_per_rank,
+        host_peak_per_rank,
+        plan_host_peak_per_rank: plan.memory.host_peak.0,
         plan_engine_peak_per_rank: plan
             .memory
             .timeline
@@ -836,6 +793,8 @@ struct RankOutcome {
     peaks: [PhasePeak; 3],
     /// Peak device bytes during the training loop (a CUDA placement only).
     device_peak: Option<u64>,
+    /// Bytes of the host ledger (offload; 0 without it).
+    host_peak: u64,
 }
 
 /// What every rank of a run shares: the model, the plan, the engine configuration, the
@@ -939,11 +898,14 @@ fn run_rank(ctx: &RankContext<'_>, comm: &dyn Communicator) -> Result<RankOutcom
         steps.push(rep);
     }
     let device_peak = e.device_memory()?.map(|m| m.peak);
+    // The host ledger of an offloaded rank holds the same bytes all run.
+    let host_peak = e.host_ledger().live_total().0;
     Ok(RankOutcome {
         steps,
         val_loss,
         peaks,
         device_peak,
+        host_peak,
     })
 }
 

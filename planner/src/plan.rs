@@ -336,11 +336,16 @@ pub fn plan(spec: &ModelSpec, cfg: &PlanConfig) -> Result<ShardPlan, PlanError> 
                 return plan_with(spec, &c, s, Some(why));
             }
             rejected.push(format!("{name} needs {}", p.memory.peak));
+            last = Some((p, c));
         }
     }
     let (p, c) = last.expect("at least one candidate");
+    let offloaded = match c.offload {
+        Some(o) if o.is_some() && cfg.offload.is_none() => format!(" with --offload {o}"),
+        _ => String::new(),
+    };
     let why = format!(
-        "nothing fits in {budget}: {}; keeping {} (the least memory), over by {}",
+        "nothing fits in {budget}: {}; keeping {}{offloaded} (the least memory), over by {}",
         rejected.join(", "),
         label(p.strategy, c.activation_checkpointing),
         p.memory.peak - budget

@@ -79,8 +79,8 @@ pub enum CkptAction {
         #[arg(long)]
         world_size: u64,
         /// Target strategy, the names of `fsdp train`: full-shard (zero3), shard-grad-op
-        /// (zero2), both S = W; no-shard (ddp), S = 1; hybrid (hsdp, needs --shard-size).
-        /// shard-optimizer (zero1) is plan-only and refused.
+        /// (zero2), shard-optimizer (zero1), all S = W; no-shard (ddp), S = 1; hybrid (hsdp,
+        /// needs --shard-size).
         #[arg(long, value_enum, default_value_t = super::train::StrategyArg::FullShard)]
         strategy: super::train::StrategyArg,
         /// Shard-group size for `--strategy hybrid` (must divide the world size).
@@ -110,14 +110,11 @@ pub fn shard_size_for(
 ) -> Result<u64, CliError> {
     use super::train::StrategyArg as S;
     match (strategy, shard_size) {
-        (S::FullShard | S::ShardGradOp, None) => Ok(world_size),
+        (S::FullShard | S::ShardGradOp | S::ShardOptimizer, None) => Ok(world_size),
         (S::NoShard, None) => Ok(1),
         (S::Hybrid, Some(s)) => Ok(s),
         (S::Hybrid, None) => Err(CliError::Usage(
             "--strategy hybrid needs --shard-size S (S divides --world-size)".into(),
-        )),
-        (S::ShardOptimizer, _) => Err(CliError::Usage(
-            super::train::SHARD_OPTIMIZER_PLAN_ONLY.into(),
         )),
         (S::Auto, _) => Err(CliError::Usage(
             "--strategy auto does not name a layout: reshard to full-shard, shard-grad-op, \

@@ -46,9 +46,8 @@ pub enum StrategyArg {
     /// Replicate everything; all-reduce gradients (DDP; alias ddp).
     #[value(alias = "ddp")]
     NoShard,
-    /// Shard only master weights and optimizer state (ZeRO-1; alias zero1): planned by
-    /// `fsdp plan`, refused by `fsdp train` and `fsdp ckpt reshard` (the engine does not run
-    /// it yet).
+    /// Shard master weights, reduced gradients and optimizer state; keep the parameters
+    /// replicated through the step and gather them once per step (ZeRO-1; alias zero1).
     #[value(alias = "zero1")]
     ShardOptimizer,
     /// Full shard inside groups of `--shard-size` ranks, replicated across groups (HSDP;
@@ -57,8 +56,8 @@ pub enum StrategyArg {
     Hybrid,
     /// The fastest strategy whose per-rank plan peak fits `--device-memory` (default: this
     /// node's available memory per rank on the CPU), without activation checkpointing first,
-    /// then with it, as `fsdp plan --strategy auto` (shard-optimizer, plan only, is skipped);
-    /// the choice and why are printed before training.
+    /// then with it, then with --offload when nothing else fits, as `fsdp plan --strategy
+    /// auto`; the choice and why are printed before training.
     Auto,
 }
 
@@ -234,6 +233,10 @@ pub struct TrainArgs {
     /// Unit-level activation checkpointing (`on`/`off`; default: the strategy's).
     #[arg(long, value_enum, value_name = "on|off", help = super::plan::CHECKPOINTING_HELP)]
     pub activation_checkpointing: Option<super::plan::CheckpointingArg>,
+    /// What lives in host memory (`none`/`optimizer`/`params`); on the CPU the run computes
+    /// on the CPU device.
+    #[arg(long, value_enum, value_name = "none|optimizer|params", help = super::plan::OFFLOAD_HELP)]
+    pub offload: Option<super::plan::OffloadArg>,
     /// dtype the units compute in and the all-gather moves: f32, bf16 or f16 (mixed precision:
     /// master weights, gradient shards and optimizer state stay f32; f16 adds dynamic loss
     /// scaling).
@@ -292,12 +295,10 @@ impl TrainArgs {
                     "--shard-size {s} only applies to --strategy hybrid"
                 )))
             }
-            (StrategyArg::ShardOptimizer, _) => {
-                return Err(CliError::Usage(SHARD_OPTIMIZER_PLAN_ONLY.into()))
-            }
             (StrategyArg::FullShard, None) => Strategy::FullShard,
             (StrategyArg::ShardGradOp, None) => Strategy::ShardGradOp,
             (StrategyArg::NoShard, None) => Strategy::NoShard,
+            (StrategyArg::ShardOptimizer, None) => Strategy::ShardOptimizer,
             // Resolved by `run` once the world size and the memory budget are known.
             (StrategyArg::Auto, None) => Strategy::Auto,
         };
@@ -339,6 +340,7 @@ impl TrainArgs {
             activation_checkpointing: self
                 .activation_checkpointing
                 .map(super::plan::CheckpointingArg::enabled),
+            offload: self.offload.map(super::plan::OffloadArg::offload),
             param_dtype: self.param_dtype.dtype(),
             reduce_dtype: self.reduce_dtype.dtype(),
             threads_per_rank: self.threads_per_rank,
@@ -373,11 +375,6 @@ impl TrainArgs {
         })
     }
 }
-
-/// Why `--strategy shard-optimizer` (zero1) is refused outside `fsdp plan`.
-pub const SHARD_OPTIMIZER_PLAN_ONLY: &str = "--strategy shard-optimizer (zero1) is plan-only: \
-    `fsdp plan` plans ZeRO-1, the engine does not run it yet; use shard-grad-op (zero2), which \
-    also shards gradients, or full-shard (zero3)";
 
 /// Maps an engine error to the CLI's exit codes: bad input 2, failed run 1 (as
 /// [`RunError`] sorts them).
@@ -647,6 +644,8 @@ fn summary_json(r: &TrainReport, auto: Option<&AutoResolution>) -> serde_json::V
         "tokens_per_s": r.tokens_per_s,
         "seconds": r.seconds,
         "plan_peak_per_rank": r.plan_peak_per_rank,
+        "plan_host_peak_per_rank": r.plan_host_peak_per_rank,
+        "host_peak_per_rank": r.host_peak_per_rank,
         "process_peak": r.process_peak,
         "device_memory": r.device_memory,
         "memory": r.memory,
@@ -692,8 +691,16 @@ fn print_summary(r: &TrainReport, memory_report: bool) {
         r.comm_exposed_seconds
     );
     for (rank, peak) in r.measured_peak_per_rank.iter().enumerate() {
+        let host = match r.host_peak_per_rank.get(rank) {
+            Some(&h) if r.plan_host_peak_per_rank > 0 => format!(
+                "; offloaded to host memory {} of plan {}",
+                mib(h),
+                mib(r.plan_host_peak_per_rank)
+            ),
+            _ => String::new(),
+        };
         out!(
-            "memory rank {rank}: engine-owned peak {} of plan {} ({:.1}%)",
+            "memory rank {rank}: engine-owned peak {} of plan {} ({:.1}%){host}",
             mib(*peak),
             mib(r.plan_engine_peak_per_rank),
             100.0 * *peak as f64 / r.plan_engine_peak_per_rank.max(1) as f64

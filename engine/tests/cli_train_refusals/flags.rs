@@ -147,15 +147,43 @@ fn strategy_aliases_and_dtypes_are_the_same_everywhere() {
     let mut a = SMALL.to_vec();
     a.extend(["--param-dtype", "bfloat16"]);
     assert_eq!(fsdp(&a, &[]).0, 0);
-    // ZeRO-1 has one name everywhere: planned by plan, refused by train with the reason.
+    // ZeRO-1 has one name everywhere: planned by plan, trained by train.
     let (code, _, err) = out(&["plan", "--model", "tiny", "--strategy", "zero1"]);
     assert_eq!(code, 0, "{err}");
     let mut a = SMALL.to_vec();
     a.extend(["--strategy", "zero1"]);
     let (code, err) = fsdp(&a, &[]);
+    assert_eq!(code, 0, "{err}");
+    // Offload that makes no sense is refused with the reason and the fix.
+    let mut a = SMALL.to_vec();
+    a.extend([
+        "--strategy",
+        "no-shard",
+        "--world-size",
+        "2",
+        "--offload",
+        "optimizer",
+    ]);
+    let (code, err) = fsdp(&a, &[]);
     assert_eq!(code, 2, "{err}");
     assert!(
-        err.contains("--strategy shard-optimizer (zero1) is plan-only"),
+        err.contains("--offload optimizer with no-shard at 2 ranks makes no sense"),
+        "{err}"
+    );
+    let mut a = SMALL.to_vec();
+    a.extend(["--strategy", "zero1", "--offload", "params"]);
+    let (code, err) = fsdp(&a, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--offload params with shard-optimizer makes no sense"),
+        "{err}"
+    );
+    let mut a = SMALL.to_vec();
+    a.extend(["--offload", "disk"]);
+    let (code, err) = fsdp(&a, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("[possible values: none, optimizer, params]"),
         "{err}"
     );
 }

@@ -1,8 +1,7 @@
 //! `fsdp train --strategy auto --device-memory B` against `fsdp plan --strategy auto
 //! --device-memory B` on the same flags: the same strategy, activation checkpointing, per-rank
-//! peak and reason (except where the planner picks shard-optimizer, which the engine does not
-//! execute: train takes the next candidate and says so); a run's losses equal the explicit
-//! strategy's bit for bit; resuming a checkpoint with auto continues exactly; a budget
+//! peak and reason, shard-optimizer included; a run's losses equal the explicit strategy's bit
+//! for bit; resuming a checkpoint with auto continues exactly; a budget
 //! nothing fits is refused with exit 2 and the numbers.
 //!
 //! Budgets: each candidate's own plan peak (tiny, W = 2, seq 32, micro-batch 2), read from
@@ -106,22 +105,15 @@ fn auto_picks_what_plan_auto_picks_and_reports_it() {
     // Every candidate's own peak as the budget: that candidate or a faster one fits exactly.
     for &budget in &peaks {
         let b = budget.to_string();
-        let first_fit = |skip_zero1: bool| {
-            ORDER
-                .iter()
-                .zip(&peaks)
-                .find(|((s, _), p)| **p <= budget && !(skip_zero1 && *s == "shard-optimizer"))
-                .map(|(c, p)| (*c, *p))
-                .unwrap()
-        };
-        let ((plan_want, plan_ac), _) = first_fit(false);
-        let ((want, want_ac), want_peak) = first_fit(true);
+        let ((want, want_ac), want_peak) = ORDER
+            .iter()
+            .zip(&peaks)
+            .find(|(_, p)| **p <= budget)
+            .map(|(c, p)| (*c, *p))
+            .unwrap();
         let p = plan_json(&["--strategy", "auto", "--device-memory", &b]);
-        assert_eq!(
-            p["strategy"]["name"], plan_want,
-            "the planner's search: {b}"
-        );
-        assert_eq!(p["strategy"]["activation_checkpointing"], plan_ac, "{b}");
+        assert_eq!(p["strategy"]["name"], want, "the planner's search: {b}");
+        assert_eq!(p["strategy"]["activation_checkpointing"], want_ac, "{b}");
         let (code, steps, summary, err) = train(1, &["--strategy", "auto", "--device-memory", &b]);
         assert_eq!(code, 0, "budget {b}: {err}");
         assert_eq!(steps.len(), 1, "budget {b}");
@@ -139,29 +131,9 @@ fn auto_picks_what_plan_auto_picks_and_reports_it() {
         picked.insert((want, want_ac));
         let reason = s["auto_reason"].as_str().unwrap();
         let plan_reason = p["strategy"]["auto_reason"].as_str().unwrap();
-        if plan_want == "shard-optimizer" {
-            // The one place train differs: ZeRO-1 is planned only; train takes the next
-            // candidate that fits and says why.
-            saw_shard_optimizer = true;
-            let so_peak = peaks[ORDER
-                .iter()
-                .position(|c| *c == (plan_want, plan_ac))
-                .unwrap()];
-            assert!(
-                reason.contains(&format!(
-                    "would fit (peak {}) but fsdp train does not execute it (plan only)",
-                    fsdp_types::Bytes(so_peak)
-                )),
-                "{reason}"
-            );
-            assert!(
-                reason.contains("is the fastest strategy that fits"),
-                "{reason}"
-            );
-        } else {
-            assert_eq!(reason, plan_reason, "budget {b}: the planner's own words");
-            assert_eq!(s["plan_peak_per_rank"], p["memory"]["peak"]["bytes"], "{b}");
-        }
+        saw_shard_optimizer |= want == "shard-optimizer";
+        assert_eq!(reason, plan_reason, "budget {b}: the planner's own words");
+        assert_eq!(s["plan_peak_per_rank"], p["memory"]["peak"]["bytes"], "{b}");
     }
     assert!(
         saw_shard_optimizer,
@@ -267,24 +239,55 @@ fn resume_with_auto_continues_the_run_exactly() {
 }
 
 #[test]
-fn auto_without_a_fitting_strategy_is_refused_before_training() {
+fn auto_offloads_as_the_last_resort_and_refuses_what_nothing_fits() {
     let peaks = peaks();
     let least = *peaks.iter().min().unwrap();
-    // The planner keeps the last candidate, full shard with checkpointing (the least memory).
+    // Without offload the least memory is full shard with checkpointing.
     let fs_ac = peaks[7];
     assert_eq!(fs_ac, least);
+    let offloaded = |o: &str| -> u64 {
+        plan_json(&[
+            "--strategy",
+            "full-shard",
+            "--activation-checkpointing",
+            "on",
+            "--offload",
+            o,
+        ])["memory"]["peak"]["bytes"]
+            .as_u64()
+            .unwrap()
+    };
+    let (opt, params) = (offloaded("optimizer"), offloaded("params"));
+    assert!(params < opt && opt < least, "{params} < {opt} < {least}");
+    // One byte below the least without offload: auto offloads the optimizer, says so, and
+    // trains.
     let b = (least - 1).to_string();
+    let (code, steps, summary, err) = train(1, &["--strategy", "auto", "--device-memory", &b]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(steps.len(), 1);
+    let s = summary.unwrap();
+    assert_eq!(s["strategy"], "full-shard", "{s}");
+    let reason = s["auto_reason"].as_str().unwrap();
+    assert!(
+        reason.starts_with(
+            "full-shard with activation checkpointing with --offload optimizer is the only way it fits"
+        ),
+        "{reason}"
+    );
+    assert_eq!(s["plan_peak_per_rank"], opt, "{s}");
+    // One byte below the least with offload: refused before training, with the numbers.
+    let b = (params - 1).to_string();
     let (code, steps, summary, err) = train(1, &["--strategy", "auto", "--device-memory", &b]);
     assert_eq!(code, 2, "{err}");
     assert!(steps.is_empty() && summary.is_none(), "no step ran");
-    let budget = fsdp_types::group_thousands(fs_ac - 1);
-    let peak = fsdp_types::group_thousands(fs_ac);
+    let budget = fsdp_types::group_thousands(params - 1);
+    let peak = fsdp_types::group_thousands(params);
     assert!(
         err.contains(&format!(
             "--strategy auto: nothing fits the memory budget of {budget} B"
         )) && err.contains(&format!("(--device-memory {b})"))
             && err.contains(&format!(
-                "the least memory is full-shard with activation checkpointing, peak {peak} B"
+                "the least memory is full-shard with activation checkpointing and --offload params, peak {peak} B"
             ))
             && err.contains("(the least memory), over by 1 B"),
         "{err}"
