@@ -22,18 +22,18 @@ pub enum EngineError {
     Comm {
         /// The rank that observed the failure.
         rank: usize,
-        /// The communicator's error.
+        /// The communicator's error (boxed: it is large, and results carry errors by value).
         #[source]
-        source: fsdp_comm::CommError,
+        source: Box<fsdp_comm::CommError>,
     },
     /// The communicator of a launched process could not be built for `topology`.
     #[error("collective on rank 0: cannot build the communicator for {topology}: {source}")]
     CommSetup {
         /// The world the plan needs (`Topology`'s words).
         topology: String,
-        /// The communicator's error.
+        /// The communicator's error (boxed: it is large, and results carry errors by value).
         #[source]
-        source: fsdp_comm::CommError,
+        source: Box<fsdp_comm::CommError>,
     },
     /// candle-core failed while computing a unit's forward or backward.
     #[error("compute: {0}")]

@@ -657,7 +657,7 @@ pub fn train_with(
         Some(factory) => {
             let comm = factory(topo).map_err(|source| EngineError::CommSetup {
                 topology: topo.to_string(),
-                source,
+                source: Box::new(source),
             })?;
             if comm.topology() != topo {
                 return Err(EngineError::Config(format!(
@@ -685,7 +685,10 @@ pub fn train_with(
                 first_err.get_or_insert(e);
             }
             Err(e) => {
-                first_err.get_or_insert(EngineError::Comm { rank, source: e });
+                first_err.get_or_insert(EngineError::Comm {
+                    rank,
+                    source: Box::new(e),
+                });
             }
         }
     }

@@ -76,8 +76,11 @@ fn on_ranks<M: StagedModel, T: Send>(
     })
     .into_iter()
     .map(|r| {
-        r.map_err(|source| EngineError::Comm { rank: 0, source })
-            .and_then(|x| x)
+        r.map_err(|source| EngineError::Comm {
+            rank: 0,
+            source: Box::new(source),
+        })
+        .and_then(|x| x)
     })
     .collect()
 }

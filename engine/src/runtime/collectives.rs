@@ -72,7 +72,7 @@ impl<'a> Collectives<'a> {
         self.calls += 1;
         r.map_err(|source| EngineError::Comm {
             rank: self.comm.rank(),
-            source,
+            source: Box::new(source),
         })
     }
 
@@ -110,7 +110,7 @@ impl<'a> Collectives<'a> {
         self.spent += t.elapsed();
         r.map_err(|source| EngineError::Comm {
             rank: self.comm.rank(),
-            source,
+            source: Box::new(source),
         })
     }
 
