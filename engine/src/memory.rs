@@ -1,7 +1,7 @@
 //! Memory accounting: an exact ledger of engine-owned bytes per category and phase, and a
 //! counting global allocator for the process peak.
 //!
-//! The ledger follows `MEMORY-CONTRACT.md`: the engine adds bytes when it allocates a buffer the
+//! The ledger follows the contract of `fsdp_planner::memory`: the engine adds bytes when it allocates a buffer the
 //! plan names (shards, unsharded slots, flat gradients, reduce-scatter staging) and subtracts
 //! them when it frees it; per phase it records the peak total with the categories at that
 //! moment (`at_peak`) and the per-category maximum (`max`). Tests compare both with the
@@ -66,7 +66,7 @@ pub struct PhasePeak {
     pub max: CategoryBytes,
 }
 
-/// Exact ledger of engine-owned live bytes (MEMORY-CONTRACT.md): add on allocate, subtract on
+/// Exact ledger of engine-owned live bytes (the contract of `fsdp_planner::memory`): add on allocate, subtract on
 /// free, peaks per phase. One per rank; not shared between threads.
 #[derive(Debug, Clone, Default)]
 pub struct MemoryLedger {

@@ -1,5 +1,5 @@
 //! Memory: the engine's exact ledger of engine-owned bytes equals the plan's per-phase,
-//! per-category maxima (MEMORY-CONTRACT.md) under every strategy, with prefetch depth 1 and 2
+//! per-category maxima (the contract of `fsdp_planner::memory`) under every strategy, with prefetch depth 1 and 2
 //! and with gradient accumulation in both sync modes. (The process heap peak is checked in
 //! `engine_memory_process.rs`, alone in its binary so no concurrent test inflates it.)
 

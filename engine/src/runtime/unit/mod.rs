@@ -12,7 +12,7 @@
 //! all-gather fills the unsharded flat buffer (`P_f` elements, counted in `unsharded_params`),
 //! which is cut into the parameter tensors and dropped. With a shard group of one rank the
 //! shard IS the unsharded parameter: the master weights are stored as those per-parameter
-//! tensors, no copy is made and `unsharded_params` stays 0 (MEMORY-CONTRACT.md).
+//! tensors, no copy is made and `unsharded_params` stays 0 (the contract of `fsdp_planner::memory`).
 //!
 //! Resharding a unit whose parameters a kept forward graph still refers to (full shard or
 //! hybrid without activation checkpointing) frees their memory without dropping the tensors:
