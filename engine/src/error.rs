@@ -86,6 +86,18 @@ pub enum EngineError {
     /// A state import (checkpoint resume) whose sizes do not match this engine's layout.
     #[error("state import: {0}")]
     State(String),
+    /// A checkpoint's rank state could not be read for this engine's layout (the checkpoint
+    /// crate's error, kept whole).
+    #[error("state import: {0}")]
+    Ckpt(#[from] fsdp_checkpoints::CkptError),
+    /// Published weights could not be opened or bound to the model (the checkpoint crate's
+    /// error, kept whole); nothing was trained.
+    #[error("initial weights: {source}")]
+    InitFiles {
+        /// The weight files' error.
+        #[source]
+        source: fsdp_checkpoints::CkptError,
+    },
     /// Saving a checkpoint failed or was refused (the message names the step, the directory
     /// and the problem); the newest complete checkpoint is unchanged.
     #[error("{0}")]

@@ -1,4 +1,4 @@
-//! The `fsdp` command line: `plan`, `train`, `ckpt`, `launch`.
+//! The `fsdp` command line: `plan`, `train`, `ckpt`, `data`, `launch`.
 //!
 //! The binary installs [`CountingAllocator`] as its global allocator so that `fsdp train` can
 //! report the process heap peak next to the plan.

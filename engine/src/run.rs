@@ -58,7 +58,9 @@ impl From<EngineError> for RunError {
             EngineError::Config(_)
             | EngineError::Plan(_)
             | EngineError::Data(_)
-            | EngineError::Init(_) => RunError::Refused(e.to_string()),
+            | EngineError::Init(_)
+            | EngineError::InitFiles { .. }
+            | EngineError::Ckpt(_) => RunError::Refused(e.to_string()),
             EngineError::NonFinite(_) => RunError::Failed(format!(
                 "{e}. Every rank stopped before updating anything: the newest checkpoint (if \
                  --ckpt-dir was given) is intact and `--resume` restarts from it; lower --lr or \

@@ -593,7 +593,8 @@ pub fn train_prepared(
     .map_err(|e| EngineError::Data(e.to_string()))?;
     let init: Box<dyn ParamSource> = match &o.init_from {
         Some(p) => Box::new(
-            FileWeights::open(p, model.spec()).map_err(|e| EngineError::Init(e.to_string()))?,
+            FileWeights::open(p, model.spec())
+                .map_err(|source| EngineError::InitFiles { source })?,
         ),
         None => Box::new(model.random_init(o.seed)),
     };

@@ -185,13 +185,15 @@ fn assert_bitwise(a: &Run, b: &Run, what: &str) {
 
 /// Shard-optimizer equals the single-process reference bit for bit at W = 1, 2, 4, with and
 /// without accumulation (it reduces once per step, so with accumulation it is the reference
-/// under `grad_sync = last`), on the host and on the CPU device, and equals shard-grad-op
-/// under `grad_sync = last`.
+/// under `grad_sync = last`), on the host placement (and on the CPU device at W = 2), and
+/// equals shard-grad-op under `grad_sync = last`.
 #[test]
 fn shard_optimizer_is_bitwise_the_reference() {
     for w in [1, 2, 4] {
         for kk in [1, 2] {
-            for device in [false, true] {
+            // The CPU device at W = 2; the host placement everywhere.
+            let placements: &[bool] = if w == 2 { &[false, true] } else { &[false] };
+            for &device in placements {
                 let mut c = Case::new(Strategy::ShardOptimizer, w, kk);
                 c.device = device;
                 let what = format!("shard-optimizer W={w} K={kk} device {device}");
@@ -212,18 +214,17 @@ fn shard_optimizer_is_bitwise_the_reference() {
     }
 }
 
-/// Offloading the optimizer (and the parameters) changes no bit: every strategy it applies to,
-/// W = 1, 2, 4, f32 and bf16 parameters, two micro-batches per step; f32 runs also equal the
+/// Offloading the optimizer (and the parameters) changes no bit: every strategy it applies to
+/// (full shard at W = 1 and 2, shard-grad-op at 2, hybrid 2x2 and shard-optimizer at 4, no-shard
+/// at 1), f32 and bf16 parameters, two micro-batches per step; f32 runs also equal the
 /// reference.
 #[test]
 fn offload_is_bitwise_the_run_on_the_device() {
     let cases = [
         (Strategy::FullShard, 1),
         (Strategy::FullShard, 2),
-        (Strategy::FullShard, 4),
         (Strategy::ShardGradOp, 2),
         (Strategy::Hybrid { shard_size: 2 }, 4),
-        (Strategy::ShardOptimizer, 2),
         (Strategy::ShardOptimizer, 4),
         (Strategy::NoShard, 1),
     ];

@@ -1,4 +1,4 @@
-//! Tests of the GPT model (engine/src/model.rs): schedule, initialisation, loss at init, fused
+//! Tests of the GPT model (engine/src/model/gpt.rs): schedule, initialisation, loss at init, fused
 //! ops against their reference compositions, per-unit recompute backward bitwise equal to the
 //! full-graph backward, and a finite-difference gradient check in f64.
 

@@ -310,7 +310,7 @@ impl MemoryPlan {
 /// Models", sec. 4.1: count, op by op, the tensors the forward keeps for backward. Their
 /// `s*b*h*(34 + 5*a*s/h)` bytes per layer is for Megatron's 16-bit fused kernels with dropout;
 /// this engine differs, so the count below is redone for the ops this engine's GPT
-/// (`engine/src/model.rs`, candle-core autograd) really runs, in elements, times
+/// (`engine/src/model/gpt.rs`, candle-core autograd) really runs, in elements, times
 /// `e = size(param_dtype)`. Notation: `N = b*s` tokens, `h` = d_model, `a` heads, `V` vocab,
 /// `P` = the parameter elements the use touches.
 ///

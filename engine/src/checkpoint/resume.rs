@@ -714,7 +714,7 @@ impl crate::train::TrainHooks for CheckpointHooks {
         };
         let st = ck
             .load_rank(&self.layout, rank as u64)
-            .map_err(|e| crate::error::EngineError::State(e.to_string()))?;
+            .map_err(crate::error::EngineError::from)?;
         let t = &ck.manifest().train;
         let mut state = ckpt_to_engine(&self.layout, rank as u64, st, t.step);
         // Steps skipped by f16 loss scaling made no AdamW update: the manifest's optimizer

@@ -175,7 +175,7 @@ fn values(len: usize, salt: u64) -> Vec<f64> {
 
 #[test]
 fn attention_qkv_split_gradient_equals_reference() {
-    // qkv [B*T, 3*D] split into heads as engine/src/model.rs does, each part used by a
+    // qkv [B*T, 3*D] split into heads as engine/src/model/gpt.rs does, each part used by a
     // different op; the gradient of qkv must be the three parts side by side.
     let dev = Device::Cpu;
     let (b, t, h, hd) = (2, 5, 3, 4);

@@ -10,7 +10,8 @@
 //! flat gradient; views of one flat variable would make candle's `narrow` backward build a
 //! zero-padded flat-sized tensor per parameter. With a shard group of more than one rank the
 //! all-gather fills the unsharded flat buffer (`P_f` elements, counted in `unsharded_params`),
-//! which is cut into the parameter tensors and dropped. With a shard group of one rank the
+//! whose parameter tensors are views of it (no copy; the buffer is freed with its last view).
+//! With a shard group of one rank the
 //! shard IS the unsharded parameter: the master weights are stored as those per-parameter
 //! tensors, no copy is made and `unsharded_params` stays 0 (the contract of `fsdp_planner::memory`).
 //!
