@@ -400,8 +400,9 @@ pub struct AutoChoice {
 /// `fsdp plan --strategy auto --device-memory B` picks for the same flags): no-shard,
 /// shard-optimizer, shard-grad-op, hybrid (shard-group sizes dividing `W`, smallest first),
 /// full shard — every one without activation checkpointing first, then every one with it,
-/// unless `o.activation_checkpointing` is set — and, when nothing fits and `o.offload` is
-/// not set, full shard with the optimizer (then the parameters too) offloaded to host memory.
+/// unless `o.activation_checkpointing` is set — and, when nothing fits, `o.offload` is not set
+/// and the run computes on a device (not the host placement, whose "device" is host memory
+/// already), full shard with the optimizer (then the parameters too) offloaded to host memory.
 /// Ranking after Rajbhandari et al. 2020 (ZeRO), sec. 7: replicated parameters move the
 /// least, full shard gathers again in backward (1.5x).
 ///
@@ -427,6 +428,11 @@ pub fn search_auto(
     let mut c = plan_config(o);
     c.strategy = Strategy::Auto;
     c.device_memory = Some(budget);
+    // On the host placement the "device" is host memory: offloading to the host frees
+    // nothing, so the search does not try it (an explicit `--offload` still applies).
+    if c.offload.is_none() && matches!(o.placement, Placement::Host) {
+        c.offload = Some(fsdp_planner::Offload::None);
+    }
     let searched = plan(model.spec(), &c)?;
     let choice = AutoChoice {
         strategy: searched.strategy,

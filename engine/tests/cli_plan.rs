@@ -229,7 +229,9 @@ fn cli_plan_shard_optimizer_zero1() {
     assert_eq!(v["config"]["strategy"]["kind"], "shard_optimizer");
     assert_eq!(v["strategy"]["shard_size"], 8);
     assert_eq!(v["schedule"]["replicated"], true);
-    // 2Psi + 2Psi + 12Psi/N over the padded elements (Rajbhandari et al. 2020, Figure 1).
+    // Replicated bf16 parameters 2Psi, then f32 master, f32 gradient shard and Adam 16Psi/N,
+    // over the padded elements (the paper's P_os holds a replicated 2-byte gradient instead of
+    // the 4-byte shard: Rajbhandari et al. 2020, Figure 1).
     let padded: u64 = v["units"]
         .as_array()
         .unwrap()
@@ -239,7 +241,7 @@ fn cli_plan_shard_optimizer_zero1() {
         .sum();
     assert_eq!(
         v["memory"]["model_states"].as_u64().unwrap(),
-        4 * padded + 12 * padded / 8
+        2 * padded + 16 * padded / 8
     );
     // The alias names the same plan.
     let z = fsdp(&args("zero1"));

@@ -117,3 +117,54 @@ fn prepare_executes_the_plan_auto_chose() {
         fsdp_planner::plan(run.model.spec(), &fsdp::train::plan_config(&run.options)).unwrap();
     assert_eq!(again.fingerprint(), run.plan.fingerprint());
 }
+
+/// Offloaded state counts against the host: on the CPU the rank threads hold the plan's peak
+/// and its host bytes in the one memory; beside a GPU the node's ranks hold the host bytes.
+/// A budget that does not hold them is refused with the numbers; an offloading run on the CPU
+/// computes on the CPU device.
+#[test]
+fn offloaded_host_bytes_are_checked_against_the_host() {
+    use fsdp::preflight::RankMemory;
+    let opts = fsdp::train::TrainOptions {
+        model: "tiny".into(),
+        world_size: 2,
+        micro_batch: 1,
+        seq_len: 16,
+        offload: Some(fsdp_planner::Offload::Optimizer),
+        ..Default::default()
+    };
+    let prepare = |available: u64| {
+        fsdp::run::prepare(fsdp::run::RunRequest {
+            options: opts.clone(),
+            budget: None,
+            ranks: RankMemory::Threads {
+                available: Some(available),
+            },
+        })
+    };
+    let run = prepare(64 << 30).unwrap();
+    let (peak, host) = (run.plan.memory.peak.0, run.plan.memory.host_peak.0);
+    assert!(host > 0 && peak > 0);
+    assert!(matches!(
+        run.options.placement,
+        fsdp::runtime::Placement::Device(_)
+    ));
+    // Room for two device peaks but not for the host bytes beside them.
+    let e = prepare(2 * peak + host / 2).unwrap_err();
+    assert_eq!(e.exit_code(), 2);
+    assert!(
+        e.to_string()
+            .contains("not enough memory: 2 rank thread(s)"),
+        "{e}"
+    );
+    // Beside a GPU: the node's ranks' host bytes against MemAvailable.
+    let e = fsdp::preflight::preflight_offload_host(&opts, host, Some(host), 4).unwrap_err();
+    assert_eq!(e.exit_code(), 2);
+    let m = e.to_string();
+    assert!(
+        m.contains("not enough host memory for --offload optimizer: 4 rank(s)"),
+        "{m}"
+    );
+    assert!(fsdp::preflight::preflight_offload_host(&opts, host, Some(64 << 30), 4).is_ok());
+    assert!(fsdp::preflight::preflight_offload_host(&opts, host, None, 4).is_ok());
+}

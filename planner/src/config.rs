@@ -370,19 +370,31 @@ impl PlanConfig {
         self.offload.unwrap_or_default()
     }
 
-    /// Refuses an offload that makes no sense under `strategy`: anything offloaded with
-    /// no-shard at more than one rank (every rank would keep a whole copy of the master
-    /// weights and optimizer state in host memory: shard them first), and parameter offload
+    /// Refuses an offload that makes no sense under `strategy`: anything offloaded with one
+    /// shard per group (no-shard, hybrid with shard groups of one) at more than one rank
+    /// (every rank would keep a whole copy of the master weights and optimizer state in host
+    /// memory: shard them first), and parameter offload
     /// with no-shard or shard-optimizer (both keep the unsharded parameters on the device all
     /// step, so there is nothing to move).
     ///
     /// Errors: `InvalidConfig` naming the strategy and what to use instead.
     pub fn check_offload(&self, strategy: Strategy) -> Result<(), PlanError> {
         let o = self.offload_mode();
+        let w = self.world_size;
+        let one_shard = strategy.shard_size(w) == Some(1);
+        let instead = if o == Offload::Params {
+            "use --strategy shard-grad-op or full-shard with --offload params, or shard-optimizer with --offload optimizer"
+        } else {
+            "use --strategy shard-optimizer, shard-grad-op or full-shard with --offload"
+        };
         match strategy {
-            Strategy::NoShard if o.is_some() && self.world_size > 1 => Err(PlanError::InvalidConfig(format!(
-                "--offload {o} with no-shard at {} ranks makes no sense: every rank would keep a whole copy of the master weights and optimizer state in host memory; use --strategy shard-optimizer, shard-grad-op or full-shard with --offload",
-                self.world_size
+            _ if o.is_some() && one_shard && w > 1 => Err(PlanError::InvalidConfig(format!(
+                "--offload {o} with {} at {w} ranks makes no sense: with one shard per group every rank would keep a whole copy of the master weights and optimizer state in host memory; {instead}",
+                if strategy == Strategy::NoShard {
+                    "no-shard".to_string()
+                } else {
+                    format!("{strategy}")
+                }
             ))),
             Strategy::NoShard | Strategy::ShardOptimizer if o == Offload::Params => {
                 Err(PlanError::InvalidConfig(format!(

@@ -262,7 +262,13 @@ pub fn plan(spec: &ModelSpec, cfg: &PlanConfig) -> Result<ShardPlan, PlanError> 
         return plan_with(spec, cfg, cfg.strategy, None);
     }
     let budget = cfg.device_memory.expect("validated: auto has a budget");
-    let strategies = auto_candidates(cfg.world_size);
+    let mut strategies = auto_candidates(cfg.world_size);
+    // Offloaded, a device's parameters are always gathered copies: at one rank full shard
+    // (which frees them after use) then holds less than no-shard (which keeps them).
+    if cfg.world_size == 1 && cfg.offload_mode().is_some() {
+        strategies.push(Strategy::FullShard);
+    }
+    strategies.retain(|&s| cfg.check_offload(s).is_ok());
     // Activation checkpointing as set, or, when left to the planner, every strategy without it
     // first (no recompute), then every strategy with it (one extra forward per unit).
     let settings: Vec<Option<bool>> = match cfg.activation_checkpointing {
@@ -284,9 +290,6 @@ pub fn plan(spec: &ModelSpec, cfg: &PlanConfig) -> Result<ShardPlan, PlanError> 
             ..cfg.clone()
         };
         for &s in &strategies {
-            if c.check_offload(s).is_err() {
-                continue;
-            }
             let p = plan_with(spec, &c, s, None)?;
             let name = label(s, ckpt);
             if p.memory.peak <= budget {
@@ -311,32 +314,36 @@ pub fn plan(spec: &ModelSpec, cfg: &PlanConfig) -> Result<ShardPlan, PlanError> 
         }
     }
     // The last resort before "does not fit": the least-memory strategy with its master weights
-    // and optimizer state (then its parameter shards too) in host memory.
+    // and optimizer state (then its parameter shards too) in host memory, each without
+    // activation checkpointing first (unless the config sets it), then with it.
     if cfg.offload.is_none() {
+        let ckpts: Vec<Option<bool>> = match cfg.activation_checkpointing {
+            Some(x) => vec![Some(x)],
+            None => vec![None, Some(true)],
+        };
         for offload in [Offload::Optimizer, Offload::Params] {
-            let c = PlanConfig {
-                offload: Some(offload),
-                activation_checkpointing: Some(cfg.activation_checkpointing.unwrap_or(true)),
-                ..cfg.clone()
-            };
-            let s = Strategy::FullShard;
-            let p = plan_with(spec, &c, s, None)?;
-            let name = format!(
-                "{} with --offload {offload}",
-                label(s, c.activation_checkpointing)
-            );
-            if p.memory.peak <= budget {
-                let why = format!(
-                    "{name} is the only way it fits: device peak {} of {budget} ({} free), {} in host memory per rank; without offload nothing fits: {}",
-                    p.memory.peak,
-                    budget - p.memory.peak,
-                    p.memory.host_peak,
-                    rejected.join(", ")
-                );
-                return plan_with(spec, &c, s, Some(why));
+            for &ckpt in &ckpts {
+                let c = PlanConfig {
+                    offload: Some(offload),
+                    activation_checkpointing: ckpt,
+                    ..cfg.clone()
+                };
+                let s = Strategy::FullShard;
+                let p = plan_with(spec, &c, s, None)?;
+                let name = format!("{} with --offload {offload}", label(s, ckpt));
+                if p.memory.peak <= budget {
+                    let why = format!(
+                        "{name} is the only way it fits: device peak {} of {budget} ({} free), {} in host memory per rank; without offload nothing fits: {}",
+                        p.memory.peak,
+                        budget - p.memory.peak,
+                        p.memory.host_peak,
+                        rejected.join(", ")
+                    );
+                    return plan_with(spec, &c, s, Some(why));
+                }
+                rejected.push(format!("{name} needs {}", p.memory.peak));
+                last = Some((p, c));
             }
-            rejected.push(format!("{name} needs {}", p.memory.peak));
-            last = Some((p, c));
         }
     }
     let (p, c) = last.expect("at least one candidate");

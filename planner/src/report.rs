@@ -126,7 +126,7 @@ pub fn render_table(plan: &ShardPlan, fit: Option<&FitReport>) -> String {
         c.grad_accum,
         match c.grad_sync {
             _ if plan.schedule.replicated && c.grad_accum > 1 =>
-                "last micro-batch only (replicated gradients)",
+                "last micro-batch only (shard-optimizer reduces once per step)",
             crate::config::GradSync::EveryMicroBatch => "every micro-batch",
             crate::config::GradSync::LastMicroBatch => "last micro-batch only",
         },

@@ -175,6 +175,17 @@ fn offload_that_makes_no_sense_is_refused() {
             "{e}"
         );
     }
+    // Hybrid with shard groups of one is no-shard's layout: refused alike, with a fix that
+    // works for the offload asked for.
+    let mut c = cfg(4, Strategy::Hybrid { shard_size: 1 }, Some(Offload::Params));
+    let e = plan(&chain(), &c).unwrap_err().to_string();
+    assert!(e.contains("with one shard per group"), "{e}");
+    assert!(
+        e.contains("shard-grad-op or full-shard with --offload params, or shard-optimizer with --offload optimizer"),
+        "{e}"
+    );
+    c.offload = Some(Offload::Optimizer);
+    assert!(plan(&chain(), &c).is_err());
     // One rank without sharding: offloading the optimizer is ZeRO-Offload on one device.
     let p = plan(
         &chain(),
@@ -187,4 +198,36 @@ fn offload_that_makes_no_sense_is_refused() {
     );
     "1".parse::<Offload>().unwrap_err();
     assert_eq!("params".parse::<Offload>().unwrap(), Offload::Params);
+}
+
+/// Auto at one rank with an offload set considers full shard too (it frees the device's
+/// gathered copies that no-shard keeps), and never runs out of candidates.
+#[test]
+fn auto_at_one_rank_with_offload_considers_full_shard() {
+    let gpt2 = fsdp_planner::preset("gpt2").unwrap();
+    for o in [Offload::Optimizer, Offload::Params] {
+        let mut c = cfg(1, Strategy::Auto, Some(o));
+        c.seq_len = 128;
+        c.device_memory = Some(Bytes(1 << 40));
+        let p = plan(&gpt2, &c).unwrap();
+        let want = if o == Offload::Params {
+            Strategy::FullShard
+        } else {
+            Strategy::NoShard
+        };
+        assert_eq!(p.strategy, want, "{o}");
+        // A budget only full shard meets.
+        let mut f = c.clone();
+        f.strategy = Strategy::FullShard;
+        f.device_memory = None;
+        let fs = plan(&gpt2, &f).unwrap();
+        f.strategy = Strategy::NoShard;
+        if o == Offload::Optimizer {
+            assert!(fs.memory.peak < plan(&gpt2, &f).unwrap().memory.peak);
+        }
+        c.device_memory = Some(fs.memory.peak);
+        let p = plan(&gpt2, &c).unwrap();
+        assert_eq!(p.strategy, Strategy::FullShard, "{o}");
+        assert_eq!(p.fits(), Some(true), "{o}");
+    }
 }

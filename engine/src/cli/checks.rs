@@ -96,6 +96,18 @@ pub fn warmup_note(o: &TrainOptions) -> Option<String> {
     })
 }
 
+/// A note when shard-optimizer runs with gradient accumulation and `--grad-sync every`: it
+/// reduces once per step, after the last micro-batch, so the setting does not apply.
+pub fn grad_sync_note(o: &TrainOptions) -> Option<String> {
+    (o.strategy == fsdp_planner::Strategy::ShardOptimizer
+        && o.grad_accum > 1
+        && o.grad_sync == fsdp_planner::GradSync::EveryMicroBatch)
+        .then(|| {
+            "note: shard-optimizer reduces gradients once per step, after the last micro-batch              (its parameters stay replicated through the step), so --grad-sync every does not              apply: the run is --grad-sync last"
+                .to_string()
+        })
+}
+
 /// An I/O error in plain words, without the operating system's error number: "does not
 /// exist", "permission denied", else the error's own text.
 pub fn io_words(e: &std::io::Error) -> String {

@@ -118,7 +118,7 @@ pub fn shard_size_for(
         )),
         (S::Auto, _) => Err(CliError::Usage(
             "--strategy auto does not name a layout: reshard to full-shard, shard-grad-op, \
-             no-shard or hybrid (fsdp train --resume reshards on load under auto)"
+             shard-optimizer, no-shard or hybrid (fsdp train --resume reshards on load under auto)"
                 .into(),
         )),
         (other, Some(_)) => Err(CliError::Usage(format!(

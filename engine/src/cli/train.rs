@@ -459,9 +459,13 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
     );
     run.options.threads_per_rank = threads;
     if root {
-        for note in [warning, super::checks::warmup_note(&run.options)]
-            .into_iter()
-            .flatten()
+        for note in [
+            warning,
+            super::checks::warmup_note(&run.options),
+            super::checks::grad_sync_note(&run.options),
+        ]
+        .into_iter()
+        .flatten()
         {
             eprintln!("{note}");
         }

@@ -245,39 +245,103 @@ fn auto_offloads_as_the_last_resort_and_refuses_what_nothing_fits() {
     // Without offload the least memory is full shard with checkpointing.
     let fs_ac = peaks[7];
     assert_eq!(fs_ac, least);
-    let offloaded = |o: &str| -> u64 {
+    let offloaded = |o: &str, ac: &str| -> u64 {
         plan_json(&[
             "--strategy",
             "full-shard",
             "--activation-checkpointing",
-            "on",
+            ac,
             "--offload",
             o,
         ])["memory"]["peak"]["bytes"]
             .as_u64()
             .unwrap()
     };
-    let (opt, params) = (offloaded("optimizer"), offloaded("params"));
-    assert!(params < opt && opt < least, "{params} < {opt} < {least}");
-    // One byte below the least without offload: auto offloads the optimizer, says so, and
-    // trains.
-    let b = (least - 1).to_string();
-    let (code, steps, summary, err) = train(1, &["--strategy", "auto", "--device-memory", &b]);
-    assert_eq!(code, 0, "{err}");
-    assert_eq!(steps.len(), 1);
-    let s = summary.unwrap();
-    assert_eq!(s["strategy"], "full-shard", "{s}");
-    let reason = s["auto_reason"].as_str().unwrap();
-    assert!(
-        reason.starts_with(
-            "full-shard with activation checkpointing with --offload optimizer is the only way it fits"
+    // Auto's last resort, in order: the optimizer offloaded without and with checkpointing,
+    // then the parameters too.
+    let resort = [
+        (
+            "full-shard with --offload optimizer",
+            offloaded("optimizer", "off"),
         ),
+        (
+            "full-shard with activation checkpointing with --offload optimizer",
+            offloaded("optimizer", "on"),
+        ),
+        (
+            "full-shard with --offload params",
+            offloaded("params", "off"),
+        ),
+        (
+            "full-shard with activation checkpointing with --offload params",
+            offloaded("params", "on"),
+        ),
+    ];
+    let params = resort[3].1;
+    assert!(resort.iter().all(|(_, p)| *p >= params) && params < least);
+    // One byte below the least without offload: the planner's auto offloads and says so; a
+    // run on a device offloads the same way (the library's search, on the CPU device); a run
+    // on the host placement, whose device is host memory, does not: nothing fits there.
+    let b = (least - 1).to_string();
+    let (want, want_peak) = *resort.iter().find(|(_, p)| *p < least).unwrap();
+    let p = plan_json(&["--strategy", "auto", "--device-memory", &b]);
+    let reason = p["strategy"]["auto_reason"].as_str().unwrap();
+    assert!(
+        reason.starts_with(&format!("{want} is the only way it fits")),
         "{reason}"
     );
-    assert_eq!(s["plan_peak_per_rank"], opt, "{s}");
+    assert_eq!(p["memory"]["peak"]["bytes"], want_peak, "{p}");
+    let opts = fsdp::train::TrainOptions {
+        model: "tiny".into(),
+        world_size: 2,
+        seq_len: 32,
+        micro_batch: 2,
+        placement: fsdp::runtime::Placement::Device(candle_core::Device::Cpu),
+        ..Default::default()
+    };
+    let choice = fsdp::train::resolve_auto(&opts, fsdp_types::Bytes(least - 1)).unwrap();
+    assert!(
+        choice.fits && choice.offload.is_some_and(|o| o.is_some()),
+        "{choice:?}"
+    );
+    assert_eq!(choice.peak.0, want_peak);
+    let (code, steps, _, err) = train(1, &["--strategy", "auto", "--device-memory", &b]);
+    assert_eq!(code, 2, "{err}");
+    assert!(steps.is_empty(), "no step ran");
+    assert!(!err.contains("--offload"), "{err}");
+    // Offloaded explicitly, the same budget trains on the host's CPU device.
+    let (code, steps, summary, err) = train(
+        1,
+        &[
+            "--strategy",
+            "auto",
+            "--device-memory",
+            &b,
+            "--offload",
+            "params",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(steps.len(), 1);
+    assert!(
+        summary.unwrap()["plan_host_peak_per_rank"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
     // One byte below the least with offload: refused before training, with the numbers.
     let b = (params - 1).to_string();
-    let (code, steps, summary, err) = train(1, &["--strategy", "auto", "--device-memory", &b]);
+    let (code, steps, summary, err) = train(
+        1,
+        &[
+            "--strategy",
+            "auto",
+            "--device-memory",
+            &b,
+            "--offload",
+            "params",
+        ],
+    );
     assert_eq!(code, 2, "{err}");
     assert!(steps.is_empty() && summary.is_none(), "no step ran");
     let budget = fsdp_types::group_thousands(params - 1);
