@@ -97,7 +97,7 @@ fn main() {
     println!();
     println!("mini, W=2, seq 128, micro-batch 8 per rank, fp32 AdamW, {cores} cores");
     println!(
-        "{:<16} {:<28} {:>9} {:>10} {:>14} {:>10}",
+        "{:<16} {:<32} {:>9} {:>10} {:>14} {:>10}",
         "strategy", "where", "step ms", "tokens/s", "host MiB/rank", "vs device"
     );
     for (strategy, placement, v) in &rows {
@@ -114,7 +114,7 @@ fn main() {
             _ => "host placement",
         };
         println!(
-            "{:<16} {:<28} {:>9.1} {:>10.0} {:>14.2} {:>9.2}x",
+            "{:<16} {:<32} {:>9.1} {:>10.0} {:>14.2} {:>9.2}x",
             strategy,
             label,
             ms,

@@ -83,7 +83,7 @@ pub fn engine_to_ckpt(
 }
 
 /// Converts shards loaded for `rank` under `layout` (e.g. by
-/// [`Checkpoint::load_rank`], possibly resharded) into the engine's rank state, ready for
+/// [`fsdp_checkpoints::Checkpoint::load_rank`], possibly resharded) into the engine's rank state, ready for
 /// [`crate::runtime::RankEngine::import_state`]. `optimizer_step` is Adam's step count; trainable
 /// flat parameters without moments (a full file) get zero moments (a fresh AdamW state).
 pub fn ckpt_to_engine(
