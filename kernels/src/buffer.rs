@@ -202,6 +202,21 @@ impl FlatBuffer {
         }
     }
 
+    /// [`FlatBuffer::copy_from_f32`] into the first `src.len()` elements (a reusable staging
+    /// buffer longer than the shard it carries); the rest is not touched.
+    ///
+    /// Errors: [`KernelError::LengthMismatch`] if `src` is longer than the buffer.
+    pub fn copy_from_f32_prefix(&mut self, src: &[f32]) -> Result<(), KernelError> {
+        let n = src.len();
+        check_fits("src", n, self.len())?;
+        match self {
+            FlatBuffer::F32(d) => crate::elementwise::copy(&mut d[..n], src),
+            FlatBuffer::BF16(d) => cast::cast_f32_to_bf16(src, &mut d[..n]),
+            FlatBuffer::F16(d) => cast::cast_f32_to_f16(src, &mut d[..n]),
+            FlatBuffer::F64(d) => cast::cast_f32_to_f64(src, &mut d[..n]),
+        }
+    }
+
     /// `dst[i] += self[i]` with each element converted to fp32 first (exact from BF16/F16,
     /// rounded to nearest even from F64) and the sum rounded once: accumulates a `reduce_dtype`
     /// gradient into the fp32 gradient shard without a temporary buffer. `dst`: `self.len()`
@@ -210,8 +225,19 @@ impl FlatBuffer {
     /// Errors: [`KernelError::LengthMismatch`] (nothing is written).
     pub fn accumulate_into_f32(&self, dst: &mut [f32]) -> Result<(), KernelError> {
         check_len("dst", self.len(), dst.len())?;
+        self.accumulate_prefix_into_f32(dst)
+    }
+
+    /// [`FlatBuffer::accumulate_into_f32`] of the first `dst.len()` elements (a reusable
+    /// staging buffer longer than the shard it carries).
+    ///
+    /// Errors: [`KernelError::LengthMismatch`] if `dst` is longer than the buffer (nothing is
+    /// written).
+    pub fn accumulate_prefix_into_f32(&self, dst: &mut [f32]) -> Result<(), KernelError> {
+        let n = dst.len();
+        check_fits("dst", n, self.len())?;
         match self {
-            FlatBuffer::F32(s) => crate::elementwise::accumulate(dst, s),
+            FlatBuffer::F32(s) => crate::elementwise::accumulate(dst, &s[..n]),
             FlatBuffer::BF16(s) => {
                 for (d, x) in dst.iter_mut().zip(s) {
                     *d += x.to_f32();
@@ -232,6 +258,18 @@ impl FlatBuffer {
             }
         }
     }
+}
+
+/// [`KernelError::LengthMismatch`] unless `n` elements fit a buffer of `len`.
+fn check_fits(what: &'static str, n: usize, len: usize) -> Result<(), KernelError> {
+    if n > len {
+        return Err(KernelError::LengthMismatch {
+            what,
+            expected: len,
+            actual: n,
+        });
+    }
+    Ok(())
 }
 
 impl From<Vec<f32>> for FlatBuffer {

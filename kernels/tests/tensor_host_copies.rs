@@ -72,3 +72,25 @@ fn mismatches_are_refused_and_write_nothing() {
     let mut wrong = FlatBuffer::BF16(vec![bf16::ZERO; 4]);
     assert!(k.download(&dst, &mut wrong).is_err());
 }
+
+#[test]
+fn staging_prefixes_cast_and_accumulate_only_the_shard() {
+    let mut b = FlatBuffer::BF16(vec![bf16::from_f32(9.0); 4]);
+    b.copy_from_f32_prefix(&[1.0, 2.5]).unwrap();
+    assert_eq!(
+        b.as_bf16()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_f32())
+            .collect::<Vec<_>>(),
+        [1.0, 2.5, 9.0, 9.0]
+    );
+    let mut dst = [0.5f32, 0.5];
+    b.accumulate_prefix_into_f32(&mut dst).unwrap();
+    assert_eq!(dst, [1.5, 3.0]);
+    let e = b.copy_from_f32_prefix(&[0.0; 5]).unwrap_err();
+    assert!(matches!(e, KernelError::LengthMismatch { .. }), "{e}");
+    let mut long = [0f32; 5];
+    assert!(b.accumulate_prefix_into_f32(&mut long).is_err());
+    assert_eq!(long, [0.0; 5], "nothing written");
+}

@@ -275,86 +275,70 @@ pub fn plan(spec: &ModelSpec, cfg: &PlanConfig) -> Result<ShardPlan, PlanError> 
         Some(x) => vec![Some(x)],
         None => vec![None, Some(true)],
     };
-    let label = |s: Strategy, ckpt: Option<bool>| -> String {
-        if ckpt == Some(true) && cfg.activation_checkpointing.is_none() {
-            format!("{s} with activation checkpointing")
-        } else {
-            s.to_string()
+    // Every candidate, fastest first: each strategy under each checkpointing setting, then, as
+    // the last resort before "does not fit" (unless the config sets an offload), full shard
+    // with its master weights and optimizer state (then its parameter shards too) in host
+    // memory, each without activation checkpointing first, then with it.
+    let with = |ckpt: Option<bool>, offload: Option<Offload>| PlanConfig {
+        activation_checkpointing: ckpt,
+        offload,
+        ..cfg.clone()
+    };
+    let mut candidates: Vec<(Strategy, PlanConfig)> = settings
+        .iter()
+        .flat_map(|&ckpt| strategies.iter().map(move |&s| (s, ckpt)))
+        .map(|(s, ckpt)| (s, with(ckpt, cfg.offload)))
+        .collect();
+    if cfg.offload.is_none() {
+        for offload in [Offload::Optimizer, Offload::Params] {
+            for &ckpt in &settings {
+                candidates.push((Strategy::FullShard, with(ckpt, Some(offload))));
+            }
         }
+    }
+    // A candidate's name: the strategy, the checkpointing and the offload the search added.
+    let name = |s: Strategy, c: &PlanConfig| -> String {
+        let mut n = s.to_string();
+        if c.activation_checkpointing == Some(true) && cfg.activation_checkpointing.is_none() {
+            n.push_str(" with activation checkpointing");
+        }
+        if let (Some(o), None) = (c.offload, cfg.offload) {
+            n.push_str(&format!(" with --offload {o}"));
+        }
+        n
     };
     let mut rejected = Vec::new();
     let mut last = None;
-    for ckpt in settings {
-        let c = PlanConfig {
-            activation_checkpointing: ckpt,
-            ..cfg.clone()
-        };
-        for &s in &strategies {
-            let p = plan_with(spec, &c, s, None)?;
-            let name = label(s, ckpt);
-            if p.memory.peak <= budget {
-                let why = if rejected.is_empty() {
-                    format!(
-                        "{name} is the fastest strategy and fits: peak {} of {budget} ({} free)",
-                        p.memory.peak,
-                        budget - p.memory.peak
-                    )
-                } else {
-                    format!(
-                        "{name} is the fastest strategy that fits: peak {} of {budget} ({} free); faster ones do not fit: {}",
-                        p.memory.peak,
-                        budget - p.memory.peak,
-                        rejected.join(", ")
-                    )
-                };
-                return plan_with(spec, &c, s, Some(why));
-            }
-            rejected.push(format!("{name} needs {}", p.memory.peak));
-            last = Some((p, c.clone()));
+    for (s, c) in candidates {
+        let p = plan_with(spec, &c, s, None)?;
+        let name = name(s, &c);
+        let peak = p.memory.peak;
+        if peak <= budget {
+            let free = budget - peak;
+            let why = if c.offload != cfg.offload {
+                format!(
+                    "{name} is the only way it fits: device peak {peak} of {budget} ({free} free), {} in host memory per rank; without offload nothing fits: {}",
+                    p.memory.host_peak,
+                    rejected.join(", ")
+                )
+            } else if rejected.is_empty() {
+                format!("{name} is the fastest strategy and fits: peak {peak} of {budget} ({free} free)")
+            } else {
+                format!(
+                    "{name} is the fastest strategy that fits: peak {peak} of {budget} ({free} free); faster ones do not fit: {}",
+                    rejected.join(", ")
+                )
+            };
+            return plan_with(spec, &c, s, Some(why));
         }
-    }
-    // The last resort before "does not fit": the least-memory strategy with its master weights
-    // and optimizer state (then its parameter shards too) in host memory, each without
-    // activation checkpointing first (unless the config sets it), then with it.
-    if cfg.offload.is_none() {
-        let ckpts: Vec<Option<bool>> = match cfg.activation_checkpointing {
-            Some(x) => vec![Some(x)],
-            None => vec![None, Some(true)],
-        };
-        for offload in [Offload::Optimizer, Offload::Params] {
-            for &ckpt in &ckpts {
-                let c = PlanConfig {
-                    offload: Some(offload),
-                    activation_checkpointing: ckpt,
-                    ..cfg.clone()
-                };
-                let s = Strategy::FullShard;
-                let p = plan_with(spec, &c, s, None)?;
-                let name = format!("{} with --offload {offload}", label(s, ckpt));
-                if p.memory.peak <= budget {
-                    let why = format!(
-                        "{name} is the only way it fits: device peak {} of {budget} ({} free), {} in host memory per rank; without offload nothing fits: {}",
-                        p.memory.peak,
-                        budget - p.memory.peak,
-                        p.memory.host_peak,
-                        rejected.join(", ")
-                    );
-                    return plan_with(spec, &c, s, Some(why));
-                }
-                rejected.push(format!("{name} needs {}", p.memory.peak));
-                last = Some((p, c));
-            }
-        }
+        rejected.push(format!("{name} needs {peak}"));
+        last = Some((p, c));
     }
     let (p, c) = last.expect("at least one candidate");
-    let offloaded = match c.offload {
-        Some(o) if o.is_some() && cfg.offload.is_none() => format!(" with --offload {o}"),
-        _ => String::new(),
-    };
     let why = format!(
-        "nothing fits in {budget}: {}; keeping {}{offloaded} (the least memory), over by {}",
+        "nothing fits in {budget}: {}; keeping {} (the least memory), over by {}",
         rejected.join(", "),
-        label(p.strategy, c.activation_checkpointing),
+        name(p.strategy, &c),
         p.memory.peak - budget
     );
     plan_with(spec, &c, p.strategy, Some(why))

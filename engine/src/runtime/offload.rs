@@ -23,7 +23,6 @@ use candle_core::Tensor;
 use fsdp_kernels::tensor::TensorKernels;
 use fsdp_kernels::FlatBuffer;
 use fsdp_planner::{Category, ShardPlan};
-use fsdp_types::DType;
 
 /// The host staging buffers of an offloaded rank (see the module doc).
 #[derive(Debug)]
@@ -57,8 +56,8 @@ impl HostStaging {
     /// Host to device: casts `master` (f32, `n` elements) to the parameter staging buffer's
     /// dtype and uploads it into elements `[at, at + n)` of the device buffer `dst`.
     ///
-    /// Errors: a shard longer than the staging buffer (a plan/engine mismatch), a kernel or
-    /// device failure.
+    /// Errors: a shard longer than the staging buffer (a plan/engine mismatch:
+    /// [`fsdp_kernels::KernelError::LengthMismatch`]), a kernel or device failure.
     pub(crate) fn upload_cast(
         &mut self,
         k: &TensorKernels,
@@ -67,15 +66,7 @@ impl HostStaging {
         at: usize,
     ) -> Result<()> {
         let n = master.len();
-        if n > self.params.len() {
-            return Err(staging_too_small("parameter", n, self.params.len()));
-        }
-        match &mut self.params {
-            FlatBuffer::F32(v) => v[..n].copy_from_slice(master),
-            FlatBuffer::BF16(v) => fsdp_kernels::cast::cast_f32_to_bf16(master, &mut v[..n])?,
-            FlatBuffer::F16(v) => fsdp_kernels::cast::cast_f32_to_f16(master, &mut v[..n])?,
-            FlatBuffer::F64(v) => fsdp_kernels::cast::cast_f32_to_f64(master, &mut v[..n])?,
-        }
+        self.params.copy_from_f32_prefix(master)?;
         k.upload(dst, at, &self.params, n)?;
         Ok(())
     }
@@ -91,45 +82,15 @@ impl HostStaging {
         src: &Tensor,
         dst: &mut [f32],
     ) -> Result<()> {
-        let n = src.elem_count();
-        if n != dst.len() || n > self.grads.len() {
-            return Err(staging_too_small(
-                "gradient",
-                n,
-                self.grads.len().min(dst.len()),
-            ));
+        if src.elem_count() != dst.len() {
+            return Err(EngineError::Config(format!(
+                "offload: a reduced gradient shard of {} elements for a host shard of {}",
+                src.elem_count(),
+                dst.len()
+            )));
         }
         k.download(src, &mut self.grads)?;
-        match &self.grads {
-            FlatBuffer::F32(v) => fsdp_kernels::accumulate(dst, &v[..n])?,
-            FlatBuffer::BF16(v) => {
-                for (d, x) in dst.iter_mut().zip(&v[..n]) {
-                    *d += x.to_f32();
-                }
-            }
-            FlatBuffer::F16(v) => {
-                for (d, x) in dst.iter_mut().zip(&v[..n]) {
-                    *d += x.to_f32();
-                }
-            }
-            FlatBuffer::F64(v) => {
-                for (d, &x) in dst.iter_mut().zip(&v[..n]) {
-                    *d += x as f32;
-                }
-            }
-        }
+        self.grads.accumulate_prefix_into_f32(dst)?;
         Ok(())
     }
-
-    /// The dtype gradients arrive in (`reduce_dtype`).
-    #[allow(dead_code)]
-    pub(crate) fn grad_dtype(&self) -> DType {
-        self.grads.dtype()
-    }
-}
-
-fn staging_too_small(what: &str, n: usize, have: usize) -> EngineError {
-    EngineError::Config(format!(
-        "offload: a {what} shard of {n} elements does not fit the host staging buffer of {have} (the plan and the engine disagree)"
-    ))
 }
