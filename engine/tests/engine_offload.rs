@@ -15,12 +15,11 @@ use fsdp::runtime::{
 };
 use fsdp_comm::{run_threads, Topology};
 use fsdp_planner::{plan, GradSync, Offload, PlanConfig, ShardPlan, Strategy};
-use fsdp_testing::reference::Reference;
 use fsdp_types::{Bytes, DType};
 use std::time::Duration;
 
 mod common;
-use common::{micro_batch, text, B, T};
+use common::{bits64 as bits, gpt_reference, micro_batch, text, Run, B, T};
 
 const STEPS: usize = 3;
 
@@ -48,12 +47,6 @@ impl Case {
             device: true,
         }
     }
-}
-
-struct Run {
-    losses: Vec<f64>,
-    params: Vec<Vec<Vec<f32>>>,
-    grads: Vec<Vec<Vec<f32>>>,
 }
 
 fn ecfg() -> EngineConfig {
@@ -134,50 +127,13 @@ fn run(c: Case) -> Run {
 }
 
 fn reference(w: usize, shard: usize, kk: usize, sync: GradSync) -> Run {
-    let model = Gpt::from_preset("tiny").unwrap();
-    let text = text();
-    let mut r = Reference::new(
-        &model,
-        StagedModel::init_params(&model, 1234),
-        ecfg().optimizer,
-    );
-    let mut losses = Vec::new();
-    for step in 0..STEPS {
-        let mbs: Vec<Vec<MicroBatch>> = (0..kk)
-            .map(|k| {
-                (0..w)
-                    .map(|rank| micro_batch(&text, step, k, rank, w, kk))
-                    .collect()
-            })
-            .collect();
-        losses.push(r.step(&mbs, shard, sync, None, 3e-3).unwrap());
-    }
-    Run {
-        losses,
-        params: r.params().to_vec(),
-        grads: Vec::new(),
-    }
+    gpt_reference(STEPS, w, shard, (kk, sync), None, ecfg().optimizer)
 }
 
-fn bits(v: &[f64]) -> Vec<u64> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
+/// [`common::assert_bitwise`], and the gradient shards of one more accumulation when both
+/// runs have them.
 fn assert_bitwise(a: &Run, b: &Run, what: &str) {
-    assert_eq!(bits(&a.losses), bits(&b.losses), "{what}: losses");
-    for (u, (pa, pb)) in a.params.iter().zip(&b.params).enumerate() {
-        for (k, (x, y)) in pa.iter().zip(pb).enumerate() {
-            let diff = x
-                .iter()
-                .zip(y)
-                .filter(|(p, q)| p.to_bits() != q.to_bits())
-                .count();
-            assert_eq!(
-                diff, 0,
-                "{what}: unit {u} param {k}: {diff} elements differ"
-            );
-        }
-    }
+    common::assert_bitwise(a, b, what);
     if !a.grads.is_empty() && !b.grads.is_empty() {
         assert_eq!(a.grads, b.grads, "{what}: gradient shards");
     }

@@ -11,11 +11,10 @@ use fsdp::optim::{AdamWConfig, Optimizer};
 use fsdp::runtime::{Clip, EngineConfig, InitSync, MicroBatch, NormType, RankEngine, StagedModel};
 use fsdp_comm::{run_threads, Topology};
 use fsdp_planner::{plan, GradSync, PlanConfig, Strategy};
-use fsdp_testing::reference::Reference;
 use std::time::Duration;
 
 mod common;
-use common::{micro_batch, text, B, T};
+use common::{assert_bitwise, bits64, gpt_reference, micro_batch, text, Run, B, T};
 
 const STEPS: usize = 5;
 
@@ -25,13 +24,6 @@ fn optimizer() -> Optimizer {
         weight_decay: 0.1,
         ..AdamWConfig::default()
     })
-}
-
-struct Run {
-    losses: Vec<f64>,
-    params: Vec<Vec<Vec<f32>>>,
-    /// Engine runs: rank 0's gradient shards of one more accumulate after the last step.
-    grads: Vec<Vec<Vec<f32>>>,
 }
 
 fn run_engine(strategy: Strategy, w: usize, kk: usize, sync: GradSync, clip: Option<Clip>) -> Run {
@@ -102,54 +94,7 @@ fn run_engine_ckpt(
 }
 
 fn run_reference(w: usize, shard: usize, kk: usize, sync: GradSync, clip: Option<Clip>) -> Run {
-    let model = Gpt::from_preset("tiny").unwrap();
-    let text = text();
-    let mut r = Reference::new(&model, StagedModel::init_params(&model, 1234), optimizer());
-    let mut losses = Vec::new();
-    for step in 0..STEPS {
-        let mbs: Vec<Vec<MicroBatch>> = (0..kk)
-            .map(|k| {
-                (0..w)
-                    .map(|rank| micro_batch(&text, step, k, rank, w, kk))
-                    .collect()
-            })
-            .collect();
-        losses.push(r.step(&mbs, shard, sync, clip, 3e-3).unwrap());
-    }
-    Run {
-        losses,
-        params: r.params().to_vec(),
-        grads: Vec::new(),
-    }
-}
-
-fn bits64(v: &[f64]) -> Vec<u64> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
-fn assert_bitwise(a: &Run, b: &Run, what: &str) {
-    assert_eq!(
-        bits64(&a.losses),
-        bits64(&b.losses),
-        "{what}: losses {:?} vs {:?}",
-        a.losses,
-        b.losses
-    );
-    for (u, (pa, pb)) in a.params.iter().zip(&b.params).enumerate() {
-        for (k, (x, y)) in pa.iter().zip(pb).enumerate() {
-            let diff = x
-                .iter()
-                .zip(y)
-                .filter(|(p, q)| p.to_bits() != q.to_bits())
-                .count();
-            assert_eq!(
-                diff,
-                0,
-                "{what}: unit {u} param {k}: {diff} of {} elements differ",
-                x.len()
-            );
-        }
-    }
+    gpt_reference(STEPS, w, shard, (kk, sync), clip, optimizer())
 }
 
 fn check(strategy: Strategy, w: usize, kk: usize, sync: GradSync) {
