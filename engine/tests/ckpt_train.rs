@@ -7,6 +7,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod run_cli;
+use run_cli::{fsdp, losses, rewind};
+
 /// A tiny, fast run: tiny GPT, 2 ranks, 1 x 16 tokens per micro-batch.
 fn train_args(root: &Path, steps: u64, world: &str) -> Vec<String> {
     [
@@ -42,33 +45,6 @@ fn train_args(root: &Path, steps: u64, world: &str) -> Vec<String> {
     .collect()
 }
 
-fn fsdp(args: &[String]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_fsdp"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-/// `(step, loss bits)` of every JSON step line.
-fn losses(stdout: &str) -> Vec<(u64, u64)> {
-    stdout
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v.get("step").is_some() && v.get("event").is_none())
-        .map(|v| {
-            (
-                v["step"].as_u64().unwrap(),
-                v["loss"].as_f64().unwrap().to_bits(),
-            )
-        })
-        .collect()
-}
-
 /// Every state buffer of the newest checkpoint, consolidated, as bits.
 fn state_bits(root: &Path) -> (u64, Vec<u32>) {
     let ck = Checkpoint::open(root, Verify::Checksums).unwrap();
@@ -80,17 +56,6 @@ fn state_bits(root: &Path) -> (u64, Vec<u32>) {
         }
     }
     (ck.manifest().train.step, bits)
-}
-
-/// Keeps only the checkpoint of `step` under `root` and points `latest` at it: the state of a
-/// run stopped right after saving step `step`.
-fn rewind(root: &Path, step: u64) {
-    for (s, dir) in list_checkpoints(root).unwrap() {
-        if s != step {
-            std::fs::remove_dir_all(dir).unwrap();
-        }
-    }
-    std::fs::write(root.join("latest"), format!("step-{step:08}\n")).unwrap();
 }
 
 #[test]

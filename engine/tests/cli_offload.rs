@@ -5,7 +5,9 @@
 //! the host bytes against the plan.
 
 use std::path::Path;
-use std::process::Command;
+
+mod run_cli;
+use run_cli::{fsdp, losses, rewind};
 
 fn args(root: &Path, steps: u64, world: &str, extra: &[&str]) -> Vec<String> {
     let mut a: Vec<String> = [
@@ -40,48 +42,12 @@ fn args(root: &Path, steps: u64, world: &str, extra: &[&str]) -> Vec<String> {
     a
 }
 
-fn fsdp(args: &[String]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_fsdp"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn losses(stdout: &str) -> Vec<(u64, u64)> {
-    stdout
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v.get("step").is_some() && v.get("event").is_none())
-        .map(|v| {
-            (
-                v["step"].as_u64().unwrap(),
-                v["loss"].as_f64().unwrap().to_bits(),
-            )
-        })
-        .collect()
-}
-
 fn summary(stdout: &str) -> serde_json::Value {
     stdout
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .find(|v| v["summary"] == true)
         .expect("a summary line")
-}
-
-/// Keeps only the checkpoint of `step` and points `latest` at it.
-fn rewind(root: &Path, step: u64) {
-    for (s, dir) in fsdp_checkpoints::list_checkpoints(root).unwrap() {
-        if s != step {
-            std::fs::remove_dir_all(dir).unwrap();
-        }
-    }
-    std::fs::write(root.join("latest"), format!("step-{step:08}\n")).unwrap();
 }
 
 #[test]
