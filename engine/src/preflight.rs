@@ -456,7 +456,8 @@ pub fn plan_for(
         return Err(RunError::Refused(format!(
             "--strategy auto: nothing fits the memory budget of {} per rank ({source}): the \
              least memory is {}{}, peak {} per rank; {}; use a smaller --micro-batch, --seq-len \
-             or --grad-accum, more ranks, or a larger --device-memory",
+             or --grad-accum, more ranks, a larger --device-memory, or --offload optimizer|params \
+             (the optimizer state in host memory)",
             bytes_exact(budget),
             choice.strategy,
             match (choice.activation_checkpointing, choice.offload) {

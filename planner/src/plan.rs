@@ -291,8 +291,18 @@ pub fn plan(spec: &ModelSpec, cfg: &PlanConfig) -> Result<ShardPlan, PlanError> 
         .collect();
     if cfg.offload.is_none() {
         for offload in [Offload::Optimizer, Offload::Params] {
+            let c = with(None, Some(offload));
+            let mut offloaded = auto_candidates(cfg.world_size);
+            // Offloaded, a device's parameters are always gathered copies: at one rank full
+            // shard (which frees them after use) holds less than no-shard (which keeps them).
+            if cfg.world_size == 1 {
+                offloaded.push(Strategy::FullShard);
+            }
+            offloaded.retain(|&s| c.check_offload(s).is_ok());
             for &ckpt in &settings {
-                candidates.push((Strategy::FullShard, with(ckpt, Some(offload))));
+                for &s in &offloaded {
+                    candidates.push((s, with(ckpt, Some(offload))));
+                }
             }
         }
     }
@@ -317,7 +327,7 @@ pub fn plan(spec: &ModelSpec, cfg: &PlanConfig) -> Result<ShardPlan, PlanError> 
             let free = budget - peak;
             let why = if c.offload != cfg.offload {
                 format!(
-                    "{name} is the only way it fits: device peak {peak} of {budget} ({free} free), {} in host memory per rank; without offload nothing fits: {}",
+                    "{name} is the fastest way it fits, with offload: device peak {peak} of {budget} ({free} free), {} in host memory per rank; faster ones do not fit: {}",
                     p.memory.host_peak,
                     rejected.join(", ")
                 )
@@ -382,6 +392,13 @@ fn plan_with(
     let fp_config = PlanConfig {
         activation_checkpointing: None,
         offload: cfg.offload.filter(|o| o.is_some()),
+        // Shard-optimizer reduces once per step whatever `grad_sync` says: both spellings are
+        // the same plan.
+        grad_sync: if strategy.replicated_params_and_grads() && cfg.grad_accum > 1 {
+            crate::config::GradSync::LastMicroBatch
+        } else {
+            cfg.grad_sync
+        },
         ..cfg.clone()
     };
     let input = FingerprintInput {

@@ -103,7 +103,9 @@ pub fn grad_sync_note(o: &TrainOptions) -> Option<String> {
         && o.grad_accum > 1
         && o.grad_sync == fsdp_planner::GradSync::EveryMicroBatch)
         .then(|| {
-            "note: shard-optimizer reduces gradients once per step, after the last micro-batch              (its parameters stay replicated through the step), so --grad-sync every does not              apply: the run is --grad-sync last"
+            "note: shard-optimizer reduces gradients once per step, after the last micro-batch \
+             (its parameters stay replicated through the step), so --grad-sync every does not \
+             apply: the run is --grad-sync last"
                 .to_string()
         })
 }

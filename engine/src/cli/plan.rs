@@ -30,8 +30,8 @@ pub enum StrategyArg {
     /// zero2).
     #[value(alias = "zero2")]
     ShardGradOp,
-    /// Shard optimizer state and master weights only; params and grads stay replicated
-    /// (ZeRO-1). Plan only: `fsdp train` cannot execute it.
+    /// Shard optimizer state, master weights and reduced gradients; params stay replicated
+    /// through the step and are gathered once per step (ZeRO-1).
     #[value(alias = "zero1")]
     ShardOptimizer,
     /// Replicate everything (DDP; alias ddp).
@@ -126,7 +126,7 @@ impl OffloadArg {
 }
 
 /// Help text of `--offload` (the same for `fsdp plan` and `fsdp train`).
-pub const OFFLOAD_HELP: &str = "What lives in host memory instead of on the compute device (ZeRO-Offload). `optimizer`: the f32 master and gradient shards and the optimizer state, with the optimizer step on the CPU; the device keeps the param_dtype shards. `params`: those and the parameter shards, each copied to the device for its all-gather. Default: none, except that --strategy auto offloads when nothing else fits (and says so)";
+pub const OFFLOAD_HELP: &str = "What lives in host memory instead of on the compute device (ZeRO-Offload). `optimizer`: the f32 master and gradient shards and the optimizer state, with the optimizer step on the CPU; the device keeps the param_dtype shards. `params`: those and the parameter shards, each copied to the device for its all-gather. Default: none, except that --strategy auto offloads when nothing else fits (in `fsdp plan`, and in `fsdp train` on a GPU: on the CPU the device is host memory already), and says so";
 
 /// Help text of `--activation-checkpointing` (the same for `fsdp plan` and `fsdp train`).
 pub const CHECKPOINTING_HELP: &str = "Unit-level activation checkpointing. `on`: keep only each \
