@@ -34,7 +34,7 @@
 //! Parameters of one unit in different dtypes, or activations in another dtype than the
 //! parameters, are an error (no silent cast). Mixed precision after Micikevicius et al. 2018.
 
-use super::stage::check_activation_dtype;
+use super::stage::{StageDriver, StageMath, StageUnits};
 use super::{composite, ops, ModelError, OpsPath, Stage};
 use candle_core::{DType, Device, Tensor};
 use fsdp_planner::presets::{byte_gpt_config, gpt2_spec, openai_gpt2_config};
@@ -91,8 +91,7 @@ pub struct Gpt {
     pub cfg: Gpt2Config,
     /// The planner's description of the units and parameters (from `gpt2_spec`).
     pub spec: ModelSpec,
-    embed_unit: usize,
-    head_unit: usize,
+    units: StageUnits,
     embed: EmbedIdx,
     head: HeadIdx,
     blocks: Vec<BlockIdx>,
@@ -133,11 +132,8 @@ impl Gpt {
         }
         let spec = gpt2_spec(name, &cfg);
         let l = cfg.n_layer as usize;
-        let (embed_unit, head_unit, first_block) = if cfg.tied_head {
-            (l, l, 0)
-        } else {
-            (0, l + 1, 1)
-        };
+        let units = StageUnits::new(l, cfg.tied_head);
+        let (embed_unit, head_unit, first_block) = (units.embed, units.head, units.first_block);
         let idx = |unit: usize, n: &str| {
             find(&spec, unit, n).unwrap_or_else(|| panic!("gpt2_spec has no parameter {n}"))
         };
@@ -178,8 +174,7 @@ impl Gpt {
         Ok(Gpt {
             cfg,
             spec,
-            embed_unit,
-            head_unit,
+            units,
             embed,
             head,
             blocks,
@@ -211,12 +206,6 @@ impl Gpt {
         })
     }
 
-    /// Whether the fused CPU ops serve tensor `t` (else the composite ops do). Errors: the
-    /// `Fused` path with `t` off the CPU.
-    fn fused(&self, t: &Tensor) -> candle_core::Result<bool> {
-        Ok(self.ops_path.resolve(t.device())? == OpsPath::Fused)
-    }
-
     /// Builds a preset by name: the byte-level presets `tiny`, `mini`, `small`, `base`
     /// ([`byte_gpt_config`], vocabulary 256, untied head) or the OpenAI GPT-2 sizes `gpt2`,
     /// `gpt2-medium`, `gpt2-large`, `gpt2-xl` ([`openai_gpt2_config`], tied head).
@@ -246,22 +235,7 @@ impl Gpt {
     /// Untied: `Embed -> 0`, `Block(i) -> i + 1`, `Head -> L + 1`. Tied: `Block(i) -> i`,
     /// `Embed -> L`, `Head -> L` (the root unit). Panics if `Block(i)` has `i >= L`.
     pub fn unit_of(&self, stage: Stage) -> usize {
-        match stage {
-            Stage::Embed => self.embed_unit,
-            Stage::Head => self.head_unit,
-            Stage::Block(i) => {
-                assert!(
-                    i < self.n_layer(),
-                    "block {i} of a {}-layer model",
-                    self.n_layer()
-                );
-                if self.cfg.tied_head {
-                    i
-                } else {
-                    i + 1
-                }
-            }
-        }
+        self.units.unit_of(stage)
     }
 
     /// The forward schedule: `(stage, unit index)` in execution order, `L + 2` entries.
@@ -270,13 +244,13 @@ impl Gpt {
     /// Tied: `[(Embed, L), (Block(0), 0), ..., (Block(L-1), L - 1), (Head, L)]`.
     /// Backward runs it in reverse.
     pub fn stages(&self) -> Vec<(Stage, usize)> {
-        let mut s = Vec::with_capacity(self.n_layer() + 2);
-        s.push((Stage::Embed, self.unit_of(Stage::Embed)));
-        for i in 0..self.n_layer() {
-            s.push((Stage::Block(i), self.unit_of(Stage::Block(i))));
-        }
-        s.push((Stage::Head, self.unit_of(Stage::Head)));
-        s
+        self.units.stages()
+    }
+
+    /// The stage at position `index` of [`Gpt::stages`]: `0` the embedding, `1..=L` the blocks,
+    /// anything later the head.
+    pub(crate) fn stage_at(&self, index: usize) -> Stage {
+        self.units.stage_at(index)
     }
 
     /// Deterministic GPT-2 initialisation from `seed`: the same values on every rank and every
@@ -382,19 +356,7 @@ impl Gpt {
         unit_params: &[Tensor],
         x: &Tensor,
     ) -> candle_core::Result<Tensor> {
-        self.check_params(stage, unit_params)?;
-        if stage != Stage::Embed {
-            check_activation_dtype(stage, unit_params, x)?;
-        }
-        match stage {
-            Stage::Embed => self.embed_fwd(unit_params, x),
-            Stage::Block(i) => self.block_fwd(&self.blocks[i], unit_params, x),
-            Stage::Head => {
-                let (b, t, _) = x.dims3()?;
-                let logits = self.logits(unit_params, x)?;
-                logits.reshape((b, t, self.cfg.vocab_size as usize))
-            }
-        }
+        self.drive_stage(stage, unit_params, x)
     }
 
     /// Head stage with the loss: hidden `x` `[B, T, D]` and `targets` u32 `[B, T]` -> a scalar
@@ -411,20 +373,7 @@ impl Gpt {
         x: &Tensor,
         targets: &Tensor,
     ) -> candle_core::Result<Tensor> {
-        self.check_params(Stage::Head, unit_params)?;
-        check_activation_dtype(Stage::Head, unit_params, x)?;
-        let (b, t, _) = x.dims3()?;
-        let (tb, tt) = targets.dims2()?;
-        if (tb, tt) != (b, t) {
-            candle_core::bail!("head_loss: targets are [{tb}, {tt}], hidden is [{b}, {t}, _]");
-        }
-        let logits = self.logits(unit_params, x)?;
-        let targets = targets.flatten_all()?;
-        if self.fused(&logits)? {
-            ops::cross_entropy_sum(&logits, &targets)
-        } else {
-            composite::cross_entropy_sum(&logits, &targets)
-        }
+        self.drive_head_loss(unit_params, x, targets)
     }
 
     /// Whole-model forward as ONE autograd graph (the single-process reference): `params` per
@@ -437,63 +386,30 @@ impl Gpt {
         ids: &Tensor,
         targets: &Tensor,
     ) -> candle_core::Result<Tensor> {
-        if params.len() != self.spec.units.len() {
-            candle_core::bail!(
-                "forward_loss: {} units of parameters for a {}-unit model",
-                params.len(),
-                self.spec.units.len()
-            );
-        }
-        let mut x = ids.clone();
-        for (stage, unit) in self.stages() {
-            if stage == Stage::Head {
-                return self.head_loss(&params[unit], &x, targets);
-            }
-            x = self.forward_stage(stage, &params[unit], &x)?;
-        }
-        unreachable!("stages() ends with Head")
+        self.drive_forward_loss(params, ids, targets)
     }
 
-    fn check_params(&self, stage: Stage, params: &[Tensor]) -> candle_core::Result<()> {
-        let unit = &self.spec.units[self.unit_of(stage)];
-        if params.len() != unit.params.len() {
-            candle_core::bail!(
-                "{stage:?}: unit {} has {} parameters, got {} tensors",
-                unit.name,
-                unit.params.len(),
-                params.len()
-            );
-        }
-        for (p, t) in unit.params.iter().zip(params) {
-            let want: Vec<usize> = p.shape.iter().map(|&s| s as usize).collect();
-            if t.dims() != want.as_slice() {
-                candle_core::bail!("{}: expected shape {want:?}, got {:?}", p.name, t.dims());
-            }
-        }
-        if let Some(first) = params.first() {
-            let dt = first.dtype();
-            if !matches!(dt, DType::F32 | DType::F64 | DType::BF16 | DType::F16) {
-                candle_core::bail!(
-                    "{stage:?}: unit {}: parameter {} is {dt:?}; parameters must be f32, f64, \
-                     bf16 or f16",
-                    unit.name,
-                    unit.params[0].name
-                );
-            }
-            for (p, t) in unit.params.iter().zip(params) {
-                if t.dtype() != dt {
-                    candle_core::bail!(
-                        "{stage:?}: unit {}: parameter {} is {:?} but {} is {dt:?}; all \
-                         parameters of a unit must have one dtype (param_dtype)",
-                        unit.name,
-                        p.name,
-                        t.dtype(),
-                        unit.params[0].name
-                    );
-                }
-            }
-        }
-        Ok(())
+    fn n_head_usize(&self) -> usize {
+        self.cfg.n_head as usize
+    }
+}
+
+/// The GPT-2 math of each stage; the shared driver ([`StageDriver`]) does the rest.
+impl StageMath for Gpt {
+    fn stage_spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn stage_units(&self) -> StageUnits {
+        self.units
+    }
+
+    fn configured_ops_path(&self) -> OpsPath {
+        self.ops_path
+    }
+
+    fn vocab(&self) -> usize {
+        self.cfg.vocab_size as usize
     }
 
     fn embed_fwd(&self, p: &[Tensor], ids: &Tensor) -> candle_core::Result<Tensor> {
@@ -517,7 +433,8 @@ impl Gpt {
         h.reshape((b, t, d))
     }
 
-    fn block_fwd(&self, ix: &BlockIdx, p: &[Tensor], x: &Tensor) -> candle_core::Result<Tensor> {
+    fn block_fwd(&self, layer: usize, p: &[Tensor], x: &Tensor) -> candle_core::Result<Tensor> {
+        let ix = &self.blocks[layer];
         let (b, t, d) = x.dims3()?;
         let h = self.n_head_usize();
         let hd = d / h;
@@ -566,10 +483,6 @@ impl Gpt {
             self.head.ln_f.b.map(|i| &p[i]),
         )?;
         h.matmul(&p[self.head.lm_head].t()?)
-    }
-
-    fn n_head_usize(&self) -> usize {
-        self.cfg.n_head as usize
     }
 }
 

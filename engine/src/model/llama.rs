@@ -37,7 +37,7 @@
 //! causal attention; a longer sequence is an error (not silently computed with full
 //! attention).
 
-use super::stage::check_activation_dtype;
+use super::stage::{StageDriver, StageMath, StageUnits};
 use super::{composite, ops, ModelError, OpsPath, Stage, INIT_STD};
 use candle_core::{DType, Device, Tensor, D};
 use fsdp_planner::presets::{llama_config, llama_numerics, llama_spec};
@@ -75,9 +75,7 @@ pub struct Llama {
     pub numerics: LlamaNumerics,
     /// The planner's description of the units and parameters (from [`llama_spec`]).
     pub spec: ModelSpec,
-    embed_unit: usize,
-    head_unit: usize,
-    first_block: usize,
+    units: StageUnits,
     embed_tokens: usize,
     norm: usize,
     lm_head: usize,
@@ -178,11 +176,8 @@ impl Llama {
         }
         let spec = llama_spec(name, &cfg);
         let l = cfg.n_layer as usize;
-        let (embed_unit, head_unit, first_block) = if cfg.tied_head {
-            (l, l, 0)
-        } else {
-            (0, l + 1, 1)
-        };
+        let units = StageUnits::new(l, cfg.tied_head);
+        let (embed_unit, head_unit, first_block) = (units.embed, units.head, units.first_block);
         let idx = |unit: usize, n: &str| {
             find(&spec, unit, n).unwrap_or_else(|| panic!("llama_spec has no parameter {n}"))
         };
@@ -218,9 +213,7 @@ impl Llama {
             cfg,
             numerics,
             spec,
-            embed_unit,
-            head_unit,
-            first_block,
+            units,
             blocks,
             ops_path: OpsPath::Auto,
         })
@@ -259,26 +252,12 @@ impl Llama {
     /// L + 1`; tied `Block(i) -> i`, `Embed` and `Head -> L` (the root unit). Panics if
     /// `Block(i)` has `i >= L`.
     pub fn unit_of(&self, stage: Stage) -> usize {
-        match stage {
-            Stage::Embed => self.embed_unit,
-            Stage::Head => self.head_unit,
-            Stage::Block(i) => {
-                assert!(
-                    i < self.n_layer(),
-                    "block {i} of a {}-layer model",
-                    self.n_layer()
-                );
-                self.first_block + i
-            }
-        }
+        self.units.unit_of(stage)
     }
 
     /// The forward schedule `(stage, unit)`: embedding, the `L` blocks, the head.
     pub fn stages(&self) -> Vec<(Stage, usize)> {
-        let mut s = vec![(Stage::Embed, self.unit_of(Stage::Embed))];
-        s.extend((0..self.n_layer()).map(|i| (Stage::Block(i), self.unit_of(Stage::Block(i)))));
-        s.push((Stage::Head, self.unit_of(Stage::Head)));
-        s
+        self.units.stages()
     }
 
     /// The longest sequence this model computes exactly: the sliding window when there is one
@@ -313,11 +292,6 @@ impl Llama {
         self.random_init(seed).full(&self.spec)
     }
 
-    /// Whether the fused CPU ops serve `t`. Errors: `Fused` off the CPU.
-    fn fused(&self, t: &Tensor) -> candle_core::Result<bool> {
-        Ok(self.ops_path.resolve(t.device())? == OpsPath::Fused)
-    }
-
     /// Forward of one stage; `unit_params` are ALL parameters of the stage's unit in
     /// declaration order (a tied one as its target's tensor), of one float dtype.
     /// - `Embed`: u32 ids `[B, T]` -> hidden `[B, T, D]` (`embed_tokens[ids]`);
@@ -332,19 +306,7 @@ impl Llama {
         unit_params: &[Tensor],
         x: &Tensor,
     ) -> candle_core::Result<Tensor> {
-        self.check_params(stage, unit_params)?;
-        if stage != Stage::Embed {
-            check_activation_dtype(stage, unit_params, x)?;
-        }
-        match stage {
-            Stage::Embed => self.embed_fwd(unit_params, x),
-            Stage::Block(i) => self.block_fwd(&self.blocks[i], unit_params, x),
-            Stage::Head => {
-                let (b, t, _) = x.dims3()?;
-                self.logits(unit_params, x)?
-                    .reshape((b, t, self.cfg.vocab_size as usize))
-            }
-        }
+        self.drive_stage(stage, unit_params, x)
     }
 
     /// The head with the loss: hidden `[B, T, D]` and u32 targets `[B, T]` -> the 0-dim SUM
@@ -356,20 +318,7 @@ impl Llama {
         x: &Tensor,
         targets: &Tensor,
     ) -> candle_core::Result<Tensor> {
-        self.check_params(Stage::Head, unit_params)?;
-        check_activation_dtype(Stage::Head, unit_params, x)?;
-        let (b, t, _) = x.dims3()?;
-        let (tb, tt) = targets.dims2()?;
-        if (tb, tt) != (b, t) {
-            candle_core::bail!("head_loss: targets are [{tb}, {tt}], hidden is [{b}, {t}, _]");
-        }
-        let logits = self.logits(unit_params, x)?;
-        let targets = targets.flatten_all()?;
-        if self.fused(&logits)? {
-            ops::cross_entropy_sum(&logits, &targets)
-        } else {
-            composite::cross_entropy_sum(&logits, &targets)
-        }
+        self.drive_head_loss(unit_params, x, targets)
     }
 
     /// Whole-model forward as one autograd graph: `params` per unit, u32 `ids` and `targets`
@@ -380,88 +329,7 @@ impl Llama {
         ids: &Tensor,
         targets: &Tensor,
     ) -> candle_core::Result<Tensor> {
-        if params.len() != self.spec.units.len() {
-            candle_core::bail!(
-                "forward_loss: {} units of parameters for a {}-unit model",
-                params.len(),
-                self.spec.units.len()
-            );
-        }
-        let mut x = ids.clone();
-        for (stage, unit) in self.stages() {
-            if stage == Stage::Head {
-                return self.head_loss(&params[unit], &x, targets);
-            }
-            x = self.forward_stage(stage, &params[unit], &x)?;
-        }
-        unreachable!("stages() ends with Head")
-    }
-
-    fn check_params(&self, stage: Stage, params: &[Tensor]) -> candle_core::Result<()> {
-        let unit = &self.spec.units[self.unit_of(stage)];
-        if params.len() != unit.params.len() {
-            candle_core::bail!(
-                "{stage:?}: unit {} has {} parameters, got {} tensors",
-                unit.name,
-                unit.params.len(),
-                params.len()
-            );
-        }
-        let dt = params[0].dtype();
-        if !matches!(dt, DType::F32 | DType::F64 | DType::BF16 | DType::F16) {
-            candle_core::bail!(
-                "{stage:?}: unit {}: parameter {} is {dt:?}; parameters must be f32, f64, bf16 \
-                 or f16",
-                unit.name,
-                unit.params[0].name
-            );
-        }
-        for (p, t) in unit.params.iter().zip(params) {
-            let want: Vec<usize> = p.shape.iter().map(|&s| s as usize).collect();
-            if t.dims() != want.as_slice() {
-                candle_core::bail!("{}: expected shape {want:?}, got {:?}", p.name, t.dims());
-            }
-            if t.dtype() != dt {
-                candle_core::bail!(
-                    "{stage:?}: unit {}: parameter {} is {:?} but {} is {dt:?}; all parameters \
-                     of a unit must have one dtype (param_dtype)",
-                    unit.name,
-                    p.name,
-                    t.dtype(),
-                    unit.params[0].name
-                );
-            }
-        }
-        Ok(())
-    }
-
-    fn embed_fwd(&self, p: &[Tensor], ids: &Tensor) -> candle_core::Result<Tensor> {
-        let (b, t) = ids.dims2()?;
-        if ids.dtype() != DType::U32 {
-            candle_core::bail!("Embed: token ids must be u32, got {:?}", ids.dtype());
-        }
-        self.check_seq_len(t)?;
-        let wte = &p[self.embed_tokens];
-        let v = self.cfg.vocab_size as usize;
-        if ids.elem_count() > 0 {
-            let m = ids.flatten_all()?.max(0)?.to_scalar::<u32>()?;
-            if m as usize >= v {
-                candle_core::bail!("Embed: token id {m} >= vocab_size {v}");
-            }
-        }
-        let flat = ids.flatten_all()?.contiguous()?;
-        // The table is a node of its own (a widened copy, or `1 * w + 0`), so the rows'
-        // gradient reaches a tied embedding as ONE term, the same bits in one graph and unit
-        // by unit (as the GPT's embedding).
-        let table = if is_half(wte) {
-            wte.contiguous()?.to_dtype(DType::F32)?
-        } else {
-            wte.contiguous()?.affine(1.0, 0.0)?
-        };
-        table
-            .index_select(&flat, 0)?
-            .to_dtype(wte.dtype())?
-            .reshape((b, t, self.cfg.d_model as usize))
+        self.drive_forward_loss(params, ids, targets)
     }
 
     fn check_seq_len(&self, t: usize) -> candle_core::Result<()> {
@@ -515,13 +383,57 @@ impl Llama {
             rms_norm(x, w, eps)
         }
     }
+}
 
-    fn block_fwd(
-        &self,
-        ix: &LlamaBlockIdx,
-        p: &[Tensor],
-        x: &Tensor,
-    ) -> candle_core::Result<Tensor> {
+/// The Llama-family math of each stage; the shared driver ([`StageDriver`]) does the rest.
+impl StageMath for Llama {
+    fn stage_spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn stage_units(&self) -> StageUnits {
+        self.units
+    }
+
+    fn configured_ops_path(&self) -> OpsPath {
+        self.ops_path
+    }
+
+    fn vocab(&self) -> usize {
+        self.cfg.vocab_size as usize
+    }
+
+    fn embed_fwd(&self, p: &[Tensor], ids: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        if ids.dtype() != DType::U32 {
+            candle_core::bail!("Embed: token ids must be u32, got {:?}", ids.dtype());
+        }
+        self.check_seq_len(t)?;
+        let wte = &p[self.embed_tokens];
+        let v = self.cfg.vocab_size as usize;
+        if ids.elem_count() > 0 {
+            let m = ids.flatten_all()?.max(0)?.to_scalar::<u32>()?;
+            if m as usize >= v {
+                candle_core::bail!("Embed: token id {m} >= vocab_size {v}");
+            }
+        }
+        let flat = ids.flatten_all()?.contiguous()?;
+        // The table is a node of its own (a widened copy, or `1 * w + 0`), so the rows'
+        // gradient reaches a tied embedding as ONE term, the same bits in one graph and unit
+        // by unit (as the GPT's embedding).
+        let table = if is_half(wte) {
+            wte.contiguous()?.to_dtype(DType::F32)?
+        } else {
+            wte.contiguous()?.affine(1.0, 0.0)?
+        };
+        table
+            .index_select(&flat, 0)?
+            .to_dtype(wte.dtype())?
+            .reshape((b, t, self.cfg.d_model as usize))
+    }
+
+    fn block_fwd(&self, layer: usize, p: &[Tensor], x: &Tensor) -> candle_core::Result<Tensor> {
+        let ix = &self.blocks[layer];
         let (b, t, d) = x.dims3()?;
         self.check_seq_len(t)?;
         let (h, kv, hd) = (
@@ -672,12 +584,7 @@ impl crate::runtime::staged::StagedModel for Llama {
     }
 
     fn forward(&self, stage: usize, params: &[Tensor], x: &Tensor) -> candle_core::Result<Tensor> {
-        let s = match stage {
-            0 => Stage::Embed,
-            i if i <= self.n_layer() => Stage::Block(i - 1),
-            _ => Stage::Head,
-        };
-        self.forward_stage(s, params, x)
+        self.forward_stage(self.units.stage_at(stage), params, x)
     }
 
     fn loss(

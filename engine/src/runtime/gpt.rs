@@ -1,18 +1,10 @@
 //! The GPT model ([`crate::model::Gpt`]) as a [`StagedModel`]: stage 0 is the embedding,
 //! stages `1..=L` the blocks, stage `L + 1` the final norm, LM head and cross-entropy sum.
 
-use crate::model::{Gpt, Stage};
+use crate::model::Gpt;
 use crate::runtime::staged::{MicroBatch, StagedModel};
 use candle_core::Tensor;
 use fsdp_planner::ModelSpec;
-
-fn stage_of(g: &Gpt, i: usize) -> Stage {
-    match i {
-        0 => Stage::Embed,
-        i if i <= g.n_layer() => Stage::Block(i - 1),
-        _ => Stage::Head,
-    }
-}
 
 impl StagedModel for Gpt {
     fn spec(&self) -> &ModelSpec {
@@ -24,7 +16,7 @@ impl StagedModel for Gpt {
     }
 
     fn forward(&self, stage: usize, params: &[Tensor], x: &Tensor) -> candle_core::Result<Tensor> {
-        self.forward_stage(stage_of(self, stage), params, x)
+        self.forward_stage(self.stage_at(stage), params, x)
     }
 
     fn loss(&self, params: &[Tensor], x: &Tensor, mb: &MicroBatch) -> candle_core::Result<Tensor> {
