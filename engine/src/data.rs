@@ -28,6 +28,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+pub mod cuts;
 pub mod tokens;
 
 /// The embedded default corpus: every `*.rs`, `*.md`, `*.toml` file of this workspace at build
