@@ -44,8 +44,9 @@ pub struct TokenizeArgs {
     pub output: PathBuf,
     /// Add the tokenizer's special tokens to each document, as `encode(text,
     /// add_special_tokens=True)` does (e.g. Llama 2's `<s>` before, BERT's `[CLS]` before and
-    /// `[SEP]` after). Off by default: the text's own tokens only, as `fsdp data tokenize`
-    /// always wrote, so that a corpus's documents can be joined and cut into windows freely.
+    /// `[SEP]` after). Off by default: only the text's own tokens, one stream that training
+    /// cuts into windows anywhere (a `<s>` mid-window would mark no real start); mark where
+    /// documents end with `--eod-token`.
     #[arg(long)]
     pub add_special_tokens: bool,
     /// A token written after each document (its id, or its text, e.g. `</s>` or
