@@ -381,15 +381,13 @@ impl CutPlan {
             }
             // `x\n|y`: a token ending at `x` that takes the whitespace after it would end at
             // the cut, and start a segment there.
-            if rule == CutRule::AfterNewline
-                && *rstrip
-                && (content.ends_with(x)
-                    || nx
+            let ends_at_x = content.ends_with(x)
+                || (!normalized.is_empty()
+                    && nx
                         .chars()
                         .next_back()
-                        .is_some_and(|c| normalized.ends_with(c))
-                        && !normalized.is_empty())
-            {
+                        .is_some_and(|c| normalized.ends_with(c)));
+            if rule == CutRule::AfterNewline && *rstrip && ends_at_x {
                 return false;
             }
         }
@@ -776,6 +774,16 @@ mod tests {
         assert_eq!(
             p.find_cut(text.as_bytes(), 13),
             Some(Cut { at: 15, context: 3 })
+        );
+
+        // A token that takes the whitespace after it (`rstrip`) would reach the cut after
+        // `>\n`: the next newline is taken.
+        let end = r#"{"id":6,"content":"<|end|>","single_word":false,"lstrip":false,"rstrip":true,"normalized":false,"special":true}"#;
+        let mut p = CutPlan::new(&tokenizer("null", byte_level, BPE, end));
+        let text = "a<|end|>\nb\nc";
+        assert_eq!(
+            p.find_cut(text.as_bytes(), 0),
+            Some(Cut { at: 11, context: 2 })
         );
 
         let added = r#"{"id":6,"content":"<s>","single_word":false,"lstrip":false,"rstrip":false,"normalized":false,"special":true}"#;
