@@ -8,6 +8,8 @@
 //!   training split.
 //! - [`tokens::TokenFile`]: a token file written by `fsdp data tokenize` (format in
 //!   [`tokens`]), read window by window from disk; the same split over its tokens.
+//! - [`cuts::CutPlan`]: where `fsdp data tokenize` may cut a text so that its pieces' tokens
+//!   equal the Hugging Face `tokenizers` encoding of the whole text.
 //! - [`TokenSource`]: either of the two, the sequence of token ids the sampler cuts.
 //! - [`Sampler`]: PyTorch `DistributedSampler` semantics over fixed windows. The training
 //!   split is cut into non-overlapping windows of `seq_len + 1` tokens at stride `seq_len`
@@ -28,6 +30,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+pub mod cuts;
 pub mod tokens;
 
 /// The embedded default corpus: every `*.rs`, `*.md`, `*.toml` file of this workspace at build

@@ -58,7 +58,7 @@ fn corpus() -> &'static Corpus {
         let dir = tempfile::tempdir().unwrap();
         let t0 = Instant::now();
         let mut tokenizer = Tokenizer::new(BPE::default());
-        // No prefix space: a piece's first word is encoded as in the whole text.
+        // No prefix space, as GPT-2 ships it.
         tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
         tokenizer.with_decoder(Some(ByteLevel::default()));
         let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()

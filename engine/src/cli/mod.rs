@@ -61,7 +61,7 @@ pub enum Command {
     /// Train a GPT or Llama on text (bytes as tokens) or a token file with W rank threads under
     /// a sharding strategy.
     Train(train::TrainArgs),
-    /// Prepare training data: `fsdp data tokenize` encodes a text with a Hugging Face
+    /// Prepare training data: `fsdp data tokenize` encodes texts with a Hugging Face
     /// tokenizer into a token file for `fsdp train --data`.
     Data(data::DataArgs),
     /// Start N processes of one job on this node (torchrun's environment), prefix their output

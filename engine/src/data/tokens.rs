@@ -31,8 +31,10 @@
 //! [`TokenWriter`] writes into a temporary file beside the final one (`.NAME.tmp-PID`) and
 //! renames it into place only when complete, so a failure never leaves a partial file under
 //! the final name. [`encode_text`] streams a UTF-8 text through a Hugging Face tokenizer in
-//! pieces (see its docs for the exact cutting rule and when it equals encoding the whole text).
+//! pieces cut only where [`super::cuts`] proves the tokens equal those of encoding the whole
+//! text.
 
+use super::cuts::CutPlan;
 use super::DataError;
 use sha2::Digest as _;
 use std::fs::File;
@@ -584,39 +586,8 @@ impl Drop for TokenWriter {
 /// Text bytes per piece [`encode_text`] aims for by default (1 MiB).
 pub const DEFAULT_PIECE_BYTES: usize = 1 << 20;
 
-/// A piece that grows to this many times the piece size without a clean cut point is cut
-/// after its next newline anyway ([`encode_text`]).
-pub const MAX_PIECE_FACTOR: usize = 16;
-
-/// Whether `piece` (ending in `\n`) has a non-whitespace character before that newline.
-fn alone_before_newline(piece: &[u8]) -> bool {
-    let body = &piece[..piece.len() - 1];
-    // The last character: at most 4 bytes, starting at a non-continuation byte.
-    let start = (body.len().saturating_sub(4)..body.len())
-        .rev()
-        .find(|&i| body[i] & 0xC0 != 0x80);
-    start
-        .and_then(|i| std::str::from_utf8(&body[i..]).ok())
-        .and_then(|s| s.chars().next_back())
-        .is_some_and(|c| !c.is_whitespace())
-}
-
-/// Whether `next` starts with a whole character that is not whitespace (false when empty).
-fn starts_non_space(next: &[u8]) -> bool {
-    let Some(&first) = next.first() else {
-        return false;
-    };
-    let len = match first {
-        b if b < 0x80 => 1,
-        b if b >= 0xF0 => 4,
-        b if b >= 0xE0 => 3,
-        _ => 2,
-    };
-    next.get(..len)
-        .and_then(|b| std::str::from_utf8(b).ok())
-        .and_then(|s| s.chars().next())
-        .is_some_and(|c| !c.is_whitespace())
-}
+/// Bytes read from the text at a time by [`encode_text`] (64 KiB).
+const READ_CHUNK: usize = 1 << 16;
 
 /// Pieces encoded together (in parallel) by [`encode_text`].
 const PIECES_PER_BATCH: usize = 16;
@@ -643,6 +614,13 @@ pub enum EncodeError {
         /// The tokenizer's message.
         message: String,
     },
+    /// The tokens of a piece encoded behind its context did not start with the context's own
+    /// tokens: the cut is not exact (a defect of [`super::cuts`]); nothing is written.
+    #[error("the text cut at byte {offset} does not encode as its two sides: this cut is not exact (a defect); encode the text in one piece with --piece-bytes larger than the text")]
+    Join {
+        /// Byte offset of the cut in the whole text.
+        offset: u64,
+    },
     /// Writing the tokens failed.
     #[error("writing the tokens: {0}")]
     Write(std::io::Error),
@@ -653,38 +631,57 @@ pub enum EncodeError {
 pub struct EncodeStats {
     /// Text bytes read.
     pub text_bytes: u64,
-    /// Tokens written.
+    /// Tokens written (special tokens included).
     pub tokens: u64,
     /// Pieces encoded.
     pub pieces: u64,
 }
 
-/// Encodes the UTF-8 text of `input` with `tokenizer` into `out`, a piece at a time, never
-/// holding more than 16 (`PIECES_PER_BATCH`) pieces of the text in memory.
+/// Turns off `tokenizer`'s truncation and padding, which would cut or pad every text encoded
+/// (a corpus is encoded whole, as `tokenizers`' `encode` does without them); returns a note
+/// for each one that was on.
+pub fn without_truncation_and_padding(tokenizer: &mut tokenizers::Tokenizer) -> Vec<String> {
+    let mut notes = Vec::new();
+    if let Some(t) = tokenizer.get_truncation() {
+        notes.push(format!(
+            "the tokenizer's truncation (max_length {}) is not applied: every text is encoded whole",
+            t.max_length
+        ));
+        // Turning truncation off cannot fail (only a stride beyond max_length can).
+        let _ = tokenizer.with_truncation(None);
+    }
+    if tokenizer.get_padding().is_some() {
+        notes.push("the tokenizer's padding is not applied: no pad token is written".into());
+        tokenizer.with_padding(None);
+    }
+    notes
+}
+
+/// Encodes the UTF-8 text of `input` (one document) with `tokenizer` into `out`: exactly the
+/// ids of `tokenizer.encode(text, add_special_tokens)` for the whole text, read and encoded a
+/// piece at a time.
 ///
-/// Pieces: the text is cut only after a `\n` that is both preceded and followed by a
-/// character that is not whitespace (Unicode `White_Space`), so that the whitespace around the
-/// cut is that one newline; at the first such point once a piece holds at least `piece_bytes`
-/// bytes. A piece that reaches [`MAX_PIECE_FACTOR`] (16) times `piece_bytes` without such a
-/// point (e.g. a text with `\r\n` line ends) is cut after its next `\n`; a text without any
-/// `\n` is one piece. Each piece is encoded on its own without special tokens
-/// (`add_special_tokens = false`), and the file holds the pieces' tokens in text order:
-/// exactly the tokens of encoding the text piecewise at those line boundaries.
+/// Pieces: `plan` ([`CutPlan::new`] of the same tokenizer) names the positions where a cut is
+/// exact; the text is cut at the first such position once a piece holds `piece_bytes` bytes,
+/// so a piece may grow past `piece_bytes` until there is one (a text without any, or a plan
+/// that never cuts, is one piece). Each piece after the first is encoded behind its context
+/// (the characters before the cut that the plan inspected) and the context's own tokens are
+/// dropped from the front, checked id for id ([`super::cuts`] explains why this equals the
+/// whole text's encoding). At most 16 pieces (`PIECES_PER_BATCH`) are held and encoded at once,
+/// in parallel.
 ///
-/// That equals encoding the whole text (fallback cuts aside) when the tokenizer splits a
-/// lone newline between two non-whitespace characters into pre-tokens the same way at the end
-/// of a text and adds nothing at the start of a piece: byte-level BPE with the GPT-2 or
-/// Llama 3 split patterns (`ByteLevel` without `add_prefix_space`) and the `Whitespace`
-/// pre-tokenizers do; a SentencePiece `Metaspace` that prepends `▁` to the first word, or
-/// `ByteLevel` with `add_prefix_space`, does not (each piece's first word gets the prefix).
-///
+/// `special`: with `Some((before, after))` (from [`super::cuts::special_tokens`]), those ids are written
+/// before and after the text's, as `add_special_tokens = true` does; `None` for `false`.
+/// `tokenizer` must have truncation and padding off ([`without_truncation_and_padding`]).
 /// `progress` is called with the text bytes read so far after each batch of pieces.
 ///
-/// Errors: [`EncodeError`] (reading, invalid UTF-8 with its offset, the tokenizer's own
-/// error with the piece's byte range, writing).
+/// Errors: [`EncodeError`] (reading, invalid UTF-8 with its offset, the tokenizer's own error
+/// with the piece's byte range, a cut whose sides did not join, writing).
 pub fn encode_text(
     input: &mut dyn BufRead,
     tokenizer: &tokenizers::Tokenizer,
+    plan: &mut CutPlan,
+    special: Option<&(Vec<u32>, Vec<u32>)>,
     out: &mut TokenWriter,
     piece_bytes: usize,
     progress: &mut dyn FnMut(u64),
@@ -695,69 +692,122 @@ pub fn encode_text(
         tokens: 0,
         pieces: 0,
     };
-    let mut batch: Vec<(u64, Vec<u8>)> = Vec::new();
-    let mut piece: Vec<u8> = Vec::new();
-    let mut piece_start = 0u64;
+    if let Some((before, _)) = special {
+        out.push(before).map_err(EncodeError::Write)?;
+        stats.tokens += before.len() as u64;
+    }
+    let mut batch: Vec<Piece> = Vec::new();
+    let mut piece = Piece {
+        start: 0,
+        context: String::new(),
+        text: Vec::new(),
+    };
+    // Positions of `piece.text` before this one hold no cut.
+    let mut scan_from = 0;
     loop {
-        let n = input
-            .read_until(b'\n', &mut piece)
-            .map_err(EncodeError::Read)?;
+        let n = loop {
+            match input.fill_buf() {
+                Ok(buf) => {
+                    let n = buf.len().min(READ_CHUNK);
+                    piece.text.extend_from_slice(&buf[..n]);
+                    break n;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(EncodeError::Read(e)),
+            }
+        };
+        input.consume(n);
         stats.text_bytes += n as u64;
-        let at_end = n == 0;
-        if !at_end && piece.len() < piece_bytes {
-            continue;
-        }
-        if !at_end && piece.ends_with(b"\n") && piece.len() < piece_bytes * MAX_PIECE_FACTOR {
-            // A full piece: cut here only when the newline stands alone between two
-            // non-whitespace characters (or the text ends).
-            let next = input.fill_buf().map_err(EncodeError::Read)?;
-            let clean = alone_before_newline(&piece) && starts_non_space(next);
-            if !next.is_empty() && !clean {
-                continue;
+        while let Some(cut) = plan.find_cut(&piece.text, scan_from.max(piece_bytes)) {
+            let rest = piece.text.split_off(cut.at);
+            let context = String::from_utf8(piece.text[cut.at - cut.context..].to_vec())
+                .expect("a cut's context is whole characters");
+            let next = Piece {
+                start: piece.start + cut.at as u64,
+                context,
+                text: rest,
+            };
+            batch.push(std::mem::replace(&mut piece, next));
+            scan_from = 0;
+            if batch.len() >= PIECES_PER_BATCH {
+                encode_batch(&mut batch, tokenizer, out, &mut stats)?;
+                progress(stats.text_bytes);
             }
         }
-        if !piece.is_empty() {
-            let len = piece.len() as u64;
-            batch.push((piece_start, std::mem::take(&mut piece)));
-            piece_start += len;
-        }
-        if batch.len() >= PIECES_PER_BATCH || (at_end && !batch.is_empty()) {
-            encode_batch(&mut batch, tokenizer, out, &mut stats)?;
+        // The last 4 bytes may end in a character not read whole yet.
+        scan_from = piece.text.len().saturating_sub(4);
+        if n == 0 {
+            if !piece.text.is_empty() {
+                batch.push(piece);
+            }
+            if !batch.is_empty() {
+                encode_batch(&mut batch, tokenizer, out, &mut stats)?;
+            }
+            if let Some((_, after)) = special {
+                out.push(after).map_err(EncodeError::Write)?;
+                stats.tokens += after.len() as u64;
+            }
             progress(stats.text_bytes);
-        }
-        if at_end {
             return Ok(stats);
         }
     }
 }
 
+/// A piece of the text: its first byte in the whole text, the context it is encoded behind
+/// (empty for the first piece) and its bytes.
+struct Piece {
+    start: u64,
+    context: String,
+    text: Vec<u8>,
+}
+
 fn encode_batch(
-    batch: &mut Vec<(u64, Vec<u8>)>,
+    batch: &mut Vec<Piece>,
     tokenizer: &tokenizers::Tokenizer,
     out: &mut TokenWriter,
     stats: &mut EncodeStats,
 ) -> Result<(), EncodeError> {
     let mut texts = Vec::with_capacity(batch.len());
+    let mut contexts = Vec::new();
     let mut ranges = Vec::with_capacity(batch.len());
-    for (start, bytes) in batch.drain(..) {
-        let end = start + bytes.len() as u64;
-        let s = String::from_utf8(bytes).map_err(|e| EncodeError::NotUtf8 {
-            offset: start + e.utf8_error().valid_up_to() as u64,
+    for p in batch.drain(..) {
+        let end = p.start + p.text.len() as u64;
+        let s = String::from_utf8(p.text).map_err(|e| EncodeError::NotUtf8 {
+            offset: p.start + e.utf8_error().valid_up_to() as u64,
         })?;
-        texts.push(s);
-        ranges.push((start, end));
-    }
-    let encodings = tokenizer.encode_batch_fast(texts, false).map_err(|e| {
-        let (start, end) = (ranges[0].0, ranges[ranges.len() - 1].1);
-        EncodeError::Tokenizer {
-            start,
-            end,
-            message: e.to_string(),
+        if p.context.is_empty() {
+            texts.push(s);
+        } else {
+            texts.push(format!("{}{s}", p.context));
+            contexts.push(p.context);
         }
-    })?;
-    for enc in &encodings {
-        out.push(enc.get_ids()).map_err(EncodeError::Write)?;
-        stats.tokens += enc.get_ids().len() as u64;
+        ranges.push((p.start, end));
+    }
+    let failed = |e: tokenizers::Error| EncodeError::Tokenizer {
+        start: ranges[0].0,
+        end: ranges[ranges.len() - 1].1,
+        message: e.to_string(),
+    };
+    let encodings = tokenizer.encode_batch_fast(texts, false).map_err(&failed)?;
+    let context_encodings = if contexts.is_empty() {
+        Vec::new()
+    } else {
+        tokenizer
+            .encode_batch_fast(contexts, false)
+            .map_err(&failed)?
+    };
+    let mut context_ids = context_encodings.iter().map(|e| e.get_ids());
+    for (enc, &(start, _)) in encodings.iter().zip(&ranges) {
+        let mut ids = enc.get_ids();
+        if start > 0 {
+            let before = context_ids.next().expect("one context per later piece");
+            if !ids.starts_with(before) {
+                return Err(EncodeError::Join { offset: start });
+            }
+            ids = &ids[before.len()..];
+        }
+        out.push(ids).map_err(EncodeError::Write)?;
+        stats.tokens += ids.len() as u64;
         stats.pieces += 1;
     }
     Ok(())
@@ -832,62 +882,151 @@ mod tests {
         t
     }
 
-    #[test]
-    fn text_is_cut_after_a_newline_before_non_whitespace() {
+    /// Encodes `text` through [`encode_text`] at `piece_bytes`: the stats, the ids written and
+    /// the progress reports.
+    fn encode_with(
+        tok: &tokenizers::Tokenizer,
+        text: &[u8],
+        piece_bytes: usize,
+        special: Option<&(Vec<u32>, Vec<u32>)>,
+    ) -> Result<(EncodeStats, Vec<u32>, Vec<u64>), EncodeError> {
         let dir = tempfile::tempdir().unwrap();
-        let tok = byte_tokenizer();
-        let text = "a\n b\nc\n\nd\r\ne \nf\u{3000}\ng\n\u{a0}h\né\nz\n";
-        let encode = |piece_bytes: usize| {
-            let p = dir.path().join("t.bin");
-            let mut w = TokenWriter::create(&p, 256, [0; 32]).unwrap();
-            let mut seen = Vec::new();
-            let stats = encode_text(
-                &mut std::io::Cursor::new(text.as_bytes()),
-                &tok,
-                &mut w,
-                piece_bytes,
-                &mut |n| seen.push(n),
-            )
-            .unwrap();
-            w.finish().unwrap();
-            let ids = TokenFile::open(&p)
+        let p = dir.path().join("t.bin");
+        let mut w = TokenWriter::create(&p, tok.get_vocab_size(true) as u64, [0; 32]).unwrap();
+        let mut seen = Vec::new();
+        let mut plan = CutPlan::new(tok);
+        let stats = encode_text(
+            &mut std::io::Cursor::new(text),
+            tok,
+            &mut plan,
+            special,
+            &mut w,
+            piece_bytes,
+            &mut |n| seen.push(n),
+        )?;
+        w.finish().unwrap();
+        let ids = if stats.tokens == 0 {
+            Vec::new()
+        } else {
+            TokenFile::open(&p)
                 .unwrap()
                 .read(0, stats.tokens as usize)
-                .unwrap();
-            (stats, ids, seen)
+                .unwrap()
         };
-        // Cuts only where a lone newline stands between two non-whitespace characters:
-        // before `c`, `é` and `z`.
-        let (stats, ids, seen) = encode(2);
+        Ok((stats, ids, seen))
+    }
+
+    #[test]
+    fn byte_level_text_is_cut_after_a_newline_between_non_whitespace() {
+        let tok = byte_tokenizer();
+        let text = "a\n b\nc\n\nd\r\ne \nf\u{3000}\ng\n\u{a0}h\né\nz\n";
+        // The library's own encoding of the whole text: one token per byte (no merges).
+        let whole = tok.encode(text, false).unwrap().get_ids().to_vec();
+        assert_eq!(whole.len(), text.len());
+        // Cuts only where a lone newline stands between two non-whitespace characters: before
+        // `c`, `é` and `z`.
+        let (stats, ids, seen) = encode_with(&tok, text.as_bytes(), 2, None).unwrap();
         assert_eq!(stats.pieces, 4);
         assert_eq!(stats.text_bytes, text.len() as u64);
-        assert_eq!(stats.tokens, text.len() as u64);
-        // From 16 x the piece size on, any newline is a cut: every 4 lines of 4 bytes.
-        let (fallback, same, _) = {
-            let p = dir.path().join("f.bin");
-            let mut w = TokenWriter::create(&p, 256, [0; 32]).unwrap();
-            let crlf = "ab\r\ncd\r\n".repeat(8);
-            let stats = encode_text(&mut crlf.as_bytes(), &tok, &mut w, 1, &mut |_| {}).unwrap();
-            (stats, crlf.len() as u64, ())
-        };
-        assert_eq!((fallback.pieces, fallback.tokens), (4, same));
+        assert_eq!(ids, whole);
         assert_eq!(seen, vec![text.len() as u64]);
         // One piece: the same tokens.
-        let (one, whole, _) = encode(1 << 20);
+        let (one, ids, _) = encode_with(&tok, text.as_bytes(), 1 << 20, None).unwrap();
         assert_eq!(one.pieces, 1);
         assert_eq!(ids, whole);
+        // CRLF line ends give no cut at all: one piece, however small the piece size.
+        let crlf = "ab\r\ncd\r\n".repeat(8);
+        let (s, ids, _) = encode_with(&tok, crlf.as_bytes(), 1, None).unwrap();
+        assert_eq!((s.pieces, s.tokens), (1, crlf.len() as u64));
+        assert_eq!(ids, tok.encode(crlf.as_str(), false).unwrap().get_ids());
         // Not UTF-8: the offset of the bad byte.
-        let p = dir.path().join("bad.bin");
-        let mut w = TokenWriter::create(&p, 256, [0; 32]).unwrap();
-        let e = encode_text(
-            &mut std::io::Cursor::new(b"ok\nno \xff\n".to_vec()),
-            &tok,
-            &mut w,
-            1,
-            &mut |_| {},
-        )
-        .unwrap_err();
+        let e = encode_with(&tok, b"ok\nno \xff\n", 1, None).unwrap_err();
         assert!(matches!(e, EncodeError::NotUtf8 { offset: 6 }), "{e}");
+    }
+
+    /// A SentencePiece-style BPE as Llama 2 ships it (`Prepend("▁")` and `Replace(" ", "▁")`,
+    /// no pre-tokenizer, byte fallback), with `merges` and `<s>` added by the post-processor.
+    fn sentencepiece_tokenizer(merges: &str) -> tokenizers::Tokenizer {
+        let mut vocab = vec![
+            "<unk>".to_string(),
+            "<s>".into(),
+            "\u{2581}".into(),
+            "a".into(),
+            "b".into(),
+            "c".into(),
+        ];
+        vocab.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
+        vocab.extend(["\u{2581}a", "\u{2581}b", "b\u{2581}", "ab"].map(String::from));
+        let vocab: serde_json::Map<String, serde_json::Value> = vocab
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| (t, i.into()))
+            .collect();
+        let json = format!(
+            r#"{{"version":"1.0","truncation":null,"padding":null,
+            "added_tokens":[{{"id":0,"content":"<unk>","single_word":false,"lstrip":false,"rstrip":false,"normalized":false,"special":true}},
+                {{"id":1,"content":"<s>","single_word":false,"lstrip":false,"rstrip":false,"normalized":false,"special":true}}],
+            "normalizer":{{"type":"Sequence","normalizers":[{{"type":"Prepend","prepend":"\u2581"}},
+                {{"type":"Replace","pattern":{{"String":" "}},"content":"\u2581"}}]}},
+            "pre_tokenizer":null,
+            "post_processor":{{"type":"TemplateProcessing","single":[{{"SpecialToken":{{"id":"<s>","type_id":0}}}},{{"Sequence":{{"id":"A","type_id":0}}}}],
+                "pair":[{{"Sequence":{{"id":"A","type_id":0}}}},{{"Sequence":{{"id":"B","type_id":1}}}}],
+                "special_tokens":{{"<s>":{{"id":"<s>","ids":[1],"tokens":["<s>"]}}}}}},
+            "decoder":null,
+            "model":{{"type":"BPE","dropout":null,"unk_token":"<unk>","continuing_subword_prefix":null,
+                "end_of_word_suffix":null,"fuse_unk":true,"byte_fallback":true,"ignore_merges":false,
+                "vocab":{},"merges":{merges}}}}}"#,
+            serde_json::Value::Object(vocab)
+        );
+        json.parse().unwrap()
+    }
+
+    #[test]
+    fn sentencepiece_text_is_cut_before_spaces_no_merge_joins() {
+        let text = "ab ba c\nab\u{e9} b ab  a\n\nb";
+        for merges in [
+            r#"[["\u2581","a"],["\u2581","b"],["a","b"]]"#,
+            // `b▁` joins a `b` with the space after it: no cut after a `b`.
+            r#"[["\u2581","a"],["b","\u2581"],["\u2581","b"],["a","b"]]"#,
+        ] {
+            let tok = sentencepiece_tokenizer(merges);
+            let plan = CutPlan::new(&tok);
+            assert_eq!(plan.rule(), Some(super::super::cuts::CutRule::BeforeSpace));
+            let whole = tok.encode(text, false).unwrap().get_ids().to_vec();
+            let with = tok.encode(text, true).unwrap().get_ids().to_vec();
+            assert_eq!(with[0], 1, "<s> first");
+            let special = super::super::cuts::special_tokens(&tok).unwrap();
+            assert_eq!(special, (vec![1], vec![]));
+            for piece_bytes in [1, 2, 3, 5, 8, 1000] {
+                let (stats, ids, _) =
+                    encode_with(&tok, text.as_bytes(), piece_bytes, None).unwrap();
+                assert_eq!(ids, whole, "piece size {piece_bytes}, merges {merges}");
+                let (_, ids, _) =
+                    encode_with(&tok, text.as_bytes(), piece_bytes, Some(&special)).unwrap();
+                assert_eq!(ids, with, "piece size {piece_bytes}, merges {merges}");
+                if piece_bytes == 1 {
+                    // Cuts before the spaces after `b` (three of them) and `a`; none after `é`
+                    // (not in the vocabulary: byte fallback), none before the second of two
+                    // spaces, and none after `b` where `b▁` is a merge.
+                    let expected = if merges.contains(r#"["b","\u2581"]"#) {
+                        2
+                    } else {
+                        5
+                    };
+                    assert_eq!(stats.pieces, expected, "merges {merges}");
+                }
+            }
+            // Encoding each piece as a text of its own would not be the same: a `▁` is
+            // prepended to each.
+            let naive: Vec<u32> = ["ab", " ba", " c\nab\u{e9}"]
+                .iter()
+                .flat_map(|p| tok.encode(*p, false).unwrap().get_ids().to_vec())
+                .collect();
+            assert_ne!(
+                naive,
+                tok.encode("ab ba c\nab\u{e9}", false).unwrap().get_ids()
+            );
+        }
     }
 
     #[test]
