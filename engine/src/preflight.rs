@@ -104,7 +104,10 @@ pub fn preflight_offload_host(
     let needed = with_margin(total);
     if needed > available {
         return Err(RunError::Refused(format!(
-            "not enough host memory for --offload {}: {} rank(s) on this node x {} of offloaded              state per rank = {} + {MEMORY_MARGIN_PERCENT}% margin = {} > {} available              (MemAvailable); use more nodes, --offload optimizer instead of params, or a smaller              model",
+            "not enough host memory for --offload {}: {} rank(s) on this node x {} of offloaded \
+             state per rank = {} + {MEMORY_MARGIN_PERCENT}% margin = {} > {} available \
+             (MemAvailable); use more nodes, --offload optimizer instead of params, or a smaller \
+             model",
             opts.offload.unwrap_or_default(),
             local_ranks.max(1),
             mib(host_bytes),

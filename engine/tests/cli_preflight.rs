@@ -165,6 +165,24 @@ fn offloaded_host_bytes_are_checked_against_the_host() {
         m.contains("not enough host memory for --offload optimizer: 4 rank(s)"),
         "{m}"
     );
+    // The figures: the rank's host bytes, four of them, the margin on top, what is available.
+    let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
+    let (four, needed) = (4 * host, 4 * host + 4 * host / 100 * 25);
+    for figure in [
+        format!("x {} of offloaded state per rank", mib(host)),
+        format!("= {} + 25% margin", mib(four)),
+        format!("= {} > {} available", mib(needed), mib(host)),
+    ] {
+        assert!(m.contains(&figure), "`{figure}` missing from: {m}");
+    }
+    assert!(!m.contains("  "), "a run of spaces in: {m}");
+    let e = prepare(2 * peak + host / 2).unwrap_err().to_string();
+    assert!(!e.contains("  "), "a run of spaces in: {e}");
+    // Exactly room for both memories of both ranks (and a micro-batch's 16 u32 ids and 16
+    // targets, 128 bytes) with the margin: no refusal; a byte less is refused.
+    let both = 2 * (peak + host + 128);
+    assert!(prepare(both + both / 100 * 25).is_ok());
+    assert!(prepare(both + both / 100 * 25 - 1).is_err());
     assert!(fsdp::preflight::preflight_offload_host(&opts, host, Some(64 << 30), 4).is_ok());
     assert!(fsdp::preflight::preflight_offload_host(&opts, host, None, 4).is_ok());
 }
