@@ -872,16 +872,57 @@ impl Sampler {
             "rank {rank} >= world size {}",
             self.cfg.world_size
         );
-        let (b, w) = (self.cfg.micro_batch, self.cfg.world_size);
-        let base = self.data.split_at();
+        let w = self.cfg.world_size;
         (0..self.val_batches_per_rank(max_per_rank))
-            .map(|j| {
-                let v = j * w + rank;
-                let windows = (v * b..(v + 1) * b).map(|q| q % self.n_val).collect();
-                self.batch_of(base, windows)
-            })
+            .map(|j| self.try_eval_batch(EvalSplit::Validation, j * w + rank))
             .collect()
     }
+
+    /// Number of windows of `split`: the validation windows, or `(len - 1) / T` over the
+    /// whole source.
+    pub fn split_windows(&self, split: EvalSplit) -> usize {
+        match split {
+            EvalSplit::Validation => self.n_val,
+            EvalSplit::All => windows_in(self.data.len(), self.cfg.seq_len),
+        }
+    }
+
+    /// Number of global evaluation micro-batches of `split` given a cap `max` (0: none):
+    /// `clamp(split_windows / B, 1, max)`. On the validation split this is
+    /// [`Sampler::val_batches_per_rank`] of a world of one rank: the batches a one-rank
+    /// training run evaluates.
+    pub fn eval_batch_count(&self, split: EvalSplit, max: usize) -> usize {
+        let n = (self.split_windows(split) / self.cfg.micro_batch).max(1);
+        if max == 0 {
+            n
+        } else {
+            n.min(max)
+        }
+    }
+
+    /// Global evaluation micro-batch `v` of `split`: the split's windows `v*B .. (v+1)*B` in
+    /// file order (no shuffle), wrapping modulo the split's windows. Validation batch `v` is
+    /// what [`Sampler::val_batches`] gives rank `v % W` as its `v / W`-th batch.
+    ///
+    /// Errors: a token file's read errors.
+    pub fn try_eval_batch(&self, split: EvalSplit, v: usize) -> Result<Batch, DataError> {
+        let b = self.cfg.micro_batch;
+        let (base, n) = match split {
+            EvalSplit::Validation => (self.data.split_at(), self.n_val),
+            EvalSplit::All => (0, self.split_windows(split)),
+        };
+        let windows = (v * b..(v + 1) * b).map(|q| q % n).collect();
+        self.batch_of(base, windows)
+    }
+}
+
+/// The windows an evaluation reads (`fsdp eval --split`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EvalSplit {
+    /// The held-out validation split (the last `len / 10` tokens), as training evaluates.
+    Validation,
+    /// The whole source, training split included, cut into windows from its first token.
+    All,
 }
 
 #[cfg(test)]

@@ -453,7 +453,8 @@ pub fn search_auto(
     Ok((choice, run_plan))
 }
 
-fn to_micro_batch(b: &Batch) -> Result<MicroBatch> {
+/// The tensors of a sampler batch, on the host.
+pub(crate) fn to_micro_batch(b: &Batch) -> Result<MicroBatch> {
     let (input, target) = b.to_tensors(&Device::Cpu)?;
     Ok(MicroBatch {
         input,
