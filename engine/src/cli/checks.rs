@@ -31,7 +31,14 @@ pub fn positive(s: &str) -> Result<f64, String> {
         .parse()
         .map_err(|_| format!("`{s}` is not a number; give a finite number > 0, e.g. 1e-3"))?;
     if !(v.is_finite() && v > 0.0) {
-        return Err(format!("must be a finite number > 0, got {v}; e.g. 1e-3"));
+        let eval = if v == 0.0 {
+            " (to measure a model's loss without training, use `fsdp eval`)"
+        } else {
+            ""
+        };
+        return Err(format!(
+            "must be a finite number > 0, got {v}; e.g. 1e-3{eval}"
+        ));
     }
     // The optimizer multiplies f32 values by it: beyond the largest f32 it is infinite there.
     if v > f32::MAX as f64 {
