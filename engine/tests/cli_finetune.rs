@@ -90,6 +90,11 @@ fn init_from_without_token_data_names_the_tokenize_command() {
         t.path().join("corpus.bin").display()
     );
     assert!(err.contains(&cmd), "{err}");
+
+    // Data that is not there: named as such, before any tokenizer or vocabulary check.
+    let (code, _, err) = train(&["--steps", "1", "--data", "/nonexistent/tokens.bin"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("cannot read /nonexistent/tokens.bin"), "{err}");
 }
 
 #[test]

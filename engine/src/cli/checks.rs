@@ -183,8 +183,13 @@ pub fn check_data_tokenizer(
         ),
         Some(p) => match crate::data::tokens::probe(p) {
             Err(_) => return Ok(None),
+            // A path that cannot be read is the run's own error to name.
+            Ok(None) if std::fs::metadata(p).is_err() => return Ok(None),
             Ok(None) => {
-                let out = p.with_extension("bin");
+                let mut out = p.with_extension("bin");
+                if out == p {
+                    out = p.with_extension("tokens.bin");
+                }
                 format!(
                     "--data {} is text, fed as byte ids 0-255, but the model of {model_flag} reads \
                      the token ids of its tokenizer ({}). Tokenize it first, {}, and pass --data {}",
