@@ -990,6 +990,18 @@ pub fn resume_changes(
              the new text, so steps from {} see other windows than an uninterrupted run",
             step + 1
         ));
+    } else if let (Some(was), Some(now)) = (get("data_tokens"), tokens_now.get("data_tokens")) {
+        // The same path, another file: its header says so.
+        if !same_token_file
+            && get(DATA_TOKENIZER_KEY).as_ref() == tokens_now.get(DATA_TOKENIZER_KEY)
+        {
+            lines.push(format!(
+                "--data {data_now} changed since the checkpoint ({now} tokens, the checkpoint's \
+                 file had {was}): the sample stream is cut from the new tokens, so steps from {} \
+                 see other windows than an uninterrupted run",
+                step + 1
+            ));
+        }
     }
     lines.extend(tokenizer_change(extra, o.data.as_deref()));
     // The model's math beyond its shapes (rotary base, norm epsilon, scaling, window): the
@@ -1223,6 +1235,20 @@ mod tests {
         assert!(
             l[0].contains("another tokenizer (--data ")
                 && l[0].contains("sha256 bbbbbbbbbbbb.., the checkpoint's aaaaaaaaaaaa..)"),
+            "{l:?}"
+        );
+        // The same path, the same tokenizer, another token count: another file.
+        let c = file("c.bin", 0xaa);
+        let mut extra_c = data_extra(&on(&c));
+        extra_c.insert("data".into(), c.display().to_string());
+        assert!(resume_changes(&extra_c, 1, 5, &on(&c)).is_empty());
+        let mut w = TokenWriter::create(&c, 500, [0xaa; 32]).unwrap();
+        w.push(&[1, 2, 3, 4]).unwrap();
+        w.finish().unwrap();
+        let l = resume_changes(&extra_c, 1, 5, &on(&c));
+        assert_eq!(l.len(), 1, "{l:?}");
+        assert!(
+            l[0].contains("changed since the checkpoint (4 tokens, the checkpoint's file had 3)"),
             "{l:?}"
         );
         // Text after a token file.
