@@ -941,6 +941,38 @@ mod tests {
     }
 
     #[test]
+    fn evaluation_batch_v_is_rank_v_mod_w_batch_v_div_w() {
+        // 2000 ids: the validation split is the last 200, (200 - 1) / 8 = 24 windows of 9.
+        let ids: Vec<u32> = (0..2000u32).map(|i| i % 97).collect();
+        for w in 1..=4 {
+            let s = Sampler::new(
+                TokenSource::from_ids("ids", ids.clone(), 97),
+                SamplerConfig {
+                    seq_len: 8,
+                    micro_batch: 2,
+                    grad_accum: 1,
+                    world_size: w,
+                    seed: 0,
+                },
+            )
+            .unwrap();
+            assert_eq!(s.split_windows(EvalSplit::Validation), 24);
+            assert_eq!(s.eval_batch_count(EvalSplit::Validation, 0), 12);
+            assert_eq!(s.eval_batch_count(EvalSplit::Validation, 5), 5);
+            assert_eq!(s.split_windows(EvalSplit::All), (2000 - 1) / 8);
+            for r in 0..w {
+                for (j, b) in s.val_batches(r, 0).iter().enumerate() {
+                    let v = j * w + r;
+                    assert_eq!(b.windows, vec![2 * v, 2 * v + 1]);
+                    assert_eq!(*b, s.try_eval_batch(EvalSplit::Validation, v).unwrap());
+                    // Window 2v starts at token 1800 + 16v of the file.
+                    assert_eq!(b.inputs[0], ((1800 + 16 * v) % 97) as u32);
+                }
+            }
+        }
+    }
+
+    #[test]
     fn below_is_in_range() {
         let mut r = ChaCha8Rng::from_seed([1; 32]);
         for n in 1..50u64 {
