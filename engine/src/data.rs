@@ -875,16 +875,57 @@ impl Sampler {
             "rank {rank} >= world size {}",
             self.cfg.world_size
         );
-        let (b, w) = (self.cfg.micro_batch, self.cfg.world_size);
-        let base = self.data.split_at();
+        let w = self.cfg.world_size;
         (0..self.val_batches_per_rank(max_per_rank))
-            .map(|j| {
-                let v = j * w + rank;
-                let windows = (v * b..(v + 1) * b).map(|q| q % self.n_val).collect();
-                self.batch_of(base, windows)
-            })
+            .map(|j| self.try_eval_batch(EvalSplit::Validation, j * w + rank))
             .collect()
     }
+
+    /// Number of windows of `split`: the validation windows, or `(len - 1) / T` over the
+    /// whole source.
+    pub fn split_windows(&self, split: EvalSplit) -> usize {
+        match split {
+            EvalSplit::Validation => self.n_val,
+            EvalSplit::All => windows_in(self.data.len(), self.cfg.seq_len),
+        }
+    }
+
+    /// Number of global evaluation micro-batches of `split` given a cap `max` (0: none):
+    /// `clamp(split_windows / B, 1, max)`. On the validation split this is
+    /// [`Sampler::val_batches_per_rank`] of a world of one rank: the batches a one-rank
+    /// training run evaluates.
+    pub fn eval_batch_count(&self, split: EvalSplit, max: usize) -> usize {
+        let n = (self.split_windows(split) / self.cfg.micro_batch).max(1);
+        if max == 0 {
+            n
+        } else {
+            n.min(max)
+        }
+    }
+
+    /// Global evaluation micro-batch `v` of `split`: the split's windows `v*B .. (v+1)*B` in
+    /// file order (no shuffle), wrapping modulo the split's windows. Validation batch `v` is
+    /// what [`Sampler::val_batches`] gives rank `v % W` as its `v / W`-th batch.
+    ///
+    /// Errors: a token file's read errors.
+    pub fn try_eval_batch(&self, split: EvalSplit, v: usize) -> Result<Batch, DataError> {
+        let b = self.cfg.micro_batch;
+        let (base, n) = match split {
+            EvalSplit::Validation => (self.data.split_at(), self.n_val),
+            EvalSplit::All => (0, self.split_windows(split)),
+        };
+        let windows = (v * b..(v + 1) * b).map(|q| q % n).collect();
+        self.batch_of(base, windows)
+    }
+}
+
+/// The windows an evaluation reads (`fsdp eval --split`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EvalSplit {
+    /// The held-out validation split (the last `len / 10` tokens), as training evaluates.
+    Validation,
+    /// The whole source, training split included, cut into windows from its first token.
+    All,
 }
 
 #[cfg(test)]
@@ -900,6 +941,38 @@ mod tests {
         assert_ne!(o, (0..1000).collect::<Vec<u32>>());
         assert_ne!(o, epoch_order(1000, 3, 1));
         assert_eq!(epoch_order(1000, 3, 1), epoch_order(1000, 4, 0));
+    }
+
+    #[test]
+    fn evaluation_batch_v_is_rank_v_mod_w_batch_v_div_w() {
+        // 2000 ids: the validation split is the last 200, (200 - 1) / 8 = 24 windows of 9.
+        let ids: Vec<u32> = (0..2000u32).map(|i| i % 97).collect();
+        for w in 1..=4 {
+            let s = Sampler::new(
+                TokenSource::from_ids("ids", ids.clone(), 97),
+                SamplerConfig {
+                    seq_len: 8,
+                    micro_batch: 2,
+                    grad_accum: 1,
+                    world_size: w,
+                    seed: 0,
+                },
+            )
+            .unwrap();
+            assert_eq!(s.split_windows(EvalSplit::Validation), 24);
+            assert_eq!(s.eval_batch_count(EvalSplit::Validation, 0), 12);
+            assert_eq!(s.eval_batch_count(EvalSplit::Validation, 5), 5);
+            assert_eq!(s.split_windows(EvalSplit::All), (2000 - 1) / 8);
+            for r in 0..w {
+                for (j, b) in s.val_batches(r, 0).iter().enumerate() {
+                    let v = j * w + r;
+                    assert_eq!(b.windows, vec![2 * v, 2 * v + 1]);
+                    assert_eq!(*b, s.try_eval_batch(EvalSplit::Validation, v).unwrap());
+                    // Window 2v starts at token 1800 + 16v of the file.
+                    assert_eq!(b.inputs[0], ((1800 + 16 * v) % 97) as u32);
+                }
+            }
+        }
     }
 
     #[test]

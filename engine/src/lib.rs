@@ -8,6 +8,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod data;
 pub mod error;
+pub mod eval;
 pub mod init;
 pub mod memory;
 pub mod model;

@@ -309,6 +309,18 @@ pub fn model_of(o: &TrainOptions) -> Result<Decoder> {
         Some(p) => crate::data::tokens::probe(p).map_err(|e| EngineError::Data(e.to_string()))?,
         None => None,
     };
+    // Data that is not there is the first thing to name (not the vocabulary it cannot have).
+    if let (None, Some(p)) = (token_file, &o.data) {
+        if let Err(source) = std::fs::metadata(p) {
+            return Err(EngineError::Data(
+                crate::data::DataError::Io {
+                    path: p.clone(),
+                    source,
+                }
+                .to_string(),
+            ));
+        }
+    }
     if let (Some(h), Some(p)) = (token_file, &o.data) {
         if h.vocab_size > model.vocab_size() {
             return Err(EngineError::Data(
@@ -453,7 +465,8 @@ pub fn search_auto(
     Ok((choice, run_plan))
 }
 
-fn to_micro_batch(b: &Batch) -> Result<MicroBatch> {
+/// The tensors of a sampler batch, on the host.
+pub(crate) fn to_micro_batch(b: &Batch) -> Result<MicroBatch> {
     let (input, target) = b.to_tensors(&Device::Cpu)?;
     Ok(MicroBatch {
         input,

@@ -23,6 +23,9 @@ pub struct CheckpointConfig {
     pub keep_last: usize,
     /// The resume asked for; `None` for a fresh run.
     pub resume: Option<ResumeFrom>,
+    /// Resume although the data's tokens were not made by the tokenizer of the data the
+    /// checkpoint trained on (`--allow-tokenizer-mismatch`): a note instead of a refusal.
+    pub allow_tokenizer_mismatch: bool,
 }
 
 /// Which checkpoint a resume starts from.
@@ -336,6 +339,26 @@ impl CheckpointHooks {
                         o.seed
                     )));
                 }
+                if let Some(change) =
+                    tokenizer_change(&ck.manifest().train.extra, o.data.as_deref())
+                {
+                    if !a.allow_tokenizer_mismatch {
+                        return Err(RunError::Refused(format!(
+                            "cannot resume from {} (step {}) on {change}. Pass --data with the \
+                             token file the checkpoint trained on ({}), or one made from your \
+                             text with the same tokenizer (`fsdp data tokenize --tokenizer \
+                             TOKENIZER.json TEXT -o tokens.bin`); or pass \
+                             --allow-tokenizer-mismatch to resume anyway",
+                            ck.dir().display(),
+                            ck.manifest().train.step,
+                            ck.manifest()
+                                .train
+                                .extra
+                                .get("data")
+                                .map_or("not recorded", String::as_str)
+                        )));
+                    }
+                }
                 note(format!(
                     "resuming from {} (step {}, saved at world size {} = shard {} x replicate {})",
                     ck.dir().display(),
@@ -448,12 +471,50 @@ fn aside_name(dir: &Path, what: &str) -> PathBuf {
     p
 }
 
-/// Opens and fully verifies the checkpoint directory `dir` for `spec`.
-fn open_intact(dir: &Path, spec: &fsdp_planner::ModelSpec) -> Result<Checkpoint, CkptError> {
-    let ck = Checkpoint::open(dir, Verify::Checksums)?;
-    ck.verify_all()?;
-    ck.check_model(spec)?;
-    Ok(ck)
+/// What a step directory holds for a run of model `spec`.
+enum Examined {
+    /// A checkpoint of this model whose files all verify.
+    Intact(Box<Checkpoint>),
+    /// A readable checkpoint of another model: the refusal naming both models.
+    OtherModel(String),
+    /// Incomplete or damaged: the problem.
+    Damaged(String),
+}
+
+/// Opens the step directory `d`, checks its model against `spec` (before the checksums, so a
+/// checkpoint of another model is named as such) and verifies every file.
+fn examine(d: &StepDir, spec: &fsdp_planner::ModelSpec) -> Examined {
+    if !d.has_manifest {
+        return Examined::Damaged("no manifest.json (incomplete or damaged)".into());
+    }
+    let ck = match Checkpoint::open(&d.path, Verify::Checksums) {
+        Ok(ck) => ck,
+        Err(e) => return Examined::Damaged(e.to_string()),
+    };
+    if let Err(e) = ck.check_model(spec) {
+        let m = ck.manifest();
+        let short = |f: &str| f[..f.len().min(12)].to_string();
+        let detail = match e {
+            CkptError::ModelMismatch { problem, .. } => problem,
+            other => other.to_string(),
+        };
+        return Examined::OtherModel(format!(
+            "checkpoint step {} in {} is of model {} (fingerprint {}..), this run is model {} \
+             (fingerprint {}..): a checkpoint of another model ({detail}); pass the config it \
+             was trained with (--hf-config, or --init-from the model directory it was trained \
+             from) or another --ckpt-dir",
+            m.train.step,
+            d.path.parent().unwrap_or(&d.path).display(),
+            m.model_name,
+            short(&m.model_fingerprint),
+            spec.name,
+            short(&fsdp_checkpoints::model_fingerprint(spec))
+        ));
+    }
+    match ck.verify_all() {
+        Ok(()) => Examined::Intact(Box::new(ck)),
+        Err(e) => Examined::Damaged(e.to_string()),
+    }
 }
 
 /// Picks the checkpoint a resume starts from among `dirs` (the step directories of `root`,
@@ -476,16 +537,19 @@ pub fn choose_resume(
     note: &mut dyn FnMut(String),
 ) -> Result<(Checkpoint, Vec<(PathBuf, PathBuf)>), RunError> {
     let why = |d: &StepDir| -> Option<String> {
-        if !d.has_manifest {
-            return Some("no manifest.json (incomplete or damaged)".into());
+        match examine(d, spec) {
+            Examined::Intact(_) => None,
+            Examined::OtherModel(m) | Examined::Damaged(m) => Some(m),
         }
-        open_intact(&d.path, spec).err().map(|e| e.to_string())
     };
     let newest_intact = |skip: usize| -> Option<(usize, Checkpoint)> {
         dirs.iter()
             .enumerate()
             .skip(skip)
-            .find_map(|(i, d)| open_intact(&d.path, spec).ok().map(|c| (i, c)))
+            .find_map(|(i, d)| match examine(d, spec) {
+                Examined::Intact(c) => Some((i, *c)),
+                _ => None,
+            })
     };
     let aside_of = |upto: usize, damaged: &[usize]| -> Vec<(PathBuf, PathBuf)> {
         dirs[..upto]
@@ -508,7 +572,17 @@ pub fn choose_resume(
             let pointer = std::fs::read_to_string(&latest)
                 .ok()
                 .map(|t| t.trim().to_string());
-            if let Some(problem) = why(newest) {
+            let problem = match examine(newest, spec) {
+                Examined::Intact(ck) => {
+                    for w in passed_over(root, ck.dir()) {
+                        note(w);
+                    }
+                    return Ok((*ck, Vec::new()));
+                }
+                Examined::OtherModel(m) => return Err(RunError::Refused(m)),
+                Examined::Damaged(problem) => problem,
+            };
+            {
                 let pointer_note = match &pointer {
                     Some(p) if root.join(p) == newest.path => " (`latest` names it)".to_string(),
                     _ => String::new(),
@@ -530,19 +604,25 @@ pub fn choose_resume(
                         root.display()
                     ),
                 };
-                return Err(RunError::Refused(format!(
+                Err(RunError::Refused(format!(
                     "cannot resume from the newest checkpoint {}{pointer_note}: {problem}; {hint}",
                     newest.path.display()
-                )));
+                )))
             }
-            let ck = open_intact(&newest.path, spec)?;
-            for w in passed_over(root, ck.dir()) {
-                note(w);
-            }
-            Ok((ck, Vec::new()))
         }
         ResumeFrom::LatestValid => {
-            let Some((i, ck)) = newest_intact(0) else {
+            let mut found = None;
+            for (i, d) in dirs.iter().enumerate() {
+                match examine(d, spec) {
+                    Examined::Intact(ck) => {
+                        found = Some((i, *ck));
+                        break;
+                    }
+                    Examined::OtherModel(m) => return Err(RunError::Refused(m)),
+                    Examined::Damaged(_) => {}
+                }
+            }
+            let Some((i, ck)) = found else {
                 return Err(RunError::Refused(format!(
                     "--resume-from latest-valid: none of the {} checkpoints in {} is intact; \
                      start over without --resume in a new --ckpt-dir",
@@ -569,14 +649,17 @@ pub fn choose_resume(
                     have.join(", ")
                 )));
             };
-            if let Some(problem) = why(&dirs[i]) {
-                return Err(RunError::Refused(format!(
-                    "--resume-from {step}: {}: {problem}; pick another step or --resume-from \
-                     latest-valid",
-                    dirs[i].path.display()
-                )));
-            }
-            let ck = open_intact(&dirs[i].path, spec)?;
+            let ck = match examine(&dirs[i], spec) {
+                Examined::Intact(ck) => *ck,
+                Examined::OtherModel(m) => return Err(RunError::Refused(m)),
+                Examined::Damaged(problem) => {
+                    return Err(RunError::Refused(format!(
+                        "--resume-from {step}: {}: {problem}; pick another step or \
+                         --resume-from latest-valid",
+                        dirs[i].path.display()
+                    )))
+                }
+            };
             let damaged: Vec<usize> = (0..i).filter(|&k| why(&dirs[k]).is_some()).collect();
             Ok((ck, aside_of(i, &damaged)))
         }
@@ -895,34 +978,32 @@ pub fn resume_changes(
         .unwrap_or_else(|| "(embedded corpus)".into());
     let get = |k: &str| extra.get(k).cloned();
     let num = |k: &str| get(k).and_then(|v| v.parse::<u64>().ok());
-    if let Some(was) = get("data").filter(|w| *w != data_now) {
+    let tokens_now = data_extra(o);
+    // A token file is the same data when its header is: the same tokenizer, token count and
+    // vocabulary, wherever the file now lies.
+    let same_token_file = [DATA_TOKENIZER_KEY, "data_tokens", "data_vocab_size"]
+        .iter()
+        .all(|k| extra.get(*k).is_some() && extra.get(*k) == tokens_now.get(*k));
+    if let Some(was) = get("data").filter(|w| *w != data_now && !same_token_file) {
         lines.push(format!(
             "--data {data_now} (the checkpoint trained on {was}): the sample stream is cut from \
              the new text, so steps from {} see other windows than an uninterrupted run",
             step + 1
         ));
+    } else if let (Some(was), Some(now)) = (get("data_tokens"), tokens_now.get("data_tokens")) {
+        // The same path, another file: its header says so.
+        if !same_token_file
+            && get(DATA_TOKENIZER_KEY).as_ref() == tokens_now.get(DATA_TOKENIZER_KEY)
+        {
+            lines.push(format!(
+                "--data {data_now} changed since the checkpoint ({now} tokens, the checkpoint's \
+                 file had {was}): the sample stream is cut from the new tokens, so steps from {} \
+                 see other windows than an uninterrupted run",
+                step + 1
+            ));
+        }
     }
-    let tokens_now = data_extra(o);
-    let tokenizer_now = tokens_now.get(DATA_TOKENIZER_KEY);
-    match (get(DATA_TOKENIZER_KEY), tokenizer_now) {
-        (Some(was), Some(now)) if was != *now => lines.push(format!(
-            "a token file made with another tokenizer (sha256 {}.., the checkpoint's {}..): \
-             its token ids name other pieces of text than the ones the model learned",
-            &now[..now.len().min(12)],
-            &was[..was.len().min(12)]
-        )),
-        (Some(_), None) => lines.push(
-            "text as bytes (the checkpoint trained on a token file): byte values are read \
-             as the token ids the model learned"
-                .into(),
-        ),
-        (None, Some(_)) if get("data").is_some() => lines.push(
-            "a token file (the checkpoint trained on text as bytes): its token ids are not \
-             the byte values the model learned"
-                .into(),
-        ),
-        _ => {}
-    }
+    lines.extend(tokenizer_change(extra, o.data.as_deref()));
     // The model's math beyond its shapes (rotary base, norm epsilon, scaling, window): the
     // checkpoint's shapes were checked, these are not in them.
     let cfg_now = o
@@ -1018,16 +1099,50 @@ pub fn resume_changes(
 /// with (64 hex digits, from the file's header).
 pub const DATA_TOKENIZER_KEY: &str = "data_tokenizer_sha256";
 
+/// The change of tokens between the data a checkpoint trained on (its manifest's
+/// `train.extra`, [`data_extra`]) and `data` (`None`: the embedded corpus, as bytes): a token
+/// file made with another tokenizer (both SHA-256 named), text as bytes after a token file,
+/// or a token file after text. `None` when the tokens mean the same, or when the checkpoint
+/// records nothing about its data.
+pub fn tokenizer_change(
+    extra: &std::collections::BTreeMap<String, String>,
+    data: Option<&Path>,
+) -> Option<String> {
+    let now = data_extra_of(data);
+    let shown = data.map_or("the embedded corpus".to_string(), |p| {
+        format!("--data {}", p.display())
+    });
+    match (extra.get(DATA_TOKENIZER_KEY), now.get(DATA_TOKENIZER_KEY)) {
+        (Some(was), Some(now)) if was != now => Some(format!(
+            "a token file made with another tokenizer ({shown}: sha256 {}.., the checkpoint's \
+             {}..): its token ids name other pieces of text than the ones the model learned",
+            &now[..now.len().min(12)],
+            &was[..was.len().min(12)]
+        )),
+        (Some(was), None) => Some(format!(
+            "text as bytes ({shown}; the checkpoint trained on a token file of tokenizer sha256 \
+             {}..): byte values are read as the token ids the model learned",
+            &was[..was.len().min(12)]
+        )),
+        (None, Some(_)) if extra.contains_key("data") => Some(format!(
+            "a token file ({shown}; the checkpoint trained on text as bytes): its token ids \
+             are not the byte values the model learned"
+        )),
+        _ => None,
+    }
+}
+
 /// What the checkpoint records about a token file `--data` (empty for text): its tokenizer
 /// hash ([`DATA_TOKENIZER_KEY`]), token count (`data_tokens`) and vocabulary size
 /// (`data_vocab_size`), from the header. Text and the embedded corpus record nothing here.
 pub fn data_extra(o: &TrainOptions) -> std::collections::BTreeMap<String, String> {
+    data_extra_of(o.data.as_deref())
+}
+
+/// [`data_extra`] of the data at `data`.
+pub fn data_extra_of(data: Option<&Path>) -> std::collections::BTreeMap<String, String> {
     let mut m = std::collections::BTreeMap::new();
-    if let Some(h) = o
-        .data
-        .as_deref()
-        .and_then(|p| crate::data::tokens::probe(p).ok().flatten())
-    {
+    if let Some(h) = data.and_then(|p| crate::data::tokens::probe(p).ok().flatten()) {
         m.insert(DATA_TOKENIZER_KEY.to_string(), h.tokenizer_hex());
         m.insert("data_tokens".to_string(), h.count.to_string());
         m.insert("data_vocab_size".to_string(), h.vocab_size.to_string());
@@ -1118,9 +1233,22 @@ mod tests {
         let l = resume_changes(&extra, 1, 5, &on(&a));
         assert_eq!(l.len(), 1, "{l:?}");
         assert!(
-            l[0].contains(
-                "another tokenizer (sha256 bbbbbbbbbbbb.., the checkpoint's aaaaaaaaaaaa..)"
-            ),
+            l[0].contains("another tokenizer (--data ")
+                && l[0].contains("sha256 bbbbbbbbbbbb.., the checkpoint's aaaaaaaaaaaa..)"),
+            "{l:?}"
+        );
+        // The same path, the same tokenizer, another token count: another file.
+        let c = file("c.bin", 0xaa);
+        let mut extra_c = data_extra(&on(&c));
+        extra_c.insert("data".into(), c.display().to_string());
+        assert!(resume_changes(&extra_c, 1, 5, &on(&c)).is_empty());
+        let mut w = TokenWriter::create(&c, 500, [0xaa; 32]).unwrap();
+        w.push(&[1, 2, 3, 4]).unwrap();
+        w.finish().unwrap();
+        let l = resume_changes(&extra_c, 1, 5, &on(&c));
+        assert_eq!(l.len(), 1, "{l:?}");
+        assert!(
+            l[0].contains("changed since the checkpoint (4 tokens, the checkpoint's file had 3)"),
             "{l:?}"
         );
         // Text after a token file.

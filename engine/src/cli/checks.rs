@@ -1,6 +1,8 @@
 //! Checks `fsdp train` makes on its flags before any work: clap value parsers for the
 //! hyperparameters (a bad value exits 2 at parse time with the value, the rule and the fix),
-//! and notes on flag combinations that run but may surprise (warmup past the last step).
+//! notes on flag combinations that run but may surprise (warmup past the last step), and the
+//! check of the data against a model directory's own tokenizer (`fsdp train --init-from`,
+//! `fsdp eval --model-dir`).
 
 use crate::train::TrainOptions;
 
@@ -29,7 +31,14 @@ pub fn positive(s: &str) -> Result<f64, String> {
         .parse()
         .map_err(|_| format!("`{s}` is not a number; give a finite number > 0, e.g. 1e-3"))?;
     if !(v.is_finite() && v > 0.0) {
-        return Err(format!("must be a finite number > 0, got {v}; e.g. 1e-3"));
+        let eval = if v == 0.0 {
+            " (to measure a model's loss without training, use `fsdp eval`)"
+        } else {
+            ""
+        };
+        return Err(format!(
+            "must be a finite number > 0, got {v}; e.g. 1e-3{eval}"
+        ));
     }
     // The optimizer multiplies f32 values by it: beyond the largest f32 it is infinite there.
     if v > f32::MAX as f64 {
@@ -123,6 +132,107 @@ pub fn io_words(e: &std::io::Error) -> String {
                 None => t,
             }
         }
+    }
+}
+
+/// The `tokenizer.json` of the model directory `dir`, when it holds one.
+pub fn model_tokenizer(dir: &std::path::Path) -> Option<std::path::PathBuf> {
+    let t = dir.join("tokenizer.json");
+    (dir.is_dir() && t.is_file()).then_some(t)
+}
+
+/// The first 12 hex digits of a SHA-256, as messages show it.
+pub fn short_sha(hex: &str) -> &str {
+    &hex[..hex.len().min(12)]
+}
+
+/// Checks the data fed to the model of directory `dir` (named by `model_flag`, e.g.
+/// `--init-from DIR`) against the model's own tokenizer, `dir/tokenizer.json`: a token file
+/// must have been made with it (the header's SHA-256 of the tokenizer file's bytes, as `fsdp
+/// data tokenize` records it, against the SHA-256 of this file's bytes), and text or no data
+/// (bytes as token ids 0-255) is refused. `allow` (`--allow-tokenizer-mismatch`) turns a
+/// refusal into a note. Nothing is checked when the directory holds no tokenizer or the data
+/// cannot be read (the run's own error names that).
+///
+/// Returns a note to print, if any.
+///
+/// Errors: [`super::CliError::Usage`] naming the data, both tokenizers (short SHA-256) and the
+/// `fsdp data tokenize` command that makes the right token file.
+pub fn check_data_tokenizer(
+    model_flag: &str,
+    dir: &std::path::Path,
+    data: Option<&std::path::Path>,
+    allow: bool,
+) -> Result<Option<String>, super::CliError> {
+    let Some(tok) = model_tokenizer(dir) else {
+        return Ok(None);
+    };
+    let tokenize = |text: &str, out: &str| {
+        format!(
+            "`fsdp data tokenize --tokenizer {} {text} -o {out}`",
+            tok.display()
+        )
+    };
+    let problem = match data {
+        None => format!(
+            "{model_flag} holds the model's tokenizer ({}) but no --data was given: the \
+             built-in corpus would be fed as byte ids 0-255, which are not this model's tokens. \
+             Tokenize your text with the model's tokenizer, {}, and pass --data tokens.bin",
+            tok.display(),
+            tokenize("TEXT.txt", "tokens.bin")
+        ),
+        Some(p) => match crate::data::tokens::probe(p) {
+            Err(_) => return Ok(None),
+            // A path that cannot be read is the run's own error to name.
+            Ok(None) if std::fs::metadata(p).is_err() => return Ok(None),
+            Ok(None) => {
+                let mut out = p.with_extension("bin");
+                if out == p {
+                    out = p.with_extension("tokens.bin");
+                }
+                format!(
+                    "--data {} is text, fed as byte ids 0-255, but the model of {model_flag} reads \
+                     the token ids of its tokenizer ({}). Tokenize it first, {}, and pass --data {}",
+                    p.display(),
+                    tok.display(),
+                    tokenize(&p.display().to_string(), &out.display().to_string()),
+                    out.display()
+                )
+            }
+            Ok(Some(h)) => {
+                let sha = crate::data::tokens::sha256_file(&tok).map_err(|e| {
+                    super::CliError::Usage(format!("{}: cannot read it: {e}", tok.display()))
+                })?;
+                if h.tokenizer_sha256 == sha {
+                    return Ok(None);
+                }
+                if h.tokenizer_sha256 == [0; 32] {
+                    return Ok(Some(format!(
+                        "note: --data {} records no tokenizer: it cannot be checked against {}",
+                        p.display(),
+                        tok.display()
+                    )));
+                }
+                let now = crate::data::tokens::hex(&sha);
+                format!(
+                    "--data {} was made with another tokenizer (sha256 {}..) than the model's {} \
+                     (sha256 {}..): its token ids name other pieces of text than the ones the \
+                     model learned. Tokenize the text again with the model's tokenizer, {}",
+                    p.display(),
+                    short_sha(&h.tokenizer_hex()),
+                    tok.display(),
+                    short_sha(&now),
+                    tokenize("TEXT.txt", &p.display().to_string())
+                )
+            }
+        },
+    };
+    if allow {
+        Ok(Some(format!("note: --allow-tokenizer-mismatch: {problem}")))
+    } else {
+        Err(super::CliError::Usage(format!(
+            "{problem} (or pass --allow-tokenizer-mismatch to go on anyway)"
+        )))
     }
 }
 

@@ -424,8 +424,10 @@ pub struct TrainCkptArgs {
     /// model unless --model or --hf-config is given), a model.safetensors, a sharded
     /// model.safetensors.index.json, or `fsdp ckpt consolidate` output; f32, bf16 or f16
     /// stored. Strict name and shape matching; every rank reads only its own shards' bytes;
-    /// fresh optimizer state.
-    #[arg(long, conflicts_with_all = ["resume", "resume_from"])]
+    /// fresh optimizer state. With --resume the same command continues from the newest
+    /// checkpoint in --ckpt-dir when there is one (its weights and optimizer state; the model
+    /// still from this directory) and starts from these weights when there is none.
+    #[arg(long)]
     pub init_from: Option<PathBuf>,
 }
 
@@ -460,6 +462,7 @@ impl TrainCkptArgs {
             every: self.ckpt_every,
             keep_last: self.keep_last,
             resume: self.resume_mode()?,
+            allow_tokenizer_mismatch: false,
         })
     }
 }

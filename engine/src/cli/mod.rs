@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 pub mod checks;
 pub mod ckpt;
 pub mod data;
+pub mod eval;
 pub mod launch;
 pub mod plan;
 pub mod progress;
@@ -61,6 +62,9 @@ pub enum Command {
     /// Train a GPT or Llama on text (bytes as tokens) or a token file with W rank threads under
     /// a sharding strategy.
     Train(train::TrainArgs),
+    /// The loss and perplexity of a model directory's or a checkpoint's weights on a data
+    /// split (the held-out split `fsdp train` evaluates), sharded over rank threads.
+    Eval(eval::EvalArgs),
     /// Prepare training data: `fsdp data tokenize` encodes texts with a Hugging Face
     /// tokenizer into a token file for `fsdp train --data`.
     Data(data::DataArgs),
@@ -76,6 +80,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Ckpt(a) => ckpt::run(a),
         Command::Train(a) => train::run(a, None),
         Command::Data(a) => data::run(a),
+        Command::Eval(a) => eval::run(a),
         Command::Launch(a) => match launch::run(a)? {
             0 => Ok(()),
             code => Err(CliError::Failed(format!("a rank exited with code {code}"))),

@@ -267,6 +267,11 @@ pub struct TrainArgs {
     /// process heap peak against the plan.
     #[arg(long)]
     pub memory_report: bool,
+    /// Train although the data's token ids were not made by the model's tokenizer: the
+    /// `tokenizer.json` of an `--init-from` model directory, or the tokenizer of the token
+    /// file a resumed checkpoint trained on (by default such a run is refused, exit 2).
+    #[arg(long)]
+    pub allow_tokenizer_mismatch: bool,
     /// Checkpoints: --ckpt-dir, --ckpt-every, --keep-last, --resume, --init-from.
     #[command(flatten)]
     pub ckpt: super::ckpt::TrainCkptArgs,
@@ -443,6 +448,19 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         },
         _ => RankMemory::Device,
     };
+    // A model directory with its tokenizer: the data must be tokens of that tokenizer.
+    if let Some(dir) = args.ckpt.init_from.as_deref().filter(|d| d.is_dir()) {
+        let flag = format!("--init-from {}", dir.display());
+        let note = super::checks::check_data_tokenizer(
+            &flag,
+            dir,
+            opts.data.as_deref(),
+            args.allow_tokenizer_mismatch,
+        )?;
+        if let (Some(n), true) = (note, root) {
+            eprintln!("{n}");
+        }
+    }
     // One pass: the model, the plan (auto resolved), the pre-flight on that plan.
     let mut run = prepare(RunRequest {
         options: opts,
@@ -470,8 +488,21 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
             eprintln!("{note}");
         }
     }
-    let mut hooks =
-        CheckpointHooks::new(&args.ckpt.config()?, &run, &mut |line| eprintln!("{line}"))?;
+    let mut ckpt = args.ckpt.config()?;
+    ckpt.allow_tokenizer_mismatch = args.allow_tokenizer_mismatch;
+    let mut hooks = CheckpointHooks::new(&ckpt, &run, &mut |line| eprintln!("{line}"))?;
+    // `--init-from DIR --resume` with a checkpoint to resume: the weights (and optimizer
+    // state) are the checkpoint's, DIR names the model only.
+    if let (Some((step, dir)), Some(from)) = (hooks.resume_step(), &run.options.init_from) {
+        if root {
+            eprintln!(
+                "note: the weights come from the checkpoint of step {step} ({}); --init-from {} gives the model only",
+                dir.display(),
+                from.display()
+            );
+        }
+        run.options.init_from = None;
+    }
     let opts = &run.options;
     let auto = run.auto.clone();
     // A checkpoint already at or past --steps leaves no step to run: say so and succeed

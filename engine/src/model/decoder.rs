@@ -66,6 +66,25 @@ impl Decoder {
         Ok(model)
     }
 
+    /// The model of a `config.json`'s text (`file` names it in messages), named `name`: as
+    /// [`Decoder::from_hf_config`] for a text held elsewhere (a checkpoint's manifest).
+    ///
+    /// Errors: as [`Decoder::from_hf_config`].
+    pub fn from_hf_config_text(text: &str, file: &str, name: &str) -> Result<Self, ModelError> {
+        let spec = hf::parse_hf_config(text, file, name)?;
+        Ok(match spec.arch {
+            Architecture::Gpt2(c) => {
+                hf::check_gpt2_numerics(text, file)?;
+                Decoder::Gpt(Gpt::new(&spec.name, c)?)
+            }
+            Architecture::Llama(c) => {
+                let n = hf::parse_llama_numerics(text, file)?;
+                Decoder::Llama(Llama::new(&spec.name, c, n)?)
+            }
+            Architecture::Generic => unreachable!("a config.json always names a family"),
+        })
+    }
+
     /// The model a run names: the `config.json` at `hf_config` when given, else the preset
     /// `preset`. Errors: as [`Decoder::from_hf_config`] and [`Decoder::from_preset`].
     pub fn resolve(preset: &str, hf_config: Option<&Path>) -> Result<Self, ModelError> {

@@ -23,7 +23,12 @@ fn out(args: &[&str]) -> (i32, String, String) {
 fn hyperparameters_are_refused_at_parse_time() {
     for (flag, value, rule) in [
         ("--weight-decay", "-5", "must be a finite number >= 0"),
-        ("--lr", "0", "must be a finite number > 0"),
+        (
+            "--lr",
+            "0",
+            "must be a finite number > 0, got 0; e.g. 1e-3 (to measure a model's loss without \
+             training, use `fsdp eval`)",
+        ),
         ("--clip", "nan", "must be a finite number >= 0"),
         ("--min-lr", "-1e-4", "must be a finite number >= 0"),
         ("--steps", "0", "must be at least 1"),
