@@ -59,7 +59,7 @@ pub mod save;
 pub mod state;
 pub mod weights;
 
-pub use error::{CkptError, Result};
+pub use error::{CkptError, Result, TiedCopyDiffers};
 pub use full::{
     consolidate_optimizer_to_file, consolidate_to_file, read_full, write_full,
     write_full_from_shards, ConsolidateReport, FullState,

@@ -494,3 +494,93 @@ fn gpt2_exports_a_model_directory_that_init_from_reads_back() {
         );
     }
 }
+
+/// `tie_word_embeddings: true` with a stored `lm_head.weight` equal to the embedding trains
+/// tied; with one that differs the run is refused (exit 2) naming both tensors and the fix,
+/// and after that fix (`false`) the run trains the file's own head.
+#[test]
+fn a_tied_config_with_a_different_stored_head_is_refused() {
+    let t = tempfile::tempdir().unwrap();
+    let cfg_text = |tie: bool| {
+        format!(
+            r#"{{"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 256,
+            "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": {tie},
+            "use_sliding_window": false}}"#
+        )
+    };
+    // An untied model's export: its head and embedding are two different random tensors.
+    let cfg = t.path().join("untied.json");
+    std::fs::write(&cfg, cfg_text(false)).unwrap();
+    let ck = t.path().join("seed-ck");
+    train(&ck, &["--hf-config", s(&cfg)]);
+    let dir = t.path().join("qwen");
+    let (rc, out, err) = fsdp(&["ckpt", "consolidate", s(&ck), "-o", s(&dir)]);
+    assert_eq!(rc, 0, "{out}\n{err}");
+    let stored = read_full(&dir.join("model.safetensors")).unwrap().tensors;
+    let (head, embed) = (
+        &stored["lm_head.weight"],
+        &stored["model.embed_tokens.weight"],
+    );
+    assert_ne!(head.data, embed.data);
+    std::fs::write(dir.join("config.json"), cfg_text(true)).unwrap();
+
+    let run = |ck: &Path| {
+        fsdp(&[
+            "train",
+            "--init-from",
+            s(&dir),
+            "--steps",
+            "1",
+            "--micro-batch",
+            "1",
+            "--seq-len",
+            "16",
+            "--eval-batches",
+            "1",
+            "--lr",
+            "1e-30",
+            "--min-lr",
+            "1e-30",
+            "--warmup",
+            "0",
+            "--ckpt-dir",
+            s(ck),
+        ])
+    };
+    let (rc, o, err) = run(&t.path().join("refused"));
+    assert_eq!(rc, 2, "{o}\n{err}");
+    assert!(
+        err.contains("`lm_head.weight` differs from `model.embed_tokens.weight`")
+            && err.contains("\"tie_word_embeddings\": false")
+            && err.contains("config.json"),
+        "{err}"
+    );
+    assert!(!t.path().join("refused").join("latest").exists());
+
+    // The fix the message names: untied, the run starts from the file's own head.
+    std::fs::write(dir.join("config.json"), cfg_text(false)).unwrap();
+    let untied = t.path().join("untied-ck");
+    let (rc, o, err) = run(&untied);
+    assert_eq!(rc, 0, "{o}\n{err}");
+    let got = ckpt_tensors(&untied);
+    assert_same(&got["lm_head.weight"], head);
+    assert_same(&got["model.embed_tokens.weight"], embed);
+
+    // A stored head equal to the embedding: tied, as before.
+    std::fs::write(dir.join("config.json"), cfg_text(true)).unwrap();
+    let mut same: Vec<FullTensor> = stored.values().cloned().collect();
+    for x in &mut same {
+        if x.name == "lm_head.weight" {
+            x.data = embed.data.clone();
+        }
+    }
+    fsdp_checkpoints::write_full(&dir.join("model.safetensors"), &same, &[]).unwrap();
+    let tied = t.path().join("tied-ck");
+    let (rc, o, err) = run(&tied);
+    assert_eq!(rc, 0, "{o}\n{err}");
+    let got = ckpt_tensors(&tied);
+    assert!(!got.contains_key("lm_head.weight"));
+    assert_same(&got["model.embed_tokens.weight"], embed);
+}

@@ -162,7 +162,9 @@ pub fn hf_config_text(
 ///
 /// Errors: [`RunError::Refused`] naming the file and the tensor: a missing, unexpected
 /// or mis-shaped tensor (with the model's name and how to name the right configuration), a
-/// truncated or malformed file, a per-rank shard file.
+/// stored `lm_head.weight` that differs from the embedding a tying config makes it (naming
+/// both and the `tie_word_embeddings` fix), a truncated or malformed file, a per-rank shard
+/// file.
 pub fn check_init_from(
     o: &TrainOptions,
     model: &crate::model::decoder::Decoder,
