@@ -133,6 +133,12 @@ pub enum CkptError {
         /// Shape in the file (elements).
         found: Vec<u64>,
     },
+    /// A tied parameter stored in the weights with other values than its target: the model's
+    /// configuration ties them (one tensor, e.g. `tie_word_embeddings: true`), the file holds
+    /// two different ones. Loading would keep one and silently drop the other, so it is
+    /// refused; the fix is in the message (untie in `config.json`, or drop the stored copy).
+    #[error(transparent)]
+    TiedCopyDiffers(Box<TiedCopyDiffers>),
     /// A shard handed to the writer whose length is not the layout's shard length.
     #[error("rank {rank}, unit {unit} flat param {flat}, {what}: {found} elements, the layout's shard has {expected}")]
     ShardLength {
@@ -188,6 +194,35 @@ pub enum CkptError {
     /// The planner rejected the model spec or the sizes.
     #[error(transparent)]
     Plan(#[from] PlanError),
+}
+
+/// The details of [`CkptError::TiedCopyDiffers`]: which tensors, where they first differ, and
+/// the `config.json` that ties them.
+#[derive(Debug, Clone, PartialEq, Error)]
+#[error(
+    "{file}: `{tied}` differs from `{target}` (first at element {index}: {tied_value} against \
+         {target_value}), but the model's configuration{config} ties them (`{tied}` is \
+         `{target}`); training tied would silently drop the file's `{tied}`. (transformers \
+         4.x re-ties after loading, overwriting `{tied}` with `{target}`; 5.x warns and loads \
+         them untied under a config that still ties them, so its next `tie_weights()` drops \
+         `{tied}`.) Set \"tie_word_embeddings\": false in the config.json to train the file's \
+         own `{tied}`, or remove `{tied}` from the weights to train them tied"
+)]
+pub struct TiedCopyDiffers {
+    /// The file holding the tied copy.
+    pub file: String,
+    /// ` (config.json path)` when known, else empty.
+    pub config: String,
+    /// The tied parameter's name (e.g. `lm_head.weight`).
+    pub tied: String,
+    /// The parameter it is tied to (e.g. `model.embed_tokens.weight`).
+    pub target: String,
+    /// First differing element (row-major index).
+    pub index: u64,
+    /// The tied copy's value there (as f32).
+    pub tied_value: f32,
+    /// The target's value there (as f32).
+    pub target_value: f32,
 }
 
 /// Result alias of this crate.

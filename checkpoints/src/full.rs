@@ -289,7 +289,9 @@ impl FullState {
     /// with its exact shape, no tensor that is not a parameter; a tied parameter may be present
     /// only with the same shape and values as its target.
     ///
-    /// Errors: `MissingKey`, `UnexpectedKey`, `ShapeMismatch`, `BadFile` (tied copy differs).
+    /// Errors: `MissingKey`, `UnexpectedKey`, `ShapeMismatch`, `TiedCopyDiffers` (a stored tied
+    /// copy whose bits differ from its target's: the file holds two tensors where the model
+    /// has one).
     pub fn check_strict(&self, spec: &ModelSpec) -> Result<()> {
         let file = self.file.display().to_string();
         let params: HashMap<&str, &fsdp_planner::ParamSpec> = spec
@@ -319,19 +321,20 @@ impl FullState {
                     }
                     if let Some(target) = tied {
                         if let Some(tt) = self.tensors.get(target) {
-                            if tt
-                                .data
-                                .iter()
-                                .zip(&t.data)
-                                .any(|(a, b)| a.to_bits() != b.to_bits())
+                            if let Some(k) = (0..t.data.len().min(tt.data.len()))
+                                .find(|&k| t.data[k].to_bits() != tt.data[k].to_bits())
                             {
-                                return Err(bad_file(
-                                    &self.file,
-                                    format!(
-                                        "`{}` is tied to `{target}` but their values differ",
-                                        p.name
-                                    ),
-                                ));
+                                return Err(CkptError::TiedCopyDiffers(Box::new(
+                                    crate::error::TiedCopyDiffers {
+                                        file,
+                                        config: String::new(),
+                                        tied: p.name.clone(),
+                                        target: target.clone(),
+                                        index: k as u64,
+                                        tied_value: t.data[k],
+                                        target_value: tt.data[k],
+                                    },
+                                )));
                             }
                         }
                     }

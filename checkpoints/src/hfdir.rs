@@ -1,7 +1,9 @@
 //! Hugging Face model directories: a checkpoint's fp32 parameters written the way
 //! `transformers`' `save_pretrained` writes them, so that `from_pretrained(DIR)` loads them.
 //!
-//! The directory holds `config.json` (given by the caller) and the weights under their original
+//! The directory holds `config.json` (given by the caller), the model's other files given by
+//! the caller byte for byte (tokenizer files, `generation_config.json`: what makes
+//! `AutoTokenizer.from_pretrained(DIR)` and `generate` work) and the weights under their original
 //! names and shapes (tied parameters once, under the target's name). Up to the shard limit they
 //! are one `model.safetensors`; above it they are cut, in declaration order, into
 //! `model-00001-of-0000N.safetensors` files of at most the limit each (a tensor larger than the
@@ -41,6 +43,9 @@ pub struct HfDirReport {
     pub total_size: u64,
     /// Tied parameters left out, as `(tied name, target name)`.
     pub tied_omitted: Vec<(String, String)>,
+    /// The other files written as given (tokenizer, generation config), with their sizes
+    /// (bytes), in the order given.
+    pub other_files: Vec<(String, u64)>,
 }
 
 /// Cuts tensors of data sizes `sizes` (bytes, in write order) into consecutive groups of at
@@ -71,20 +76,36 @@ pub fn shard_file_name(i: usize, n: usize) -> String {
 }
 
 /// Writes the fp32 parameters of `ckpt` as a Hugging Face model directory at `dir` with
-/// `config` as `config.json`, weight files of at most `max_shard_bytes` of tensor data each
-/// (see the module documentation). `dir` must not exist or be an empty directory; its parent
-/// must exist. Everything is written into a hidden sibling directory first (each file synced)
-/// and renamed to `dir` last, so `dir` never holds a partial model.
+/// `config` as `config.json`, each `(name, bytes)` of `files` as the file `name` (byte for
+/// byte: tokenizer files, `generation_config.json`), and weight files of at most
+/// `max_shard_bytes` of tensor data each (see the module documentation). `dir` must not exist
+/// or be an empty directory; its parent must exist. Everything is written into a hidden
+/// sibling directory first (each file synced) and renamed to `dir` last, so `dir` never holds
+/// a partial model.
 ///
 /// Errors: `InvalidArgument` when `dir` is a file or a non-empty directory, or its parent does
-/// not exist; file errors of the checkpoint; `Io` on the output.
+/// not exist, or a name of `files` is not a plain file name or is one of the files this
+/// function writes itself (`config.json`, weights, index); file errors of the checkpoint;
+/// `Io` on the output.
 pub fn consolidate_to_hf_dir(
     ckpt: &Checkpoint,
     dir: &Path,
     config: &serde_json::Value,
+    files: &[(String, Vec<u8>)],
     max_shard_bytes: u64,
 ) -> Result<HfDirReport> {
     check_output_dir(dir)?;
+    for (name, _) in files {
+        crate::manifest::check_model_file_name(name)?;
+        if name == CONFIG_FILE
+            || name == INDEX_FILE
+            || (name.starts_with("model") && name.ends_with(".safetensors"))
+        {
+            return Err(CkptError::InvalidArgument(format!(
+                "{name}: the export writes this file itself from the checkpoint; it is not                  copied"
+            )));
+        }
+    }
     let tensors = ckpt.consolidate(StateKind::Param)?;
     let m = ckpt.manifest();
     let tied: Vec<(String, String)> = ckpt
@@ -106,14 +127,23 @@ pub fn consolidate_to_hf_dir(
         std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp, "remove stale partial directory"))?;
     }
     std::fs::create_dir(&tmp).map_err(io_err(&tmp, "create directory"))?;
-    let written = write_dir(
-        &tmp,
-        &tensors,
-        config,
-        max_shard_bytes,
-        m.model_name.clone(),
-        m.train.step,
-    );
+    let other_files: Vec<(String, u64)> = files
+        .iter()
+        .map(|(n, b)| (n.clone(), b.len() as u64))
+        .collect();
+    let written = files
+        .iter()
+        .try_for_each(|(name, bytes)| crate::save::write_atomic(&tmp.join(name), bytes))
+        .and_then(|()| {
+            write_dir(
+                &tmp,
+                &tensors,
+                config,
+                max_shard_bytes,
+                m.model_name.clone(),
+                m.train.step,
+            )
+        });
     let files = match written {
         Ok(f) => f,
         Err(e) => {
@@ -136,6 +166,7 @@ pub fn consolidate_to_hf_dir(
         numel: tensors.iter().map(|t| t.data.len() as u64).sum(),
         total_size: tensors.iter().map(|t| t.data.len() as u64 * 4).sum(),
         tied_omitted: tied,
+        other_files,
     })
 }
 

@@ -15,7 +15,9 @@
 //!     rank-00000.safetensors    rank 0's shards (shard index 0)
 //!     ...
 //!     rank-{S-1}.safetensors    only the S ranks of replicate index 0 write model state
-//!     manifest.json             written LAST; sizes + SHA-256 of every rank file
+//!     model-files/              optional: the model directory's tokenizer and generation
+//!       tokenizer.json ...      files, copied byte for byte (carried into exports)
+//!     manifest.json             written LAST; sizes + SHA-256 of every rank and model file
 //! ```
 //! * **Rank file** (safetensors): for every flat parameter `k` of every unit `u` (layout of
 //!   `fsdp_planner::layout_units`), 1-D F32 tensors `units.{u}.flat{k}.param` (fp32 master
@@ -59,7 +61,7 @@ pub mod save;
 pub mod state;
 pub mod weights;
 
-pub use error::{CkptError, Result};
+pub use error::{CkptError, Result, TiedCopyDiffers};
 pub use full::{
     consolidate_optimizer_to_file, consolidate_to_file, read_full, write_full,
     write_full_from_shards, ConsolidateReport, FullState,
@@ -71,8 +73,9 @@ pub use hfdir::{
 pub use layout::{layout_fingerprint, model_fingerprint, tensor_name, CheckpointLayout};
 pub use load::{reshard, resolve_checkpoint_dir, Checkpoint, Verify};
 pub use manifest::{
-    rank_file_name, FileRecord, FlatRecord, Manifest, OptimizerState, SegmentRecord, TrainState,
-    UnitRecord, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE,
+    check_model_file_name, rank_file_name, FileRecord, FlatRecord, Manifest, ModelFileRecord,
+    OptimizerState, SegmentRecord, TrainState, UnitRecord, FORMAT_NAME, FORMAT_VERSION,
+    MANIFEST_FILE, MODEL_FILES_DIR,
 };
 pub use rankfile::{ShardMeta, SliceMeta, SHARD_FORMAT};
 pub use save::{

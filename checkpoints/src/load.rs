@@ -11,7 +11,7 @@
 
 use crate::error::{bad_file, CkptError, Result};
 use crate::layout::{tensor_name, CheckpointLayout};
-use crate::manifest::{Manifest, MANIFEST_FILE};
+use crate::manifest::{Manifest, ModelFileRecord, MANIFEST_FILE, MODEL_FILES_DIR};
 use crate::rankfile::{decode_f32, shard_meta, RankFile};
 use crate::save::{list_checkpoints, LATEST_FILE};
 use crate::state::{FlatShard, FullTensor, RankState, StateKind};
@@ -123,6 +123,29 @@ impl Checkpoint {
                 Err(e) => return Err(crate::error::io_err(&p, "stat")(e)),
             }
         }
+        for rec in &manifest.model_files {
+            let p = dir.join(MODEL_FILES_DIR).join(&rec.file);
+            match std::fs::metadata(&p) {
+                Ok(m) if m.len() == rec.bytes => {}
+                Ok(m) => {
+                    return Err(CkptError::SizeMismatch {
+                        file: p.display().to_string(),
+                        expected: rec.bytes,
+                        found: m.len(),
+                    })
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(bad_file(
+                        &p,
+                        format!(
+                            "missing: {} lists this model file (the checkpoint is incomplete)",
+                            manifest_path.display()
+                        ),
+                    ))
+                }
+                Err(e) => return Err(crate::error::io_err(&p, "stat")(e)),
+            }
+        }
         let mut index = HashMap::new();
         for (u, k, f) in layout.flat_params() {
             for (s, seg) in f.segments.iter().enumerate() {
@@ -156,12 +179,60 @@ impl Checkpoint {
         &self.layout
     }
 
+    /// The model's own files carried with the checkpoint (tokenizer, generation config), as
+    /// the manifest lists them; empty when the run started from no model directory.
+    pub fn model_files(&self) -> &[ModelFileRecord] {
+        &self.manifest.model_files
+    }
+
+    /// The bytes of the carried model file `name`, checked against the manifest's size and
+    /// SHA-256 (whatever [`Verify`] the checkpoint was opened with: the file is small and is
+    /// copied as is into exports and resharded checkpoints).
+    ///
+    /// Errors: `InvalidArgument` when the manifest lists no such file; `Io`;
+    /// `SizeMismatch`, `ChecksumMismatch` for a damaged file.
+    pub fn read_model_file(&self, name: &str) -> Result<Vec<u8>> {
+        let rec = self
+            .manifest
+            .model_files
+            .iter()
+            .find(|r| r.file == name)
+            .ok_or_else(|| {
+                CkptError::InvalidArgument(format!(
+                    "{}: lists no model file `{name}`",
+                    self.manifest_path.display()
+                ))
+            })?;
+        let p = self.dir.join(MODEL_FILES_DIR).join(&rec.file);
+        let bytes = std::fs::read(&p).map_err(crate::error::io_err(&p, "read"))?;
+        if bytes.len() as u64 != rec.bytes {
+            return Err(CkptError::SizeMismatch {
+                file: p.display().to_string(),
+                expected: rec.bytes,
+                found: bytes.len() as u64,
+            });
+        }
+        use sha2::Digest as _;
+        let found = crate::layout::hex(&sha2::Sha256::digest(&bytes));
+        if found != rec.sha256 {
+            return Err(CkptError::ChecksumMismatch {
+                file: p.display().to_string(),
+                expected: rec.sha256.clone(),
+                found,
+            });
+        }
+        Ok(bytes)
+    }
+
     /// Opens and checks every rank file (size, SHA-256, header, shard metadata, every expected
-    /// tensor's dtype and length).
+    /// tensor's dtype and length) and every carried model file (size, SHA-256).
     ///
     /// Errors: `MissingFile`, `SizeMismatch`, `ChecksumMismatch`, `BadFile`,
-    /// `UnsupportedVersion`.
+    /// `UnsupportedVersion`, `Io`.
     pub fn verify_all(&self) -> Result<()> {
+        for rec in &self.manifest.model_files {
+            self.read_model_file(&rec.file)?;
+        }
         for i in 0..self.files.len() {
             let f = self.rank_file_checked(i as u64, true)?;
             for (u, k, fl) in self.layout.flat_params() {
@@ -442,17 +513,26 @@ pub(crate) fn check_same_model(file: &Path, found: &ModelSpec, expected: &ModelS
 
 /// Reshards the checkpoint `src` to `target` and saves it under `out_root` (a new checkpoint
 /// root, with its `latest` pointer), one target rank at a time (memory: one rank's state).
-/// Training state (step, optimizer, data position, RNG) is carried over unchanged.
+/// Training state (step, optimizer, data position, RNG) is carried over unchanged, and so are
+/// the carried model files (tokenizer, generation config), byte for byte after their
+/// checksums are verified.
 ///
 /// Errors: as [`Checkpoint::load_rank`] and [`crate::save_checkpoint`]; when loading or writing
 /// a rank fails, the temporary `.tmp-step-*` directory is removed before returning the error.
 pub fn reshard(src: &Checkpoint, target: &CheckpointLayout, out_root: &Path) -> Result<PathBuf> {
     let train = src.manifest().train.clone();
     let pending = crate::save::begin_save(out_root, target, train.step)?;
-    let written = (0..target.shard_size).try_for_each(|r| {
-        let st = src.load_rank(target, r)?;
-        pending.write_rank(r, &st.as_refs()).map(|_| ())
-    });
+    let written = (0..target.shard_size)
+        .try_for_each(|r| {
+            let st = src.load_rank(target, r)?;
+            pending.write_rank(r, &st.as_refs()).map(|_| ())
+        })
+        .and_then(|()| {
+            // The model's own files travel with the checkpoint, byte for byte.
+            src.model_files()
+                .iter()
+                .try_for_each(|m| pending.write_model_file(&m.file, &src.read_model_file(&m.file)?))
+        });
     if let Err(e) = written {
         // Best effort: the error being returned matters more than a failed cleanup.
         let _ = std::fs::remove_dir_all(pending.tmp_dir());

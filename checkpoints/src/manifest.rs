@@ -126,6 +126,38 @@ pub struct FileRecord {
     pub sha256: String,
 }
 
+/// Subdirectory of a checkpoint directory holding the model's own files carried with it
+/// ([`ModelFileRecord`]): the tokenizer and generation files of the model directory a run
+/// started from, so that an export is a complete model directory without that directory.
+pub const MODEL_FILES_DIR: &str = "model-files";
+
+/// One file of the model carried in a checkpoint (`MODEL_FILES_DIR/{file}`), copied byte for
+/// byte from the model directory the run started from (`tokenizer.json`,
+/// `tokenizer_config.json`, `generation_config.json`, ...).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelFileRecord {
+    /// File name (a plain name: no directory part, see [`check_model_file_name`]).
+    pub file: String,
+    /// File size (bytes).
+    pub bytes: u64,
+    /// SHA-256 of the file, lower-case hex.
+    pub sha256: String,
+}
+
+/// Refuses a carried model file name that is not a plain file name: empty, `.` or `..`,
+/// holding a `/` or a NUL byte, or starting with `.` (temporary files of a save). Such a name
+/// in a manifest could reach outside the checkpoint directory.
+///
+/// Errors: `InvalidArgument` naming the name.
+pub fn check_model_file_name(name: &str) -> Result<()> {
+    if name.is_empty() || name.starts_with('.') || name.contains('/') || name.contains('\0') {
+        return Err(CkptError::InvalidArgument(format!(
+            "model file name {name:?} is not a plain file name"
+        )));
+    }
+    Ok(())
+}
+
 /// The manifest of one checkpoint directory: everything needed to read, verify, consolidate
 /// and reshard the rank files without the engine.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -159,6 +191,11 @@ pub struct Manifest {
     pub files: Vec<FileRecord>,
     /// The model spec the checkpoint was saved from.
     pub spec: ModelSpec,
+    /// The model's own files carried with the checkpoint (tokenizer, generation config),
+    /// sorted by name, with sizes and SHA-256; empty (and not written) when the run started
+    /// from no model directory. Older manifests without the field read as empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub model_files: Vec<ModelFileRecord>,
 }
 
 impl Manifest {
@@ -180,6 +217,7 @@ impl Manifest {
             train,
             files,
             spec: layout.spec.clone(),
+            model_files: Vec::new(),
         }
     }
 
@@ -266,6 +304,9 @@ impl Manifest {
                     self.shard_size
                 ),
             ));
+        }
+        for m in &self.model_files {
+            check_model_file_name(&m.file).map_err(|e| bad_file(path, e.to_string()))?;
         }
         for (i, f) in self.files.iter().enumerate() {
             if f.shard_index != i as u64 || f.rank != i as u64 || f.file != rank_file_name(f.rank) {

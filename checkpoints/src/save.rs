@@ -4,8 +4,10 @@
 //!    `ROOT/.tmp-step-{step:08}`.
 //! 2. Each rank of replicate index 0 writes and fsyncs its rank file into it
 //!    ([`PendingCheckpoint::write_rank`], thread-safe); the other replicas write nothing.
-//! 3. [`PendingCheckpoint::commit`] writes and fsyncs `manifest.json` (with every file's size and
-//!    SHA-256) LAST, fsyncs the directory, renames it to `ROOT/step-{step:08}`, fsyncs `ROOT`,
+//! 3. Rank 0 may add the model's own files (tokenizer, generation config) into its
+//!    `model-files/` subdirectory ([`PendingCheckpoint::write_model_file`]).
+//! 4. [`PendingCheckpoint::commit`] writes and fsyncs `manifest.json` (with every file's size and
+//!    SHA-256, model files included) LAST, fsyncs the directory, renames it to `ROOT/step-{step:08}`, fsyncs `ROOT`,
 //!    then replaces `ROOT/latest` atomically (write `latest.tmp`, fsync, rename, fsync `ROOT`),
 //!    and finally deletes all but the newest `keep_last` checkpoints (each first renamed to a
 //!    `.trash-*` name, so a visible `step-*` directory is always complete).
@@ -15,7 +17,10 @@
 
 use crate::error::{io_err, CkptError, Result};
 use crate::layout::CheckpointLayout;
-use crate::manifest::{rank_file_name, FileRecord, Manifest, TrainState, MANIFEST_FILE};
+use crate::manifest::{
+    check_model_file_name, rank_file_name, FileRecord, Manifest, ModelFileRecord, TrainState,
+    MANIFEST_FILE, MODEL_FILES_DIR,
+};
 use crate::rankfile::write_rank_file;
 use crate::state::FlatShardRef;
 use std::fs;
@@ -172,6 +177,21 @@ impl PendingCheckpoint {
         Ok(Some(rec))
     }
 
+    /// Writes (and fsyncs) `bytes` as the carried model file `name` (e.g. `tokenizer.json`)
+    /// into the checkpoint's `model-files/` directory; [`PendingCheckpoint::commit`] records
+    /// its size and SHA-256 in the manifest. Called by the process that commits (rank 0).
+    ///
+    /// Errors: `InvalidArgument` for a name that is not a plain file name
+    /// ([`check_model_file_name`]); `Io`.
+    pub fn write_model_file(&self, name: &str, bytes: &[u8]) -> Result<()> {
+        check_model_file_name(name)?;
+        let dir = self.tmp.join(MODEL_FILES_DIR);
+        if !dir.is_dir() {
+            fs::create_dir(&dir).map_err(io_err(&dir, "create directory"))?;
+        }
+        write_atomic(&dir.join(name), bytes)
+    }
+
     /// Completes the save once every rank of replicate index 0 has written: manifest last,
     /// rename into place, `latest` updated, old checkpoints pruned to `keep_last` (0 = keep
     /// all). Returns the checkpoint directory.
@@ -212,7 +232,8 @@ impl PendingCheckpoint {
                 self.layout.shard_size
             )));
         }
-        let manifest = Manifest::new(&self.layout, train.clone(), records);
+        let mut manifest = Manifest::new(&self.layout, train.clone(), records);
+        manifest.model_files = model_file_records(&self.tmp)?;
         let json = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
         let mpath = self.tmp.join(MANIFEST_FILE);
         {
@@ -234,6 +255,33 @@ impl PendingCheckpoint {
         prune(&self.root, keep_last, self.step)?;
         Ok(dest)
     }
+}
+
+/// The size and SHA-256 of every file in `dir/model-files/` (none when it does not exist),
+/// sorted by name; leftover `*.tmp` files of an interrupted write are not model files.
+fn model_file_records(dir: &Path) -> Result<Vec<ModelFileRecord>> {
+    let sub = dir.join(MODEL_FILES_DIR);
+    if !sub.is_dir() {
+        return Ok(Vec::new());
+    }
+    let mut out = Vec::new();
+    for e in fs::read_dir(&sub).map_err(io_err(&sub, "list"))? {
+        let e = e.map_err(io_err(&sub, "list"))?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.ends_with(".tmp") {
+            continue;
+        }
+        check_model_file_name(&name)?;
+        let (bytes, sha256) = crate::rankfile::sync_and_hash(&e.path())?;
+        out.push(ModelFileRecord {
+            file: name,
+            bytes,
+            sha256,
+        });
+    }
+    out.sort_by(|a, b| a.file.cmp(&b.file));
+    sync_dir(&sub)?;
+    Ok(out)
 }
 
 /// Complete checkpoints under `root` (directories `step-N` holding a manifest), sorted by step.

@@ -19,8 +19,13 @@
 //! without the `transformer.` prefix as `GPT2Model` checkpoints store it. Buffers that are not
 //! parameters are ignored: GPT-2's causal-mask buffers (`h.N.attn.bias`, `h.N.attn.masked_bias`)
 //! and old Llama checkpoints' `rotary_emb.inv_freq`. A tied parameter (an LM head tied to the
-//! embedding) may be stored or not; when it is, its shape must match and its values are not
-//! read, as `transformers` re-ties it on load.
+//! embedding) may be stored or not; when it is, its shape must match and its values must equal
+//! its target's (compared as f32 values, as `torch.equal` compares them): a stored head that
+//! differs from the embedding under a tying configuration is refused
+//! ([`CkptError::TiedCopyDiffers`]) instead of being dropped. `transformers` 4.x re-ties such a
+//! head to the embedding after loading (the stored head is lost without a word); 5.x warns
+//! and loads the two untied, against its configuration. Either way the configuration and the
+//! weights disagree, and only the user knows which one is right.
 
 use crate::error::{bad_file, io_err, CkptError, Result};
 use crate::hfdir::{CONFIG_FILE, INDEX_FILE, SINGLE_WEIGHTS_FILE};
@@ -511,7 +516,9 @@ impl WeightFiles {
     /// Errors: `MissingKey` for a non-tied parameter no file holds (naming the weights);
     /// `ShapeMismatch` for a tensor whose shape is not the parameter's (naming its file) —
     /// usually weights of another configuration than the model's; `UnexpectedKey` for a
-    /// stored tensor that is neither a parameter nor an ignored buffer.
+    /// stored tensor that is neither a parameter nor an ignored buffer; `TiedCopyDiffers` for
+    /// a stored tied parameter whose values differ from its target's (both tensors read in
+    /// full, [`LOAD_CHUNK_BYTES`] at a time); `BadFile` when reading them fails.
     pub fn bind(&self, spec: &ModelSpec) -> Result<WeightBinding> {
         let mut used = vec![false; self.tensors.len()];
         let mut ignored = Vec::new();
@@ -551,6 +558,7 @@ impl WeightFiles {
             }
             params.push(row);
         }
+        self.check_tied_copies(spec, &params)?;
         for (i, t) in self.tensors.iter().enumerate() {
             if used[i] {
                 continue;
@@ -568,6 +576,58 @@ impl WeightFiles {
             }
         }
         Ok(WeightBinding { params, ignored })
+    }
+
+    /// Refuses a stored tied parameter whose values differ from its target's
+    /// ([`CkptError::TiedCopyDiffers`], naming both tensors, the first differing element and
+    /// the fix). `params` is [`WeightBinding::params`] of `spec`. Values are compared as f32
+    /// (after the exact bf16 / f16 conversion), `-0.0 == 0.0`, as `torch.equal` does.
+    fn check_tied_copies(&self, spec: &ModelSpec, params: &[Vec<Option<usize>>]) -> Result<()> {
+        let mut stored: HashMap<&str, usize> = HashMap::new();
+        for (u, row) in spec.units.iter().zip(params) {
+            for (p, i) in u.params.iter().zip(row) {
+                if let Some(i) = i {
+                    stored.insert(p.name.as_str(), *i);
+                }
+            }
+        }
+        const CHUNK: usize = 1 << 18;
+        for p in spec.units.iter().flat_map(|u| &u.params) {
+            let (Some(target), Some(copy)) = (&p.tied_to, self.lookup(&p.name)) else {
+                continue;
+            };
+            let Some(&t) = stored.get(target.as_str()) else {
+                continue;
+            };
+            let n = self.tensors[copy].numel().min(self.tensors[t].numel());
+            let mut a = vec![0f32; CHUNK.min(n as usize)];
+            let mut b = vec![0f32; a.len()];
+            let mut start = 0u64;
+            while start < n {
+                let len = (n - start).min(CHUNK as u64) as usize;
+                self.read_f32(copy, start, &mut a[..len])?;
+                self.read_f32(t, start, &mut b[..len])?;
+                if let Some(k) = (0..len).find(|&k| a[k] != b[k]) {
+                    return Err(CkptError::TiedCopyDiffers(Box::new(
+                        crate::error::TiedCopyDiffers {
+                            file: self.file_of(&self.tensors[copy]).display().to_string(),
+                            config: self
+                                .config
+                                .as_ref()
+                                .map(|c| format!(" ({})", c.display()))
+                                .unwrap_or_default(),
+                            tied: self.tensors[copy].name.clone(),
+                            target: self.tensors[t].name.clone(),
+                            index: start + k as u64,
+                            tied_value: a[k],
+                            target_value: b[k],
+                        },
+                    )));
+                }
+                start += len as u64;
+            }
+        }
+        Ok(())
     }
 
     /// Reads elements `[start, start + out.len())` of tensor `tensor` (row-major) into `out`,
@@ -700,6 +760,44 @@ mod tests {
         assert!(b.params[0][2].is_none());
         let mut out = vec![0.0; 2];
         assert!(w.read_f32(i, 11, &mut out).is_err());
+    }
+
+    #[test]
+    fn a_stored_tied_copy_binds_when_equal_and_is_refused_when_it_differs() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("model.safetensors");
+        let wte = t("transformer.wte.weight", &[4, 3], 1.0);
+        let bias = t("transformer.ln_f.bias", &[3], 0.0);
+        // Equal values (a copy stored as transformers 4.x `.bin` conversions do): tied.
+        let same = t("lm_head.weight", &[4, 3], 1.0);
+        crate::full::write_full(&f, &[wte.clone(), bias.clone(), same], &[]).unwrap();
+        let b = WeightFiles::open(d.path()).unwrap().bind(&spec()).unwrap();
+        assert!(b.params[0][2].is_none());
+        assert_eq!(b.ignored, vec!["lm_head.weight".to_string()]);
+        // One element differs (element 7: 1.0 + 7 against 8.5): refused, naming both tensors,
+        // the element and the fix.
+        let mut head = t("lm_head.weight", &[4, 3], 1.0);
+        head.data[7] = 8.5;
+        crate::full::write_full(&f, &[wte, bias, head], &[]).unwrap();
+        let e = WeightFiles::open(d.path())
+            .unwrap()
+            .bind(&spec())
+            .unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                CkptError::TiedCopyDiffers(d)
+                    if d.tied == "lm_head.weight" && d.target == "transformer.wte.weight"
+                        && d.index == 7 && d.tied_value == 8.5 && d.target_value == 8.0
+            ),
+            "{e:?}"
+        );
+        let msg = e.to_string();
+        assert!(
+            msg.contains("\"tie_word_embeddings\": false")
+                && msg.contains("remove `lm_head.weight`"),
+            "{msg}"
+        );
     }
 
     #[test]

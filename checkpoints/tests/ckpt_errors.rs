@@ -415,3 +415,84 @@ fn a_nonfinite_state_is_never_saved() {
         );
     }
 }
+
+/// The model's own files written into a save are listed in the manifest with their size and
+/// SHA-256, read back byte for byte, verified (a flipped byte and a missing file are named),
+/// carried by a reshard; a name that could leave the checkpoint directory is refused.
+#[test]
+fn carried_model_files_are_recorded_verified_and_resharded() {
+    let t = tempfile::tempdir().unwrap();
+    let spec = model();
+    let layout = CheckpointLayout::full_shard(spec.clone(), 2, 1).unwrap();
+    let r = Reference::new(&spec);
+    let ranks = r.all_ranks(&layout);
+    let tokenizer = b"{\"model\": \"BPE\"}\n".to_vec();
+    let sp_model: Vec<u8> = (0..=255u8).collect();
+    let pending = begin_save(&t.path().join("ck"), &layout, 5).unwrap();
+    for (i, st) in ranks.iter().enumerate() {
+        pending.write_rank(i as u64, &st.as_refs()).unwrap();
+    }
+    for bad in ["../escape.json", "", ".hidden", "a/b"] {
+        let e = pending.write_model_file(bad, b"x").unwrap_err();
+        assert!(
+            e.to_string().contains("not a plain file name"),
+            "{bad}: {e}"
+        );
+    }
+    pending
+        .write_model_file("tokenizer.json", &tokenizer)
+        .unwrap();
+    pending
+        .write_model_file("tokenizer.model", &sp_model)
+        .unwrap();
+    let dir = pending
+        .commit(
+            &TrainState {
+                step: 5,
+                ..TrainState::default()
+            },
+            0,
+        )
+        .unwrap();
+    let ck = Checkpoint::open(&dir, Verify::Checksums).unwrap();
+    ck.verify_all().unwrap();
+    let listed: Vec<(&str, u64)> = ck
+        .model_files()
+        .iter()
+        .map(|m| (m.file.as_str(), m.bytes))
+        .collect();
+    assert_eq!(listed, [("tokenizer.json", 17), ("tokenizer.model", 256)]);
+    // SHA-256 of 0x00..=0xff (a published test value).
+    assert_eq!(
+        ck.model_files()[1].sha256,
+        "40aff2e9d2d8922e47afd4648e6967497158785fbd1da870e7110266bf944880"
+    );
+    assert_eq!(ck.read_model_file("tokenizer.json").unwrap(), tokenizer);
+
+    // A reshard carries them byte for byte.
+    let layout3 = CheckpointLayout::full_shard(spec.clone(), 3, 1).unwrap();
+    let out = fsdp_checkpoints::reshard(&ck, &layout3, &t.path().join("ck3")).unwrap();
+    let ck3 = Checkpoint::open(&out, Verify::Checksums).unwrap();
+    assert_eq!(ck3.model_files(), ck.model_files());
+    assert_eq!(ck3.read_model_file("tokenizer.model").unwrap(), sp_model);
+
+    // A flipped byte is a checksum error naming the file; a missing one is named at open.
+    let f = dir.join("model-files").join("tokenizer.model");
+    let mut bytes = std::fs::read(&f).unwrap();
+    bytes[9] ^= 0x10;
+    std::fs::write(&f, &bytes).unwrap();
+    let e = Checkpoint::open(&dir, Verify::Checksums)
+        .unwrap()
+        .verify_all()
+        .unwrap_err();
+    assert!(
+        matches!(&e, CkptError::ChecksumMismatch { file, .. } if file.ends_with("tokenizer.model")),
+        "{e}"
+    );
+    std::fs::remove_file(&f).unwrap();
+    let e = Checkpoint::open(&dir, Verify::Checksums).unwrap_err();
+    assert!(
+        e.to_string().contains("tokenizer.model") && e.to_string().contains("missing"),
+        "{e}"
+    );
+}

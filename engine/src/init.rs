@@ -272,11 +272,13 @@ pub struct FileWeights {
 
 impl FileWeights {
     /// Opens the weights at `path` (a model directory, a `.safetensors` file or an index) and
-    /// binds them strictly to `spec`. Reads only headers.
+    /// binds them strictly to `spec`. Reads only headers, and the values of a tied parameter
+    /// stored anyway (an `lm_head.weight` beside the embedding it is tied to), which must
+    /// equal its target's.
     ///
     /// Errors: every [`fsdp_checkpoints::CkptError`] of [`WeightFiles::open`] and
-    /// [`WeightFiles::bind`] (missing, unexpected or mis-shaped tensors, truncated files),
-    /// each naming the tensor and its file.
+    /// [`WeightFiles::bind`] (missing, unexpected or mis-shaped tensors, truncated files, a
+    /// stored tied copy that differs from its target), each naming the tensor and its file.
     pub fn open(path: &Path, spec: &ModelSpec) -> Result<Self, fsdp_checkpoints::CkptError> {
         let files = WeightFiles::open(path)?;
         let binding = files.bind(spec)?;

@@ -494,3 +494,319 @@ fn gpt2_exports_a_model_directory_that_init_from_reads_back() {
         );
     }
 }
+
+/// The bytes of every file directly in `dir`, by name.
+fn files_of(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_type().unwrap().is_file())
+        .map(|e| {
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// A small Mistral model directory as a Hub download holds it: `config.json` (with bos/eos
+/// ids), `model.safetensors` (an export of a 1-step run of that config) and the tokenizer and
+/// generation files, each with contents no export could produce by itself (the comparisons
+/// below are against these bytes).
+fn mistral_model_dir(base: &Path) -> PathBuf {
+    let cfg_dir = base.join("cfg");
+    std::fs::create_dir(&cfg_dir).unwrap();
+    let cfg = cfg_dir.join("config.json");
+    std::fs::write(
+        &cfg,
+        r#"{"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 260,
+            "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": 64,
+            "tie_word_embeddings": false, "bos_token_id": 256, "eos_token_id": 257}"#,
+    )
+    .unwrap();
+    let ck = base.join("seed-ck");
+    train(&ck, &["--hf-config", s(&cfg)]);
+    let dir = base.join("mistral");
+    let (rc, out, err) = fsdp(&["ckpt", "consolidate", s(&ck), "-o", s(&dir)]);
+    assert_eq!(rc, 0, "{out}\n{err}");
+    // The published files replace whatever the export derived.
+    let tokenizer_model: Vec<u8> = (0..=255u8).rev().chain([0, 0, 7]).collect();
+    for (name, bytes) in [
+        (
+            "tokenizer.json",
+            "{\"version\":\"1.0\",\"model\":{\"type\":\"BPE\",\"vocab\":{\"é\":3}},\"note\":\"no trailing newline\"}"
+                .as_bytes()
+                .to_vec(),
+        ),
+        (
+            "tokenizer_config.json",
+            b"{\n  \"bos_token\": \"<s>\",\n  \"eos_token\": \"</s>\"\n}\n".to_vec(),
+        ),
+        (
+            "special_tokens_map.json",
+            b"{\"bos_token\": \"<s>\", \"eos_token\": \"</s>\"}\r\n".to_vec(),
+        ),
+        ("tokenizer.model", tokenizer_model),
+        (
+            "generation_config.json",
+            b"{\"bos_token_id\": 256, \"eos_token_id\": [257, 258], \"max_new_tokens\": 7}"
+                .to_vec(),
+        ),
+    ] {
+        std::fs::write(dir.join(name), bytes).unwrap();
+    }
+    dir
+}
+
+/// `fsdp train --init-from DIR` carries the directory's tokenizer and generation files in every
+/// checkpoint (listed in the manifest), through a reshard and a resume, and `fsdp ckpt
+/// consolidate` writes them byte for byte beside `config.json`, which keeps the source's
+/// bos/eos ids.
+#[test]
+fn init_from_a_model_directory_exports_its_tokenizer_files_byte_for_byte() {
+    let t = tempfile::tempdir().unwrap();
+    let src = mistral_model_dir(t.path());
+    let published = files_of(&src);
+    let carried = [
+        "generation_config.json",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer.model",
+        "tokenizer_config.json",
+    ];
+    let ck = t.path().join("ck");
+    train(&ck, &["--init-from", s(&src)]);
+    let step = Checkpoint::open(&ck, Verify::Checksums).unwrap();
+    let listed: Vec<&str> = step.model_files().iter().map(|r| r.file.as_str()).collect();
+    assert_eq!(listed, carried);
+    for name in carried {
+        assert_eq!(
+            std::fs::read(step.dir().join("model-files").join(name)).unwrap(),
+            published[name],
+            "{name} in the checkpoint"
+        );
+    }
+
+    let check_export = |ck: &Path, out: &Path| {
+        let (rc, stdout, err) = fsdp(&["ckpt", "consolidate", s(ck), "-o", s(out)]);
+        assert_eq!(rc, 0, "{stdout}\n{err}");
+        assert!(
+            stdout.contains(
+                "tokenizer: special_tokens_map.json, tokenizer.json, tokenizer.model, \
+                 tokenizer_config.json (copied"
+            ),
+            "{stdout}"
+        );
+        let exported = files_of(out);
+        for name in carried {
+            assert_eq!(
+                exported[name],
+                published[name],
+                "{name} in {}",
+                out.display()
+            );
+        }
+        let c = config(out);
+        assert_eq!(c["bos_token_id"], 256);
+        assert_eq!(c["eos_token_id"], 257);
+        assert_eq!(c["model_type"], "mistral");
+    };
+    check_export(&ck, &t.path().join("out"));
+
+    // Resharded to 3 ranks: the files travel with the checkpoint.
+    let ck3 = t.path().join("ck3");
+    let (rc, stdout, err) = fsdp(&[
+        "ckpt",
+        "reshard",
+        s(&ck),
+        "--world-size",
+        "3",
+        "-o",
+        s(&ck3),
+    ]);
+    assert_eq!(rc, 0, "{stdout}\n{err}");
+    check_export(&ck3, &t.path().join("out3"));
+
+    // A resumed run (its model from the config.json alone) keeps carrying them.
+    let (rc, o, err) = fsdp(&[
+        "train",
+        "--hf-config",
+        s(&src.join("config.json")),
+        "--world-size",
+        "2",
+        "--steps",
+        "3",
+        "--micro-batch",
+        "1",
+        "--seq-len",
+        "16",
+        "--eval-batches",
+        "1",
+        "--threads-per-rank",
+        "1",
+        "--ckpt-every",
+        "2",
+        "--ckpt-dir",
+        s(&ck),
+        "--resume",
+    ]);
+    assert_eq!(rc, 0, "{o}\n{err}");
+    let resumed = Checkpoint::open(&ck, Verify::Checksums).unwrap();
+    assert_eq!(resumed.manifest().train.step, 3);
+    check_export(&ck, &t.path().join("out-resumed"));
+
+    // A damaged carried file is refused by name, and nothing is exported.
+    let victim = resumed.dir().join("model-files").join("tokenizer.json");
+    let mut bytes = std::fs::read(&victim).unwrap();
+    bytes[0] ^= 1;
+    std::fs::write(&victim, bytes).unwrap();
+    let bad = t.path().join("out-bad");
+    let (rc, _, err) = fsdp(&["ckpt", "consolidate", s(&ck), "-o", s(&bad)]);
+    assert_eq!(rc, 2, "{err}");
+    assert!(
+        err.contains("tokenizer.json") && err.contains("SHA-256"),
+        "{err}"
+    );
+    assert!(!bad.exists());
+}
+
+/// Every exported config states its special tokens: a GPT-2 vocabulary (50257) without ids in
+/// its config gets GPT-2's `<|endoftext|>` = 50256 for both and a `generation_config.json`
+/// holding them; a byte vocabulary gets `null` and the summary says that no tokenizer exists.
+#[test]
+fn exported_configs_state_bos_and_eos() {
+    let t = tempfile::tempdir().unwrap();
+    let cfg = t.path().join("gpt2-vocab.json");
+    std::fs::write(
+        &cfg,
+        r#"{"model_type": "gpt2", "vocab_size": 50257, "n_positions": 64, "n_embd": 16,
+            "n_layer": 1, "n_head": 2, "tie_word_embeddings": true}"#,
+    )
+    .unwrap();
+    let ck = t.path().join("ck");
+    train(&ck, &["--hf-config", s(&cfg)]);
+    let out = t.path().join("out");
+    let (rc, stdout, err) = fsdp(&["ckpt", "consolidate", s(&ck), "-o", s(&out)]);
+    assert_eq!(rc, 0, "{stdout}\n{err}");
+    let c = config(&out);
+    assert_eq!(c["bos_token_id"], 50256);
+    assert_eq!(c["eos_token_id"], 50256);
+    let g: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("generation_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        g,
+        serde_json::json!({"bos_token_id": 50256, "eos_token_id": 50256})
+    );
+    assert!(stdout.contains("tokenizer: none written"), "{stdout}");
+
+    // The byte-level llama-tiny preset: no token is reserved, none is invented.
+    let base = llama_tiny_ckpt();
+    let out = t.path().join("bytes");
+    let (rc, stdout, err) = fsdp(&["ckpt", "consolidate", s(&base.join("ck")), "-o", s(&out)]);
+    assert_eq!(rc, 0, "{stdout}\n{err}");
+    let c = config(&out);
+    assert!(
+        c["bos_token_id"].is_null() && c["eos_token_id"].is_null(),
+        "{c}"
+    );
+    assert!(c.as_object().unwrap().contains_key("eos_token_id"));
+    assert_eq!(entries(&out), ["config.json", "model.safetensors"]);
+    assert!(
+        stdout.contains("tokenizer: none written") && stdout.contains("bytes of"),
+        "{stdout}"
+    );
+}
+
+/// `tie_word_embeddings: true` with a stored `lm_head.weight` equal to the embedding trains
+/// tied; with one that differs the run is refused (exit 2) naming both tensors and the fix,
+/// and after that fix (`false`) the run trains the file's own head.
+#[test]
+fn a_tied_config_with_a_different_stored_head_is_refused() {
+    let t = tempfile::tempdir().unwrap();
+    let cfg_text = |tie: bool| {
+        format!(
+            r#"{{"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 256,
+            "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": {tie},
+            "use_sliding_window": false}}"#
+        )
+    };
+    // An untied model's export: its head and embedding are two different random tensors.
+    let cfg = t.path().join("untied.json");
+    std::fs::write(&cfg, cfg_text(false)).unwrap();
+    let ck = t.path().join("seed-ck");
+    train(&ck, &["--hf-config", s(&cfg)]);
+    let dir = t.path().join("qwen");
+    let (rc, out, err) = fsdp(&["ckpt", "consolidate", s(&ck), "-o", s(&dir)]);
+    assert_eq!(rc, 0, "{out}\n{err}");
+    let stored = read_full(&dir.join("model.safetensors")).unwrap().tensors;
+    let (head, embed) = (
+        &stored["lm_head.weight"],
+        &stored["model.embed_tokens.weight"],
+    );
+    assert_ne!(head.data, embed.data);
+    std::fs::write(dir.join("config.json"), cfg_text(true)).unwrap();
+
+    let run = |ck: &Path| {
+        fsdp(&[
+            "train",
+            "--init-from",
+            s(&dir),
+            "--steps",
+            "1",
+            "--micro-batch",
+            "1",
+            "--seq-len",
+            "16",
+            "--eval-batches",
+            "1",
+            "--lr",
+            "1e-30",
+            "--min-lr",
+            "1e-30",
+            "--warmup",
+            "0",
+            "--ckpt-dir",
+            s(ck),
+        ])
+    };
+    let (rc, o, err) = run(&t.path().join("refused"));
+    assert_eq!(rc, 2, "{o}\n{err}");
+    assert!(
+        err.contains("`lm_head.weight` differs from `model.embed_tokens.weight`")
+            && err.contains("\"tie_word_embeddings\": false")
+            && err.contains("config.json"),
+        "{err}"
+    );
+    assert!(!t.path().join("refused").join("latest").exists());
+
+    // The fix the message names: untied, the run starts from the file's own head.
+    std::fs::write(dir.join("config.json"), cfg_text(false)).unwrap();
+    let untied = t.path().join("untied-ck");
+    let (rc, o, err) = run(&untied);
+    assert_eq!(rc, 0, "{o}\n{err}");
+    let got = ckpt_tensors(&untied);
+    assert_same(&got["lm_head.weight"], head);
+    assert_same(&got["model.embed_tokens.weight"], embed);
+
+    // A stored head equal to the embedding: tied, as before.
+    std::fs::write(dir.join("config.json"), cfg_text(true)).unwrap();
+    let mut same: Vec<FullTensor> = stored.values().cloned().collect();
+    for x in &mut same {
+        if x.name == "lm_head.weight" {
+            x.data = embed.data.clone();
+        }
+    }
+    fsdp_checkpoints::write_full(&dir.join("model.safetensors"), &same, &[]).unwrap();
+    let tied = t.path().join("tied-ck");
+    let (rc, o, err) = run(&tied);
+    assert_eq!(rc, 0, "{o}\n{err}");
+    let got = ckpt_tensors(&tied);
+    assert!(!got.contains_key("lm_head.weight"));
+    assert_same(&got["model.embed_tokens.weight"], embed);
+}

@@ -1,8 +1,11 @@
 //! The engine's checkpoint glue, between a run (or the offline `fsdp ckpt` actions) and the
 //! `fsdp_checkpoints` crate: the per-rank state mapping ([`convert`]), the resume choice and
-//! training hooks ([`resume`]), and inspect / consolidate / reshard ([`offline`]).
+//! training hooks ([`resume`]), inspect / consolidate / reshard ([`offline`]), and the model's
+//! own files (tokenizer, generation config) carried from a model directory into exports
+//! ([`model_files`]).
 
 pub mod convert;
+pub mod model_files;
 pub mod offline;
 pub mod resume;
 

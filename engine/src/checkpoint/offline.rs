@@ -311,11 +311,17 @@ pub struct ConsolidateOutcome {
     pub written: Consolidated,
     /// The optimizer-state file and its tensor count, when asked for.
     pub optimizer: Option<(PathBuf, usize)>,
+    /// Summary lines of a model directory: where its tokenizer and special tokens come from,
+    /// or why there are none ([`super::model_files::export_files`]).
+    pub notes: Vec<String>,
 }
 
 /// Consolidates a checkpoint: the full fp32 model with its original parameter names, as a
 /// Hugging Face model directory for GPT-2 (with biases) and Llama-family models (unless the
 /// output ends in `.safetensors`), else as one safetensors file; optionally the Adam moments.
+/// A model directory is complete: `config.json` with `bos_token_id` / `eos_token_id`, the
+/// tokenizer and generation files the checkpoint carries, or a derived
+/// `generation_config.json` ([`super::model_files::export_files`]).
 /// Every output is checked before any work; warnings and notes go to `note`.
 ///
 /// Errors: [`RunError::Refused`] for a bad output, flags that do not apply to the chosen
@@ -362,12 +368,16 @@ pub fn consolidate(
         note(w);
     }
     ck.verify_all()?;
+    let mut notes = Vec::new();
     let written = if !to_file {
-        let config = export_config(&ck, hf_config.as_deref())?;
+        let mut config = export_config(&ck, hf_config.as_deref())?;
+        let extra = super::model_files::export_files(&ck, &mut config)?;
+        notes = extra.notes;
         Consolidated::ModelDir(consolidate_to_hf_dir(
             &ck,
             output,
             &config,
+            &extra.files,
             max_shard_size.map_or(DEFAULT_MAX_SHARD_BYTES, |b| b.0),
         )?)
     } else {
@@ -390,6 +400,7 @@ pub fn consolidate(
         world_size: ck.manifest().world_size,
         written,
         optimizer,
+        notes,
     })
 }
 

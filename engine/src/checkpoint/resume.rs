@@ -165,7 +165,9 @@ pub fn hf_config_text(
 ///
 /// Errors: [`RunError::Refused`] naming the file and the tensor: a missing, unexpected
 /// or mis-shaped tensor (with the model's name and how to name the right configuration), a
-/// truncated or malformed file, a per-rank shard file.
+/// stored `lm_head.weight` that differs from the embedding a tying config makes it (naming
+/// both and the `tie_word_embeddings` fix), a truncated or malformed file, a per-rank shard
+/// file.
 pub fn check_init_from(
     o: &TrainOptions,
     model: &crate::model::decoder::Decoder,
@@ -241,7 +243,8 @@ pub fn check_init_from(
 /// protocol of `fsdp_checkpoints::save`.
 ///
 /// Saving: rank 0 creates the temporary directory; every rank of replicate index 0 writes its
-/// own rank file (in parallel); rank 0 writes the manifest, renames the directory into place
+/// own rank file (in parallel); rank 0 writes the model's carried files
+/// ([`super::model_files::carried_files`]) and the manifest, renames the directory into place
 /// and updates `latest`. Between the phases the ranks all-gather a status (a barrier that works
 /// for rank threads and MPI processes alike), so every rank fails together and nothing partial
 /// is ever published.
@@ -257,6 +260,8 @@ pub struct CheckpointHooks {
     /// the first save (`--resume-from`); emptied once done.
     set_aside: std::sync::Mutex<Vec<(PathBuf, PathBuf)>>,
     on_save: Option<SaveCallback>,
+    /// The model's own files written into every checkpoint ([`super::model_files`]).
+    model_files: Vec<(String, Vec<u8>)>,
 }
 
 /// What a completed checkpoint save reports (rank 0): [`CheckpointHooks::on_save`].
@@ -396,6 +401,10 @@ impl CheckpointHooks {
                 resume_from = Some(ck);
             }
         }
+        let carried = super::model_files::carried_files(o, resume_from.as_ref())?;
+        if let Some(n) = carried.note {
+            note(n);
+        }
         let mut extra = std::collections::BTreeMap::new();
         for (k, v) in [
             ("model", o.model.clone()),
@@ -448,6 +457,7 @@ impl CheckpointHooks {
             train,
             set_aside: std::sync::Mutex::new(set_aside),
             on_save: None,
+            model_files: carried.files,
         })
     }
 
@@ -933,7 +943,12 @@ impl crate::train::TrainHooks for CheckpointHooks {
                 t.extra
                     .insert("loss_scale_clean_steps".into(), sc.clean_steps.to_string());
             }
-            match p.commit(&t, self.keep_last) {
+            let committed = self
+                .model_files
+                .iter()
+                .try_for_each(|(name, bytes)| p.write_model_file(name, bytes))
+                .and_then(|()| p.commit(&t, self.keep_last));
+            match committed {
                 Ok(dir) => {
                     if let Some(f) = &self.on_save {
                         f(&SaveReport {

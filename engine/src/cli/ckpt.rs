@@ -48,7 +48,9 @@ pub enum CkptAction {
     /// or for a GPT-2 or Llama-family model (Llama, Mistral, Qwen2) a Hugging Face model
     /// directory that
     /// `from_pretrained` loads (`config.json`, `model.safetensors` or shards with
-    /// `model.safetensors.index.json`).
+    /// `model.safetensors.index.json`), with the tokenizer and generation files of the model
+    /// directory the run started from (`--init-from DIR`, carried in the checkpoint) and
+    /// bos/eos ids in config.json.
     Consolidate {
         /// Checkpoint directory or root.
         dir: PathBuf,
@@ -174,6 +176,12 @@ pub fn run(args: CkptArgs) -> Result<(), CliError> {
                     );
                     for (file, bytes) in &rep.files {
                         let _ = writeln!(text, "  {file}: {}", Bytes(*bytes));
+                    }
+                    for (file, bytes) in &rep.other_files {
+                        let _ = writeln!(text, "  {file}: {}", Bytes(*bytes));
+                    }
+                    for line in &done.notes {
+                        let _ = writeln!(text, "  {line}");
                     }
                     for (tied, target) in &rep.tied_omitted {
                         let _ = writeln!(
@@ -390,6 +398,16 @@ fn inspect(dir: &std::path::Path, json: bool) -> Result<(), CliError> {
         m.files.len(),
         Bytes(total)
     );
+    for f in &m.model_files {
+        outln!(
+            o,
+            "{}/{}  {:>12}  sha256 {}  OK",
+            fsdp_checkpoints::MODEL_FILES_DIR,
+            f.file,
+            Bytes(f.bytes).to_string(),
+            f.sha256
+        );
+    }
     emit(&o)
 }
 
@@ -427,6 +445,12 @@ pub struct TrainCkptArgs {
     /// fresh optimizer state. With --resume the same command continues from the newest
     /// checkpoint in --ckpt-dir when there is one (its weights and optimizer state; the model
     /// still from this directory) and starts from these weights when there is none.
+    /// With a tied config (tie_word_embeddings: true) a stored lm_head.weight must equal the
+    /// embedding, else the run is refused (exit 2) naming both tensors: set
+    /// "tie_word_embeddings": false to train the file's own head (transformers 4.x would
+    /// overwrite it with the embedding, 5.x loads it untied).
+    /// A directory's tokenizer and generation files are carried in every checkpoint and
+    /// copied into `fsdp ckpt consolidate` model directories.
     #[arg(long)]
     pub init_from: Option<PathBuf>,
 }
