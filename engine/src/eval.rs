@@ -172,7 +172,6 @@ pub fn evaluate(model: &Decoder, weights: EvalWeights<'_>, o: &EvalOptions) -> R
     let threads = o.threads_per_rank.unwrap_or((cores / w).max(1));
     let topo = Topology::new(plan.shard_size as usize, w / plan.shard_size as usize)
         .map_err(|e| EngineError::Config(e.to_string()))?;
-    let per_rank = batches.div_ceil(w);
     let (sampler, plan, layout, init) = (&sampler, &plan, &layout, &*init);
     let body = |comm: &dyn Communicator| -> Result<(f64, u64)> {
         let rank = comm.rank();
@@ -182,25 +181,8 @@ pub fn evaluate(model: &Decoder, weights: EvalWeights<'_>, o: &EvalOptions) -> R
             let step = ck.manifest().train.step;
             e.import_state(&ckpt_to_engine(layout, rank as u64, st, step))?;
         }
-        // Rank r computes batches r, r + W, ...; past the last one it recomputes batch
-        // `v % batches` (not counted) so every rank runs the same forwards.
-        let mbs = (0..per_rank)
-            .map(|j| {
-                let v = j * w + rank;
-                let b = sampler
-                    .try_eval_batch(o.split, v % batches)
-                    .map_err(|e| EngineError::Data(format!("rank {rank}: {e}")))?;
-                to_micro_batch(&b)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let all = e.eval_each(&mbs)?;
-        let (mut sum, mut count) = (0f64, 0u64);
-        for v in 0..batches {
-            let (s, c) = all[v % w][v / w];
-            sum += s;
-            count += c;
-        }
-        Ok((sum, count))
+        let mbs = rank_batches(sampler, o.split, batches, w, rank)?;
+        Ok(sum_in_batch_order(&e.eval_each(&mbs)?, batches, w))
     };
     let results = run_threads(topo, DEFAULT_TIMEOUT, |comm| {
         let rank = comm.rank();
@@ -252,4 +234,42 @@ pub fn evaluate(model: &Decoder, weights: EvalWeights<'_>, o: &EvalOptions) -> R
         perplexity: loss.exp(),
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// Rank `rank`'s share of the first `batches` global evaluation micro-batches of `split` on
+/// `w` ranks: batches `rank, rank + W, ...`, `ceil(batches / W)` of them, so every rank runs
+/// the same number of forwards; a rank past the last batch recomputes batch `v % batches`,
+/// which [`sum_in_batch_order`] does not count.
+///
+/// Errors: [`EngineError::Data`] (naming the rank) when a token file cannot be read.
+pub(crate) fn rank_batches(
+    sampler: &Sampler,
+    split: EvalSplit,
+    batches: usize,
+    w: usize,
+    rank: usize,
+) -> Result<Vec<crate::runtime::staged::MicroBatch>> {
+    let batches = batches.max(1);
+    (0..batches.div_ceil(w))
+        .map(|j| {
+            let b = sampler
+                .try_eval_batch(split, (j * w + rank) % batches)
+                .map_err(|e| EngineError::Data(format!("rank {rank}: {e}")))?;
+            to_micro_batch(&b)
+        })
+        .collect()
+}
+
+/// The world's `(loss sum, target tokens)` over global batches `0..batches` from the
+/// per-rank, per-micro-batch sums of [`RankEngine::eval_each`] over [`rank_batches`]: batch
+/// `v` is rank `v % W`'s `v / W`-th, added one by one in batch order, so the sum depends on
+/// the batches only, not on the world size.
+pub(crate) fn sum_in_batch_order(all: &[Vec<(f64, u64)>], batches: usize, w: usize) -> (f64, u64) {
+    let (mut sum, mut count) = (0f64, 0u64);
+    for v in 0..batches.max(1) {
+        let (s, c) = all[v % w][v / w];
+        sum += s;
+        count += c;
+    }
+    (sum, count)
 }

@@ -856,12 +856,21 @@ fn run_rank(ctx: &RankContext<'_>, comm: &dyn Communicator) -> Result<RankOutcom
     // Every rank trains the same number of steps; say so loudly if not (instead of hanging).
     e.check_batch_counts((o.steps - start.min(o.steps)) * o.grad_accum as u64)?;
     let data_err = |e: crate::data::DataError| EngineError::Data(format!("rank {rank}: {e}"));
-    let val: Vec<MicroBatch> = sampler
-        .try_val_batches(rank, o.eval_batches)
-        .map_err(data_err)?
-        .iter()
-        .map(to_micro_batch)
-        .collect::<Result<_>>()?;
+    // The validation batches: `--eval-batches N` per rank (global batches `j * W + rank`),
+    // or with 0 every batch of the split, however many ranks share them.
+    let w = o.world_size.max(1);
+    let val_batches = if o.eval_batches == 0 {
+        sampler.eval_batch_count(crate::data::EvalSplit::Validation, 0)
+    } else {
+        sampler.val_batches_per_rank(o.eval_batches) * w
+    };
+    let val = crate::eval::rank_batches(
+        sampler,
+        crate::data::EvalSplit::Validation,
+        val_batches,
+        w,
+        rank,
+    )?;
     let mut steps = Vec::new();
     let mut peaks = [PhasePeak::default(); 3];
     let mut val_loss = f64::NAN;
@@ -890,7 +899,7 @@ fn run_rank(ctx: &RankContext<'_>, comm: &dyn Communicator) -> Result<RankOutcom
         let last = step + 1 == o.steps;
         let eval_now = last || (o.eval_every > 0 && (step + 1) % o.eval_every == 0);
         let v = if eval_now {
-            let (sum, n) = e.eval(&val)?;
+            let (sum, n) = crate::eval::sum_in_batch_order(&e.eval_each(&val)?, val_batches, w);
             val_loss = sum / n.max(1) as f64;
             Some(val_loss)
         } else {

@@ -80,7 +80,8 @@ fn eval_of_a_checkpoint_equals_the_val_loss_train_reported() {
     let t = tempfile::tempdir().unwrap();
     let root = t.path().join("ck");
     let (model, data) = (fixture("model"), fixture("tokens.bin"));
-    // Two ranks; the validation loss after every step, a checkpoint after every step.
+    // Four ranks, the validation loss of the whole split (6 micro-batches of 2 windows: not a
+    // multiple of the world size) after every step, a checkpoint after every step.
     let (code, out, err) = fsdp(&s(&[
         "train",
         "--init-from",
@@ -88,7 +89,7 @@ fn eval_of_a_checkpoint_equals_the_val_loss_train_reported() {
         "--data",
         data.to_str().unwrap(),
         "--world-size",
-        "2",
+        "4",
         "--seq-len",
         "8",
         "--micro-batch",

@@ -217,7 +217,8 @@ pub struct TrainArgs {
     /// Evaluate the validation loss every N steps (0: only at the end).
     #[arg(long, default_value_t = 0)]
     pub eval_every: u64,
-    /// Validation micro-batches per rank per evaluation (0: the whole split).
+    /// Validation micro-batches per rank per evaluation (0: every micro-batch of the split,
+    /// shared by the ranks).
     #[arg(long, default_value_t = 16)]
     pub eval_batches: usize,
     /// Without a terminal, print a progress line every N steps or every 30 seconds, whichever
