@@ -226,6 +226,8 @@ fn bad_checkpoints_and_init_files_are_refused_with_exit_2() {
     assert!(err.contains("SHARD"), "{err}");
 }
 
+/// `--init-from` a consolidated file starts from exactly its weights: a step with a
+/// negligible learning rate saves every parameter bitwise as the file holds it.
 #[test]
 fn init_from_consolidated_file_starts_from_its_weights() {
     let t = tempfile::tempdir().unwrap();
@@ -240,7 +242,37 @@ fn init_from_consolidated_file_starts_from_its_weights() {
         full.display().to_string(),
     ]);
     assert_eq!(code, 0, "{err}");
-    // The first loss from the trained weights is below a fresh start's (~5.5 nats).
+    let file: BTreeMap<String, Vec<f32>> = fsdp_checkpoints::read_full(&full)
+        .unwrap()
+        .tensors
+        .into_iter()
+        .map(|(n, t)| (n, t.data))
+        .collect();
+    for w in ["1", "3"] {
+        let again = t.path().join(format!("i{w}"));
+        let mut args = train_args(&again, 1, w);
+        args.extend(
+            [
+                "--init-from",
+                full.to_str().unwrap(),
+                "--lr",
+                "1e-30",
+                "--min-lr",
+                "1e-30",
+            ]
+            .map(String::from),
+        );
+        let (code, out, err) = fsdp(&args);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(losses(&out).len(), 1);
+        let [saved, _, _] = consolidated(&again);
+        assert_eq!(
+            first_miss(&saved, &file, |f, w| f.to_bits() == w.to_bits()),
+            None,
+            "W={w}: (name, element, saved, in the --init-from file)"
+        );
+    }
+    // The file's trained weights start below a fresh start's loss (~5.5 nats).
     let mut args = train_args(&t.path().join("i"), 1, "1");
     args.extend(["--init-from".into(), full.display().to_string()]);
     let (code, out, err) = fsdp(&args);

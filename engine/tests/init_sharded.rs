@@ -566,9 +566,46 @@ fn train_init_from_a_model_directory_uses_its_config_and_weights() {
         "--json",
     ];
     let mut a = base.to_vec();
-    a.extend(["--init-from", d.to_str().unwrap()]);
+    let ck = tmp.path().join("ck");
+    a.extend([
+        "--init-from",
+        d.to_str().unwrap(),
+        "--lr",
+        "1e-30",
+        "--min-lr",
+        "1e-30",
+        "--ckpt-dir",
+        ck.to_str().unwrap(),
+    ]);
     let (code, out, err) = fsdp(&a);
     assert_eq!(code, 0, "{err}");
+    // The run started from the directory's weights: with a negligible learning rate the
+    // saved parameters are bitwise what the directory holds (stored as bf16).
+    let saved: std::collections::BTreeMap<String, Vec<f32>> =
+        fsdp_checkpoints::Checkpoint::open(&ck, fsdp_checkpoints::Verify::Checksums)
+            .unwrap()
+            .consolidate(fsdp_checkpoints::StateKind::Param)
+            .unwrap()
+            .into_iter()
+            .map(|t| (t.name, t.data))
+            .collect();
+    let mut compared = 0;
+    for (us, v) in model.spec().units.iter().zip(&values) {
+        for (p, t) in us.params.iter().filter(|p| p.tied_to.is_none()).zip(v) {
+            let want: Vec<u32> = t
+                .iter()
+                .map(|x| round_trip(*x, Dtype::BF16).to_bits())
+                .collect();
+            let found: Vec<u32> = saved[&p.name].iter().map(|x| x.to_bits()).collect();
+            assert!(
+                found == want,
+                "{}: saved differs from the directory",
+                p.name
+            );
+            compared += 1;
+        }
+    }
+    assert_eq!(compared, saved.len());
     // The model is the directory's config.json (its fingerprint is the one plan prints).
     let (pcode, plan_out, perr) = fsdp(&[
         "plan",
