@@ -2,8 +2,14 @@
 //! a Hugging Face model directory (`config.json`, `model.safetensors` or shards with
 //! `model.safetensors.index.json`) holding exactly the checkpoint's parameters, and the
 //! refusals of outputs it cannot write (exit 2).
+//!
+//! The expected tensors do not come from the checkpoint code: each checkpoint is trained
+//! (2 ranks, 2 steps) from weights this file writes, with a negligible learning rate, so its
+//! parameters are those weights bit for bit, and the export is compared with them.
 
-use fsdp_checkpoints::{read_full, Checkpoint, FullTensor, StateKind, Verify};
+use fsdp::model::decoder::Decoder;
+use fsdp::runtime::StagedModel;
+use fsdp_checkpoints::{read_full, write_full, Checkpoint, FullTensor, StateKind, Verify};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -23,6 +29,40 @@ fn fsdp(args: &[&str]) -> (i32, String, String) {
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
+}
+
+/// Writes seeded values for every non-tied parameter of `model` to `file` (the names
+/// `--init-from` reads) and returns them by name. The initialisation's zero biases become
+/// 0.01: a negligible update leaves a nonzero value's bits alone, but not a zero's.
+fn start_weights(model: &Decoder, file: &Path) -> BTreeMap<String, FullTensor> {
+    let values = StagedModel::init_params(model, 99);
+    let tensors: Vec<FullTensor> = model
+        .spec()
+        .units
+        .iter()
+        .zip(&values)
+        .flat_map(|(u, v)| {
+            u.params
+                .iter()
+                .filter(|p| p.tied_to.is_none())
+                .zip(v)
+                .map(|(p, t)| FullTensor {
+                    name: p.name.clone(),
+                    shape: p.shape.clone(),
+                    data: t.iter().map(|&x| if x == 0.0 { 0.01 } else { x }).collect(),
+                })
+        })
+        .collect();
+    write_full(file, &tensors, &[]).unwrap();
+    tensors.into_iter().map(|t| (t.name.clone(), t)).collect()
+}
+
+/// [`train`] from the weights file `init` with a learning rate of 1e-30: the checkpoint's
+/// parameters are `init`'s values, bit for bit.
+fn train_from(root: &Path, model_args: &[&str], init: &Path) {
+    let mut args = model_args.to_vec();
+    args.extend_from_slice(&["--init-from", s(init), "--lr", "1e-30", "--min-lr", "1e-30"]);
+    train(root, &args);
 }
 
 /// Trains `model_args` for 2 steps on 2 ranks with a checkpoint at step 2 into `root`.
@@ -51,15 +91,26 @@ fn train(root: &Path, model_args: &[&str]) {
     assert_eq!(rc, 0, "train failed:\n{out}\n{err}");
 }
 
-/// One `llama-tiny` checkpoint shared by the tests (trained once).
-fn llama_tiny_ckpt() -> &'static Path {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+/// One `llama-tiny` checkpoint shared by the tests (trained once) and the weights it holds.
+fn llama_tiny() -> &'static (tempfile::TempDir, BTreeMap<String, FullTensor>) {
+    static DIR: OnceLock<(tempfile::TempDir, BTreeMap<String, FullTensor>)> = OnceLock::new();
     DIR.get_or_init(|| {
         let d = tempfile::tempdir().unwrap();
-        train(&d.path().join("ck"), &["--model", "llama-tiny"]);
-        d
+        let init = d.path().join("start.safetensors");
+        let w = start_weights(&Decoder::from_preset("llama-tiny").unwrap(), &init);
+        train_from(&d.path().join("ck"), &["--model", "llama-tiny"], &init);
+        (d, w)
     })
-    .path()
+}
+
+/// The directory holding the shared `llama-tiny` checkpoint (`ck`).
+fn llama_tiny_ckpt() -> &'static Path {
+    llama_tiny().0.path()
+}
+
+/// The parameters of the shared `llama-tiny` checkpoint, as written before training.
+fn llama_tiny_weights() -> &'static BTreeMap<String, FullTensor> {
+    &llama_tiny().1
 }
 
 /// The checkpoint's consolidated fp32 parameters by name.
@@ -93,7 +144,7 @@ fn config(dir: &Path) -> serde_json::Value {
 
 #[test]
 fn llama_tiny_exports_a_model_directory_with_the_checkpoint_tensors() {
-    let base = llama_tiny_ckpt();
+    let (base, start) = (llama_tiny_ckpt(), llama_tiny_weights());
     let ck = base.join("ck");
     let out = base.join("exported");
     let (rc, stdout, err) = fsdp(&["ckpt", "consolidate", s(&ck), "-o", s(&out)]);
@@ -128,7 +179,7 @@ fn llama_tiny_exports_a_model_directory_with_the_checkpoint_tensors() {
     assert_eq!(recorded["num_key_value_heads"], 2);
     assert_eq!(recorded["model_type"], "llama");
 
-    let want = ckpt_tensors(&ck);
+    let want = start;
     let found = read_full(&out.join("model.safetensors")).unwrap().tensors;
     assert_eq!(
         found.keys().collect::<Vec<_>>(),
@@ -151,7 +202,7 @@ fn llama_tiny_exports_a_model_directory_with_the_checkpoint_tensors() {
         found["model.layers.0.mlp.down_proj.weight"].shape,
         [128, 352]
     );
-    for (name, w) in &want {
+    for (name, w) in want {
         assert_same(&found[name], w);
     }
 
@@ -162,14 +213,14 @@ fn llama_tiny_exports_a_model_directory_with_the_checkpoint_tensors() {
     assert!(err.contains("-o DIR"), "{err}");
     let single = read_full(&file).unwrap().tensors;
     assert_eq!(single.len(), want.len());
-    for (name, w) in &want {
+    for (name, w) in want {
         assert_same(&single[name], w);
     }
 }
 
 #[test]
 fn sharded_export_puts_every_tensor_in_exactly_one_file() {
-    let base = llama_tiny_ckpt();
+    let (base, start) = (llama_tiny_ckpt(), llama_tiny_weights());
     let ck = base.join("ck");
     let out = base.join("sharded");
     let limit = 400_000u64;
@@ -187,7 +238,7 @@ fn sharded_export_puts_every_tensor_in_exactly_one_file() {
         &std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap(),
     )
     .unwrap();
-    let want = ckpt_tensors(&ck);
+    let want = start;
     let total: u64 = want.values().map(|t| t.data.len() as u64 * 4).sum();
     assert_eq!(total, 803_968 * 4);
     assert_eq!(index["metadata"]["total_size"], total);
@@ -325,7 +376,9 @@ fn hf_config_run_exports_its_own_config() {
     )
     .unwrap();
     let ck = d.path().join("ck");
-    train(&ck, &["--hf-config", s(&cfg_path)]);
+    let init = d.path().join("start.safetensors");
+    let want = start_weights(&Decoder::from_hf_config(&cfg_path).unwrap(), &init);
+    train_from(&ck, &["--hf-config", s(&cfg_path)], &init);
     let out = d.path().join("out");
     let (rc, stdout, err) = fsdp(&["ckpt", "consolidate", s(&ck), "-o", s(&out)]);
     assert_eq!(rc, 0, "{stdout}\n{err}");
@@ -338,7 +391,6 @@ fn hf_config_run_exports_its_own_config() {
     let found = read_full(&out.join("model.safetensors")).unwrap().tensors;
     assert!(!found.contains_key("lm_head.weight"));
     assert_eq!(found["model.layers.1.self_attn.q_proj.bias"].shape, [32]);
-    let want = ckpt_tensors(&ck);
     assert_eq!(found.len(), want.len());
     for (name, w) in &want {
         assert_same(&found[name], w);
@@ -406,7 +458,9 @@ fn hf_config_run_exports_its_own_config() {
 fn gpt2_exports_a_model_directory_that_init_from_reads_back() {
     let t = tempfile::tempdir().unwrap();
     let ck = t.path().join("ck");
-    train(&ck, &["--model", "tiny"]);
+    let init = t.path().join("start.safetensors");
+    let want = start_weights(&Decoder::from_preset("tiny").unwrap(), &init);
+    train_from(&ck, &["--model", "tiny"], &init);
     let out = t.path().join("gpt2-out");
     let (rc, stdout, err) = fsdp(&["ckpt", "consolidate", s(&ck), "-o", s(&out)]);
     assert_eq!(rc, 0, "{stdout}\n{err}");
@@ -428,7 +482,6 @@ fn gpt2_exports_a_model_directory_that_init_from_reads_back() {
         ck_arch
     );
     let found = read_full(&out.join("model.safetensors")).unwrap().tensors;
-    let want = ckpt_tensors(&ck);
     assert_eq!(found.len(), want.len());
     for (name, f) in &found {
         assert!(

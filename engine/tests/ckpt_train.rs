@@ -3,6 +3,7 @@
 //! safety under SIGKILL at random moments, resharding on resume, bad checkpoints refused.
 
 use fsdp_checkpoints::{list_checkpoints, Checkpoint, StateKind, Verify};
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -97,15 +98,59 @@ fn resume_is_exact_bitwise() {
     );
 }
 
+/// The newest checkpoint's consolidated parameters and both moments, by name.
+fn consolidated(root: &Path) -> [BTreeMap<String, Vec<f32>>; 3] {
+    let ck = Checkpoint::open(root, Verify::Checksums).unwrap();
+    [StateKind::Param, StateKind::ExpAvg, StateKind::ExpAvgSq].map(|kind| {
+        ck.consolidate(kind)
+            .unwrap()
+            .into_iter()
+            .map(|t| (t.name, t.data))
+            .collect()
+    })
+}
+
+/// `(name, element, found, wanted)` of the first element where `ok(found, wanted)` is false.
+fn first_miss(
+    found: &BTreeMap<String, Vec<f32>>,
+    want: &BTreeMap<String, Vec<f32>>,
+    ok: impl Fn(f32, f32) -> bool,
+) -> Option<(String, usize, f32, f32)> {
+    assert_eq!(
+        found.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>()
+    );
+    for (name, w) in want {
+        let f = &found[name];
+        assert_eq!(f.len(), w.len(), "{name}");
+        if let Some(i) = (0..w.len()).find(|&i| !ok(f[i], w[i])) {
+            return Some((name.clone(), i, f[i], w[i]));
+        }
+    }
+    None
+}
+
+/// A W=2 checkpoint resumed at W=3 loads the W=2 state, resharded: the resumed step runs
+/// with a negligible learning rate and gradients clipped to a norm of 1e-30, so its AdamW
+/// update (`m += (g - m)(1 - beta1)`, `v = v beta2 + (1 - beta2) g g`, `p -= lr ...`) leaves
+/// every parameter's bits, moves each first moment to `m - m (1 - beta1)` and each second
+/// moment to `v beta2` (f32, the gradient terms below half an ulp or underflowing). Loading
+/// values of the right size but the wrong place (shifted by the padding, another rank's
+/// moments) changes those bits.
 #[test]
 fn resume_at_another_world_size_reshards() {
     let t = tempfile::tempdir().unwrap();
     let root = t.path().join("r");
     assert_eq!(fsdp(&train_args(&root, 3, "2")).0, 0);
-    let (_, before) = state_bits(&root);
+    let [p3, m3, v3] = consolidated(&root);
     // Resume the W=2 checkpoint at W=3 (resharded on load) and train one more step.
     let mut args = train_args(&root, 4, "3");
-    args.push("--resume".into());
+    args.extend(
+        [
+            "--resume", "--lr", "1e-30", "--min-lr", "1e-30", "--clip", "1e-30",
+        ]
+        .map(String::from),
+    );
     let (code, out, err) = fsdp(&args);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("saved at world size 2"), "{err}");
@@ -113,7 +158,30 @@ fn resume_at_another_world_size_reshards() {
     let ck = Checkpoint::open(&root, Verify::Checksums).unwrap();
     assert_eq!(ck.manifest().world_size, 3);
     assert_eq!(ck.manifest().train.step, 4);
-    assert_eq!(before.len(), state_bits(&root).1.len());
+    let [p4, m4, v4] = consolidated(&root);
+    let (one_minus_beta1, beta2) = ((1.0 - 0.9f64) as f32, 0.95f64 as f32);
+    assert!(m3.values().flatten().any(|x| *x != 0.0));
+    assert!(v3.values().flatten().any(|x| *x != 0.0));
+    assert_eq!(
+        first_miss(&p4, &p3, |f, w| f.to_bits() == w.to_bits()),
+        None,
+        "parameters at W=3: (name, element, found, the W=2 checkpoint's)"
+    );
+    // A first moment that was 0 gets the clipped gradient's share: at most 1e-31.
+    assert_eq!(
+        first_miss(&m4, &m3, |f, w| if w == 0.0 {
+            f.abs() <= 1e-30
+        } else {
+            f.to_bits() == (w + -w * one_minus_beta1).to_bits()
+        }),
+        None,
+        "first moments at W=3: (name, element, found, the W=2 checkpoint's before the step)"
+    );
+    assert_eq!(
+        first_miss(&v4, &v3, |f, w| f.to_bits() == (w * beta2).to_bits()),
+        None,
+        "second moments at W=3: (name, element, found, the W=2 checkpoint's before the step)"
+    );
 }
 
 #[test]
@@ -158,6 +226,8 @@ fn bad_checkpoints_and_init_files_are_refused_with_exit_2() {
     assert!(err.contains("SHARD"), "{err}");
 }
 
+/// `--init-from` a consolidated file starts from exactly its weights: a step with a
+/// negligible learning rate saves every parameter bitwise as the file holds it.
 #[test]
 fn init_from_consolidated_file_starts_from_its_weights() {
     let t = tempfile::tempdir().unwrap();
@@ -172,7 +242,37 @@ fn init_from_consolidated_file_starts_from_its_weights() {
         full.display().to_string(),
     ]);
     assert_eq!(code, 0, "{err}");
-    // The first loss from the trained weights is below a fresh start's (~5.5 nats).
+    let file: BTreeMap<String, Vec<f32>> = fsdp_checkpoints::read_full(&full)
+        .unwrap()
+        .tensors
+        .into_iter()
+        .map(|(n, t)| (n, t.data))
+        .collect();
+    for w in ["1", "3"] {
+        let again = t.path().join(format!("i{w}"));
+        let mut args = train_args(&again, 1, w);
+        args.extend(
+            [
+                "--init-from",
+                full.to_str().unwrap(),
+                "--lr",
+                "1e-30",
+                "--min-lr",
+                "1e-30",
+            ]
+            .map(String::from),
+        );
+        let (code, out, err) = fsdp(&args);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(losses(&out).len(), 1);
+        let [saved, _, _] = consolidated(&again);
+        assert_eq!(
+            first_miss(&saved, &file, |f, w| f.to_bits() == w.to_bits()),
+            None,
+            "W={w}: (name, element, saved, in the --init-from file)"
+        );
+    }
+    // The file's trained weights start below a fresh start's loss (~5.5 nats).
     let mut args = train_args(&t.path().join("i"), 1, "1");
     args.extend(["--init-from".into(), full.display().to_string()]);
     let (code, out, err) = fsdp(&args);

@@ -246,9 +246,9 @@ fn mpi_train_2_processes_bitwise_equals_threads_and_reference() {
     println!("MPI == threads == reference over {STEPS} steps: losses {mpi:?}");
 }
 
-/// A Llama started from a Hugging Face model directory under MPI: every process reads only its
-/// own shards' bytes of the directory, and 2 MPI processes give the same losses, bit for bit,
-/// as 2 rank threads starting from the same directory.
+/// A Llama started from a Hugging Face model directory under MPI: 2 MPI processes start from
+/// exactly the directory's weights (a step with a negligible learning rate saves them bitwise)
+/// and give the same losses, bit for bit, as 2 rank threads starting from the same directory.
 #[test]
 fn mpi_train_llama_from_a_model_directory_equals_threads() {
     let Some(mpirun) = mpirun() else {
@@ -314,6 +314,45 @@ fn mpi_train_llama_from_a_model_directory_equals_threads() {
         bits(&threads),
         "MPI {mpi:?} vs threads {threads:?}"
     );
+    // The MPI processes used the directory's weights: one step with a negligible learning
+    // rate saves every parameter bitwise as the directory holds it.
+    let saved_ck = tmp.join("again");
+    let mut again = llama(&[&["--backend", "mpi"], &from[..]].concat());
+    for (flag, value) in [("--lr", "1e-30"), ("--min-lr", "1e-30"), ("--steps", "1")] {
+        let i = again.iter().position(|x| x == flag).unwrap();
+        again[i + 1] = value.into();
+    }
+    again.push("--ckpt-dir".to_string());
+    again.push(saved_ck.to_str().unwrap().to_string());
+    let child = mpi_command(&mpirun, 2, &again)
+        .spawn()
+        .expect("start mpirun");
+    let (out, _) = wait_bounded(child, Duration::from_secs(180), "mpirun -n 2 fsdp train");
+    assert_eq!(
+        steps(
+            &out,
+            "mpirun -n 2 fsdp train --backend mpi --init-from --lr 1e-30"
+        )
+        .len(),
+        1
+    );
+    let source = fsdp_checkpoints::read_full(&dir.join("model.safetensors"))
+        .unwrap()
+        .tensors;
+    let saved = fsdp_checkpoints::Checkpoint::open(&saved_ck, fsdp_checkpoints::Verify::Checksums)
+        .unwrap()
+        .consolidate(fsdp_checkpoints::StateKind::Param)
+        .unwrap();
+    assert_eq!(saved.len(), source.len());
+    for t in &saved {
+        let want: Vec<u32> = source[&t.name].data.iter().map(|x| x.to_bits()).collect();
+        let found: Vec<u32> = t.data.iter().map(|x| x.to_bits()).collect();
+        assert!(
+            found == want,
+            "{}: saved under MPI differs from the directory",
+            t.name
+        );
+    }
     let _ = std::fs::remove_dir_all(&tmp);
 }
 

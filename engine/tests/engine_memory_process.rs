@@ -6,9 +6,9 @@ use candle_core::{Device, Tensor};
 use fsdp::memory::CountingAllocator;
 use fsdp::model::decoder::Decoder;
 use fsdp::optim::{AdamWConfig, Optimizer};
-use fsdp::runtime::{EngineConfig, InitSync, MicroBatch, RankEngine, StagedModel};
+use fsdp::runtime::{EngineConfig, InitSync, MicroBatch, Placement, RankEngine, StagedModel};
 use fsdp_comm::{run_threads, Topology};
-use fsdp_planner::{plan, PlanConfig, Strategy};
+use fsdp_planner::{plan, Offload, PlanConfig, Strategy};
 use std::time::Duration;
 
 #[path = "support/process_peak.rs"]
@@ -37,6 +37,11 @@ struct Cfg {
     t: usize,
     /// `PlanConfig::activation_checkpointing`.
     ckpt: Option<bool>,
+    /// `PlanConfig::offload`; `Some` runs on `Placement::Device(Device::Cpu)`.
+    offload: Option<Offload>,
+    /// Runs on `Placement::Device(Device::Cpu)` (the placement offload needs) instead of the
+    /// host placement.
+    cpu_device: bool,
 }
 
 fn ecfg() -> EngineConfig {
@@ -51,7 +56,8 @@ fn ecfg() -> EngineConfig {
 }
 
 /// Process heap peak during one training step (all ranks, after a warm-up step; minus what was
-/// live before the step apart from the engines' own ledger bytes) over W x the plan's peak.
+/// live before the step apart from the engines' own ledger bytes) over W x the plan's peak,
+/// device and host memory added (on the CPU device both are this process's heap).
 fn process_peak_ratio(c: &Cfg) -> f64 {
     let model = Decoder::from_preset(c.preset).unwrap();
     let mut pc = PlanConfig::new(c.w as u64);
@@ -59,7 +65,13 @@ fn process_peak_ratio(c: &Cfg) -> f64 {
     pc.micro_batch = c.b as u64;
     pc.seq_len = c.t as u64;
     pc.activation_checkpointing = c.ckpt;
+    pc.offload = c.offload;
     let plan = plan(model.spec(), &pc).unwrap();
+    let placement = if c.cpu_device {
+        Placement::Device(Device::Cpu)
+    } else {
+        Placement::Host
+    };
     let s = plan.shard_size as usize;
     let init = StagedModel::init_params(&model, 1);
     let mbs: Vec<MicroBatch> = vec![batch(c.b, c.t, 0)];
@@ -67,17 +79,19 @@ fn process_peak_ratio(c: &Cfg) -> f64 {
         Topology::new(s, c.w / s).unwrap(),
         Duration::from_secs(60),
         |comm| {
-            let mut e = RankEngine::new(&model, &plan, &comm, ecfg(), &init).unwrap();
+            let mut e =
+                RankEngine::new_on(&model, &plan, &comm, ecfg(), &init, placement.clone()).unwrap();
             process_peak::second_step_sample(&mut e, &mbs, &ALLOC)
         },
     );
     let res: Vec<_> = res.into_iter().map(|r| r.unwrap()).collect();
     let measured = process_peak::measured_bytes(&res);
-    let planned = plan.memory.peak.0 * c.w as u64;
+    let planned = (plan.memory.peak.0 + plan.memory.host_peak.0) * c.w as u64;
     let ratio = measured as f64 / planned as f64;
     println!(
-        "{} W={} {} checkpointing {} B={} T={}: measured {measured} B, plan {planned} B (activations {} B/rank), ratio {ratio:.3}",
-        c.preset, c.w, c.strategy, plan.schedule.activation_checkpointing, c.b, c.t,
+        "{} W={} {} offload {:?} checkpointing {} B={} T={}: measured {measured} B, plan {planned} B (host {} B/rank, activations {} B/rank), ratio {ratio:.3}",
+        c.preset, c.w, c.strategy, c.offload, plan.schedule.activation_checkpointing, c.b, c.t,
+        plan.memory.host_peak.0,
         plan.memory.phase(plan.memory.peak_phase).at_peak.activations.0
     );
     ratio
@@ -113,6 +127,15 @@ fn process_peak_ratio(c: &Cfg) -> f64 {
 /// and shard-grad-op at W=2 and full shard at W=1, with and without activation checkpointing,
 /// measured 0.93 to 0.98 (before the fused RMSNorm / rotary / SwiGLU ops and the refit,
 /// `llama-tiny` measured 1.17: the plan was too low), under the same bounds as the GPT.
+/// Offload and shard-optimizer (ZeRO-1) run on the CPU device, where the host memory offload
+/// moves state to and the device memory are the same heap, against W x (device peak + host
+/// peak): optimizer offload, parameter offload and shard-optimizer, with and without optimizer
+/// offload, on `mini` 8 x 128 measured 0.942 to 0.967, and on `small` 1 x 16
+/// (parameter-dominated) 0.955 to 0.993. Same lower bounds; upper bound 1.03, as nothing in
+/// these rows lifts the process above the plan (a copy of each downloaded gradient shard
+/// kept, a host buffer the host ledger does not charge, measured 1.049 on `small`). Buffers
+/// allocated before the measured step (a second master copy made at construction) are
+/// outside this protocol: `init_memory` measures construction, offload included.
 /// `FSDP_MEMORY_TABLE=1 cargo test -p fsdp --test engine_memory_process -- --nocapture`
 /// prints every figure (and `tiny`, 0.83 to 0.88 under full shard with checkpointing at
 /// 8 x 128).
@@ -151,9 +174,61 @@ fn memory_process_peak_within_10_percent_of_plan() {
         ("llama-mini", 2, Strategy::ShardGradOp, 8, 128, None),
         ("llama-mini", 1, Strategy::FullShard, 8, 128, None),
     ];
+    // Offload and shard-optimizer on the CPU device, where device and host memory are both
+    // this process's heap: the process peak against W x (device peak + host peak) of the plan.
+    // A host buffer the host ledger does not charge (a leaked staging copy, a second master)
+    // shows here, not in the ledger-against-plan test.
+    let cpu_rows = [
+        (
+            "mini",
+            2,
+            Strategy::FullShard,
+            8,
+            128,
+            None,
+            Some(Offload::Optimizer),
+        ),
+        (
+            "mini",
+            2,
+            Strategy::FullShard,
+            8,
+            128,
+            None,
+            Some(Offload::Params),
+        ),
+        ("mini", 2, Strategy::ShardOptimizer, 8, 128, None, None),
+        (
+            "mini",
+            2,
+            Strategy::ShardOptimizer,
+            8,
+            128,
+            None,
+            Some(Offload::Optimizer),
+        ),
+        (
+            "small",
+            2,
+            Strategy::FullShard,
+            1,
+            16,
+            Some(false),
+            Some(Offload::Params),
+        ),
+        ("small", 2, Strategy::ShardOptimizer, 1, 16, None, None),
+    ];
+    let rows = configs
+        .into_iter()
+        .map(|(p, w, s, b, t, c)| (p, w, s, b, t, c, None, false))
+        .chain(
+            cpu_rows
+                .into_iter()
+                .map(|(p, w, s, b, t, c, o)| (p, w, s, b, t, c, o, true)),
+        );
     let table = std::env::var_os("FSDP_MEMORY_TABLE").is_some();
     let mut bad = Vec::new();
-    for (preset, w, strategy, b, t, ckpt) in configs {
+    for (preset, w, strategy, b, t, ckpt, offload, cpu_device) in rows {
         let ratio = process_peak_ratio(&Cfg {
             preset,
             w,
@@ -161,12 +236,15 @@ fn memory_process_peak_within_10_percent_of_plan() {
             b,
             t,
             ckpt,
+            offload,
+            cpu_device,
         });
         let recompute = ckpt.unwrap_or(strategy.reshard_after_forward());
         let low = if recompute && w > 1 { 0.85 } else { 0.9 };
-        if !(low..=1.1).contains(&ratio) {
+        let high = if cpu_device { 1.03 } else { 1.1 };
+        if !(low..=high).contains(&ratio) {
             bad.push(format!(
-                "{preset} W={w} {strategy} checkpointing {ckpt:?} B={b} T={t}: {ratio:.3}"
+                "{preset} W={w} {strategy} offload {offload:?} checkpointing {ckpt:?} B={b} T={t}: {ratio:.3}"
             ));
         }
     }
@@ -186,11 +264,13 @@ fn memory_process_peak_within_10_percent_of_plan() {
                 b,
                 t,
                 ckpt: (strategy == Strategy::FullShard).then_some(true),
+                offload: None,
+                cpu_device: false,
             });
         }
     }
     assert!(
         bad.is_empty(),
-        "process peak / plan total outside [0.90 (full shard W>1: 0.85), 1.10]: {bad:?}"
+        "process peak / plan total outside [0.90 (full shard W>1: 0.85), 1.10 (CPU device rows: 1.03)]: {bad:?}"
     );
 }

@@ -260,6 +260,67 @@ fn loading_published_weights_gives_the_shards_of_the_whole_model() {
     }
 }
 
+/// A Llama whose embedding and head (8200 x 192 = 1,574,400 elements each) are larger than
+/// the loader's read buffer (1 MiB: 262,144 f32 or 524,288 bf16 elements), also in one rank's
+/// third: a load reads them in several positioned chunks with a short last one.
+const WIDE_LLAMA: &str = r#"{"model_type": "llama", "vocab_size": 8200, "hidden_size": 192,
+  "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+  "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-05,
+  "rope_theta": 10000.0, "tie_word_embeddings": false}"#;
+
+#[test]
+fn tensors_larger_than_the_read_buffer_load_bitwise_across_chunks() {
+    let model = Decoder::from_hf_config_text(WIDE_LLAMA, "config.json", "wide").unwrap();
+    let chunk_elems = |bytes_per_elem: u64| fsdp_checkpoints::LOAD_CHUNK_BYTES / bytes_per_elem;
+    let largest = model
+        .spec()
+        .units
+        .iter()
+        .flat_map(|u| &u.params)
+        .map(|p| p.shape.iter().product::<u64>())
+        .max()
+        .unwrap();
+    assert_eq!(largest, 8200 * 192);
+    // At W=3 one rank's third of the largest tensor still crosses a chunk in both dtypes, and
+    // no count is a whole number of chunks.
+    for es in [4, 2] {
+        let c = chunk_elems(es);
+        assert!(largest / 3 > c && largest % c != 0 && (largest / 3) % c != 0);
+    }
+    let values = StagedModel::init_params(&model, 11);
+    let tmp = tempfile::tempdir().unwrap();
+    for dtype in [Dtype::F32, Dtype::BF16] {
+        let expect: Vec<Vec<Vec<f32>>> = values
+            .iter()
+            .map(|u| {
+                u.iter()
+                    .map(|t| t.iter().map(|x| round_trip(*x, dtype)).collect())
+                    .collect()
+            })
+            .collect();
+        let dir = tmp.path().join(format!("{dtype:?}"));
+        std::fs::create_dir(&dir).unwrap();
+        write(
+            &dir.join("model.safetensors"),
+            &published(&model, &values, dtype, false),
+        );
+        let source = FileWeights::open(&dir, model.spec()).unwrap();
+        for (w, strategy) in [
+            (1, Strategy::FullShard),
+            (3, Strategy::FullShard),
+            (3, Strategy::NoShard),
+        ] {
+            let ranks = start_from(&model, w, strategy, InitSync::Verify, &source).unwrap();
+            for (r, p) in ranks.iter().enumerate() {
+                assert!(
+                    bits(p) == bits(&expect),
+                    "{dtype:?} W={w} {strategy} rank {r}: differs from the file"
+                );
+            }
+        }
+    }
+}
+
 fn tiny_files(dir: &Path) -> (Decoder, Vec<(String, Raw)>) {
     std::fs::create_dir_all(dir).unwrap();
     let model = Decoder::from_preset("llama-tiny").unwrap();
@@ -505,9 +566,46 @@ fn train_init_from_a_model_directory_uses_its_config_and_weights() {
         "--json",
     ];
     let mut a = base.to_vec();
-    a.extend(["--init-from", d.to_str().unwrap()]);
+    let ck = tmp.path().join("ck");
+    a.extend([
+        "--init-from",
+        d.to_str().unwrap(),
+        "--lr",
+        "1e-30",
+        "--min-lr",
+        "1e-30",
+        "--ckpt-dir",
+        ck.to_str().unwrap(),
+    ]);
     let (code, out, err) = fsdp(&a);
     assert_eq!(code, 0, "{err}");
+    // The run started from the directory's weights: with a negligible learning rate the
+    // saved parameters are bitwise what the directory holds (stored as bf16).
+    let saved: std::collections::BTreeMap<String, Vec<f32>> =
+        fsdp_checkpoints::Checkpoint::open(&ck, fsdp_checkpoints::Verify::Checksums)
+            .unwrap()
+            .consolidate(fsdp_checkpoints::StateKind::Param)
+            .unwrap()
+            .into_iter()
+            .map(|t| (t.name, t.data))
+            .collect();
+    let mut compared = 0;
+    for (us, v) in model.spec().units.iter().zip(&values) {
+        for (p, t) in us.params.iter().filter(|p| p.tied_to.is_none()).zip(v) {
+            let want: Vec<u32> = t
+                .iter()
+                .map(|x| round_trip(*x, Dtype::BF16).to_bits())
+                .collect();
+            let found: Vec<u32> = saved[&p.name].iter().map(|x| x.to_bits()).collect();
+            assert!(
+                found == want,
+                "{}: saved differs from the directory",
+                p.name
+            );
+            compared += 1;
+        }
+    }
+    assert_eq!(compared, saved.len());
     // The model is the directory's config.json (its fingerprint is the one plan prints).
     let (pcode, plan_out, perr) = fsdp(&[
         "plan",

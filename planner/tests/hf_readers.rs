@@ -401,3 +401,94 @@ fn export_hf_config_checks_the_model() {
         .to_string();
     assert!(e.contains("c.json") && e.contains("3 layers"), "{e}");
 }
+
+/// The generated `config.json` of a Llama-family model against the file transformers itself
+/// writes for the same model (`tests/data/hf_configs/*.json`, made by `make_configs.py` there
+/// with transformers 5.24): every key generated is one transformers writes, with the same value
+/// (`rope_theta` and `rope_scaling` are the older spellings transformers reads into
+/// `rope_parameters`, `torch_dtype` the older spelling of `dtype`); and the planner reads the
+/// transformers-written file to the same model and numerics.
+#[test]
+fn llama_hf_config_agrees_with_the_config_transformers_writes() {
+    use fsdp_planner::hf::{llama_hf_config, parse_hf_arch, parse_llama_numerics};
+    use fsdp_planner::presets::{llama_config, llama_numerics};
+    use fsdp_planner::{Llama3RopeScaling, LlamaNumerics};
+    use serde_json::Value;
+    let windowed = LlamaNumerics {
+        rms_norm_eps: 1e-6,
+        rope_theta: 1e6,
+        rope_scaling: None,
+        sliding_window: Some(64),
+    };
+    let mut qwen = llama_config("llama-tiny").unwrap();
+    qwen.qkv_bias = true;
+    qwen.tied_head = true;
+    let scaled = LlamaNumerics {
+        rope_scaling: Some(Llama3RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 64,
+        }),
+        ..llama_numerics("llama-mini").unwrap()
+    };
+    let cases = [
+        (
+            "llama_tiny",
+            llama_config("llama-tiny").unwrap(),
+            llama_numerics("llama-tiny").unwrap(),
+        ),
+        (
+            "llama_mini_llama3_rope",
+            llama_config("llama-mini").unwrap(),
+            scaled,
+        ),
+        ("qwen2_window", qwen, windowed),
+        (
+            "mistral_window",
+            llama_config("llama-tiny").unwrap(),
+            windowed,
+        ),
+    ];
+    // JSON numbers compare as numbers (transformers writes 10000.0 where we may write 10000).
+    let same = |a: &Value, b: &Value| match (a.as_f64(), b.as_f64()) {
+        (Some(x), Some(y)) => x == y,
+        _ => a == b,
+    };
+    for (name, cfg, n) in cases {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/hf_configs/").to_string()
+            + name
+            + ".json";
+        let text = std::fs::read_to_string(&path).unwrap();
+        let hf: Value = serde_json::from_str(&text).unwrap();
+        let rope = &hf["rope_parameters"];
+        let generated = llama_hf_config(&cfg, &n);
+        for (k, v) in generated.as_object().unwrap() {
+            match k.as_str() {
+                "rope_theta" => assert!(same(v, &rope["rope_theta"]), "{name}: {k} {v} vs {rope}"),
+                "rope_scaling" if v.is_null() => {
+                    assert_eq!(rope["rope_type"], "default", "{name}: {k} {v} vs {rope}")
+                }
+                "rope_scaling" => {
+                    for (kk, vv) in v.as_object().unwrap() {
+                        assert!(same(vv, &rope[kk]), "{name}: {k}.{kk} {vv} vs {rope}");
+                    }
+                }
+                "torch_dtype" => assert_eq!(v, &hf["dtype"], "{name}: {k}"),
+                _ => {
+                    let w = hf.get(k);
+                    assert!(
+                        w.is_some_and(|w| same(v, w)),
+                        "{name}: generated {k} = {v}, transformers wrote {w:?}"
+                    );
+                }
+            }
+        }
+        assert_eq!(
+            parse_hf_arch(&text, &path).unwrap(),
+            fsdp_planner::Architecture::Llama(cfg),
+            "{name}"
+        );
+        assert_eq!(parse_llama_numerics(&text, &path).unwrap(), n, "{name}");
+    }
+}

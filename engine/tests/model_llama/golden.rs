@@ -1,11 +1,14 @@
-//! Golden values: two tiny models built from `config.json` files and random weights by Hugging
-//! Face transformers in float64 (`engine/tests/data/llama_golden/make_golden.py`, run by hand):
-//! `llama_gqa` (grouped-query attention 4/2 heads, untied head, Llama 3.1 rope scaling) and
-//! `qwen2_tied` (q/k/v biases, 4/1 heads, tied head). The same weights in fsdp-rs give the
+//! Golden values: three tiny models built from `config.json` files and random weights by
+//! Hugging Face transformers in float64 (`engine/tests/data/llama_golden/make_golden.py`, run
+//! by hand): `llama_gqa` (grouped-query attention 4/2 heads, untied head, Llama 3.1 rope
+//! scaling), `qwen2_tied` (q/k/v biases, 4/1 heads, tied head) and `mistral_window` (Mistral:
+//! 4/2 heads, an explicit `head_dim`, rope_theta 1e6, no biases, a sliding window of 16 tokens,
+//! on sequences of 16 tokens: the longest the window leaves whole, and the longest fsdp-rs
+//! computes for that config). The same weights in fsdp-rs give the
 //! same logits, summed loss and parameter gradients: in f64 within 1e-6 relative to each
 //! tensor's largest magnitude (measured at most 6.7e-7: transformers computes the rotary
 //! cos/sin in f32 even in a float64 model, so the reference itself carries f32-sized errors in
-//! the angles), in f32 within 5e-6 (measured at most 1.7e-6 on the fused CPU path, 1.1e-6 on
+//! the angles), in f32 within 5e-6 (measured at most 1.7e-6 on the fused CPU path, 1.5e-6 on
 //! the composite (CUDA) path); both paths are checked.
 
 use candle_core::{DType, Device, Tensor, Var};
@@ -130,4 +133,44 @@ fn golden_llama_gqa_untied_llama3_rope_matches_transformers() {
 #[test]
 fn golden_qwen2_bias_tied_matches_transformers() {
     check("qwen2_tied");
+}
+
+#[test]
+fn golden_mistral_within_its_sliding_window_matches_transformers() {
+    check("mistral_window");
+}
+
+/// A sequence one token longer than Mistral's sliding window, where transformers' attention
+/// would drop the first token from the last one's view, is refused, naming the window.
+#[test]
+fn mistral_sequence_longer_than_its_window_is_refused() {
+    let model = match Decoder::from_hf_config(&dir("mistral_window").join("config.json")).unwrap() {
+        Decoder::Llama(l) => l,
+        Decoder::Gpt(_) => panic!("mistral_window is a Llama-family config"),
+    };
+    let g: HashMap<String, Tensor> = candle_core::safetensors::load(
+        dir("mistral_window").join("golden.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let (params, _) = params_of(&model, &g, DType::F64);
+    for t in [16u32, 17] {
+        let ids = Tensor::arange(0u32, t, &Device::Cpu)
+            .unwrap()
+            .reshape((1, t as usize))
+            .unwrap();
+        let mut r = Ok(ids);
+        for (stage, unit) in model.stages() {
+            r = r.and_then(|x| model.forward_stage(stage, &params[unit], &x));
+        }
+        if t == 16 {
+            r.unwrap();
+        } else {
+            let e = r.unwrap_err().to_string();
+            assert!(
+                e.contains("sequence length 17 exceeds the sliding window 16"),
+                "{e}"
+            );
+        }
+    }
 }

@@ -10,7 +10,8 @@ use fsdp::memory::CountingAllocator;
 use fsdp::runtime::{MicroBatch, RankEngine, StagedModel};
 
 /// One rank's sample: the allocator's bytes when rank 0 reset the peak (rank 0 only), the
-/// allocator's peak after step 2, and the rank's live ledger bytes (bytes).
+/// allocator's peak after step 2, and the rank's live ledger bytes, device and host ledger
+/// together (bytes).
 pub type Sample = (Option<u64>, u64, u64);
 
 /// Runs the two steps on `e` (micro-batches `mbs`, learning rate 1e-3) and returns this rank's
@@ -32,7 +33,11 @@ pub fn second_step_sample<M: StagedModel + ?Sized>(
     e.check_batch_counts(1).unwrap();
     e.train_step(mbs, 1e-3).unwrap();
     e.check_batch_counts(1).unwrap();
-    (base, alloc.peak(), e.ledger().live_total().0)
+    (
+        base,
+        alloc.peak(),
+        e.ledger().live_total().0 + e.host_ledger().live_total().0,
+    )
 }
 
 /// The measured process bytes of step 2 from every rank's sample (rank 0 first): the peak over

@@ -3,11 +3,15 @@
 Run by hand (CI never runs it; it needs PyTorch):
 
     pip install torch transformers safetensors
-    python engine/tests/data/llama_golden/make_golden.py
+    python engine/tests/data/llama_golden/make_golden.py [NAME ...]
+
+(without names: every directory; with names: only those, leaving the others' files as they are).
 
 For each model directory next to this script (llama_gqa: Llama with grouped-query
 attention, an untied head and Llama 3.1 rope scaling; qwen2_tied: Qwen2 with q/k/v biases
-and a tied head) it reads config.json, builds the model in float64 with eager attention,
+and a tied head; mistral_window: Mistral with grouped-query attention, rope_theta 1e6 and a
+sliding window of 16 tokens, evaluated on 16-token sequences, the longest whose attention the
+window does not cut) it reads config.json, builds the model in float64 with eager attention,
 draws random weights from a fixed torch seed (projections N(0, 0.15^2), biases N(0, 0.1^2),
 RMSNorm gains 1 + N(0, 0.1^2)), and evaluates one fixed batch of token ids and targets.
 It writes golden.safetensors with, all float64:
@@ -26,10 +30,12 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-B, T = 2, 12
+B = 2
+# Sequence length per directory.
+MODELS = {"llama_gqa": (1234, 12), "qwen2_tied": (4321, 12), "mistral_window": (2468, 16)}
 
 
-def make(name, seed):
+def make(name, seed, T):
     d = os.path.join(HERE, name)
     cfg = AutoConfig.from_pretrained(d)
     cfg._attn_implementation = "eager"
@@ -67,8 +73,11 @@ def make(name, seed):
 
 
 if __name__ == "__main__":
+    import sys
+
     import transformers
 
     print("torch", torch.__version__, "transformers", transformers.__version__)
-    make("llama_gqa", 1234)
-    make("qwen2_tied", 4321)
+    for name in sys.argv[1:] or MODELS:
+        seed, t = MODELS[name]
+        make(name, seed, t)
