@@ -84,7 +84,7 @@ pub enum DataError {
         limit: u64,
     },
     /// A split is too short for one window of `seq_len + 1` tokens.
-    #[error("{source_name}: the {split} split has {bytes} {unit}, fewer than one window of seq_len + 1 = {need} {unit} (the file has {total} {unit}; validation is the last 10%)")]
+    #[error("{source_name}: the {split} split has {bytes} {unit}, fewer than one window of seq_len + 1 = {need} {unit} (the file has {total} {unit}; validation is the last 10%); use a smaller --seq-len or more data")]
     TooShort {
         /// The file path or [`EMBEDDED_NAME`].
         source_name: String,

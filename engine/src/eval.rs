@@ -130,6 +130,13 @@ pub fn evaluate(model: &Decoder, weights: EvalWeights<'_>, o: &EvalOptions) -> R
     )
     .map_err(data_err)?;
     let batches = sampler.eval_batch_count(o.split, o.eval_batches);
+    if w > batches {
+        return Err(EngineError::Config(format!(
+            "--world-size {w} exceeds the {batches} micro-batch(es) evaluated: ranks beyond \
+             them would only repeat work; pass --world-size {batches} or less (the loss is \
+             the same at every world size)"
+        )));
+    }
     let topts = TrainOptions {
         world_size: w,
         strategy: Strategy::FullShard,

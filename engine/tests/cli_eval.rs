@@ -171,6 +171,26 @@ fn eval_refuses_bad_input_with_names_and_fixes() {
     ]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("holds no config.json"), "{err}");
+    // More ranks than micro-batches: 6 batches of the held-out split.
+    let (code, _, err) = eval(&[
+        "--model-dir",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--seq-len",
+        "8",
+        "--micro-batch",
+        "2",
+        "--eval-batches",
+        "all",
+        "--world-size",
+        "7",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--world-size 7 exceeds the 6 micro-batch"),
+        "{err}"
+    );
     // A token file of another tokenizer.
     let other = t.path().join("other.bin");
     let mut wr = fsdp::data::tokens::TokenWriter::create(&other, 64, [0x12; 32]).unwrap();

@@ -273,3 +273,40 @@ fn a_checkpoint_of_another_model_is_named_as_such() {
     assert!(err.contains("pass the config it was trained with"), "{err}");
     assert!(!err.contains("intact"), "{err}");
 }
+
+/// A directory of weights without a config.json names no model: refused (not loaded into the
+/// default preset); with --hf-config it trains.
+#[test]
+fn a_weights_directory_without_a_config_is_refused() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("weights");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::copy(
+        fixture("model/model.safetensors"),
+        dir.join("model.safetensors"),
+    )
+    .unwrap();
+    let data = fixture("tokens.bin");
+    let base = [
+        "train",
+        "--init-from",
+        dir.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--steps",
+        "1",
+        "--seq-len",
+        "8",
+        "--micro-batch",
+        "2",
+    ];
+    let (code, _, err) = fsdp(&s(&base));
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("holds no config.json"), "{err}");
+    assert!(err.contains("--hf-config"), "{err}");
+    let cfg = fixture("model/config.json");
+    let mut named = s(&base);
+    named.extend(s(&["--hf-config", cfg.to_str().unwrap()]));
+    let (code, _, err) = fsdp(&named);
+    assert_eq!(code, 0, "{err}");
+}

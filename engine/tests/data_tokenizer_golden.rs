@@ -76,7 +76,7 @@ fn tokenize(name: &str, inputs: &[&Path], out: &Path, extra: &[&str]) -> (String
     assert!(o.status.success(), "{name} {extra:?}: {err}");
     let line = String::from_utf8(o.stdout).unwrap();
     let pieces = line
-        .split(" pieces)")
+        .split(" piece")
         .next()
         .and_then(|h| h.rsplit('(').next())
         .and_then(|p| p.replace(',', "").parse().ok())

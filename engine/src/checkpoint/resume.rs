@@ -1029,23 +1029,43 @@ pub fn resume_changes(
         let parse = |t: &str| fsdp_planner::hf::parse_llama_numerics(t, "config.json").ok();
         if let (Some(a), Some(b)) = (parse(&was), parse(&now)) {
             if a != b {
+                let scaling = |s: Option<fsdp_planner::Llama3RopeScaling>| {
+                    s.map_or("none".into(), |s| format!("llama3 x{}", s.factor))
+                };
+                let window = |w: Option<u64>| w.map_or("none".into(), |w| w.to_string());
+                let changed: Vec<String> = [
+                    (
+                        "rms_norm_eps",
+                        b.rms_norm_eps.to_string(),
+                        a.rms_norm_eps.to_string(),
+                    ),
+                    (
+                        "rope_theta",
+                        b.rope_theta.to_string(),
+                        a.rope_theta.to_string(),
+                    ),
+                    (
+                        "rope_scaling",
+                        scaling(b.rope_scaling),
+                        scaling(a.rope_scaling),
+                    ),
+                    (
+                        "sliding_window",
+                        window(b.sliding_window),
+                        window(a.sliding_window),
+                    ),
+                ]
+                .into_iter()
+                .filter(|(_, now, was)| now != was)
+                .map(|(k, now, was)| format!("{k} {now} was {was}"))
+                .collect();
                 lines.push(format!(
                     "--hf-config {} computes another model than the checkpoint's config.json \
-                     (rms_norm_eps {} was {}, rope_theta {} was {}, rope_scaling {} was {}, \
-                     sliding_window {:?} was {:?}): the same weights give other outputs",
+                     ({}): the same weights give other outputs",
                     o.hf_config
                         .as_ref()
                         .map_or(String::new(), |p| p.display().to_string()),
-                    b.rms_norm_eps,
-                    a.rms_norm_eps,
-                    b.rope_theta,
-                    a.rope_theta,
-                    b.rope_scaling
-                        .map_or("none".into(), |s| format!("llama3 x{}", s.factor)),
-                    a.rope_scaling
-                        .map_or("none".into(), |s| format!("llama3 x{}", s.factor)),
-                    b.sliding_window,
-                    a.sliding_window
+                    changed.join(", ")
                 ));
             }
         }

@@ -217,7 +217,9 @@ pub fn check_data_tokenizer(
                 format!(
                     "--data {} was made with another tokenizer (sha256 {}..) than the model's {} \
                      (sha256 {}..): its token ids name other pieces of text than the ones the \
-                     model learned. Tokenize the text again with the model's tokenizer, {}",
+                     model learned (the hashes are of the tokenizer.json bytes: the same \
+                     tokenizer saved in another layout differs too). Tokenize the text again \
+                     with the model's tokenizer, {}",
                     p.display(),
                     short_sha(&h.tokenizer_hex()),
                     tok.display(),

@@ -236,7 +236,7 @@ fn tokenize(a: TokenizeArgs) -> Result<(), CliError> {
         many => format!("{} documents", many.len()),
     };
     let line = format!(
-        "wrote {}: {} tokens, vocabulary {}, {}, {} bytes, from {} bytes of {from} ({} pieces) in {:.2} s",
+        "wrote {}: {} tokens, vocabulary {}, {}, {} bytes, from {} bytes of {from} ({} piece{}) in {:.2} s",
         a.output.display(),
         g(summary.header.count),
         g(summary.header.vocab_size),
@@ -244,6 +244,7 @@ fn tokenize(a: TokenizeArgs) -> Result<(), CliError> {
         g(summary.bytes),
         g(text_bytes),
         g(pieces),
+        if pieces == 1 { "" } else { "s" },
         start.elapsed().as_secs_f64()
     );
     use std::io::Write as _;

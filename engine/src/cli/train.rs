@@ -449,6 +449,27 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         },
         _ => RankMemory::Device,
     };
+    // `--init-from` names weights; the model comes from --model, --hf-config or the
+    // directory's config.json. A directory without one names no model: refuse rather than
+    // load its weights into the default preset.
+    if let Some(from) = args.ckpt.init_from.as_deref() {
+        let named = args.model.is_some() || args.hf_config.is_some();
+        let cfg = fsdp_checkpoints::hfdir::CONFIG_FILE;
+        if !named && from.is_dir() && !from.join(cfg).is_file() {
+            return Err(CliError::Usage(format!(
+                "--init-from {} holds no {cfg}, so it names no model: pass the model's config \
+                 with --hf-config CONFIG.json, or a preset with --model",
+                from.display()
+            )));
+        }
+        if !named && from.is_file() && root {
+            eprintln!(
+                "note: --init-from {} is a weights file, which names no model: the model is the \
+                 default `{DEFAULT_MODEL}`; pass --hf-config CONFIG.json or --model for another",
+                from.display()
+            );
+        }
+    }
     // A model directory with its tokenizer: the data must be tokens of that tokenizer.
     if let Some(dir) = args.ckpt.init_from.as_deref().filter(|d| d.is_dir()) {
         let flag = format!("--init-from {}", dir.display());
