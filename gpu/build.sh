@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds everything gpu/check.sh runs, on a machine WITHOUT a GPU, and puts it in target-gpu/
 # (git-ignored) for the GPU machine, which has no Rust toolchain:
-# (each executable stripped and gzipped: target-gpu/NAME.gz)
+# (each executable stripped and xz-compressed: target-gpu/NAME.xz)
 #   target-gpu/fsdp              the CLI (--features cuda; `fsdp launch` starts the ranks)
 #   target-gpu/cuda_kernels      kernels/tests/cuda_kernels.rs (CUDA kernels vs the CPU)
 #   target-gpu/kernels_unit      fsdp-kernels' unit tests (span tiles, grids, device probe)
@@ -16,10 +16,12 @@
 # gpu/pytorch_gpt2_eager.py: tracked files, they travel with the work tree); this script
 # compiles those and runs their unit tests (gpu/test_gpu_tools.py), so a broken one is found
 # here, not on the GPU machine.
-# Usage (repo root): gpu/build.sh        (~25 min the first time on 2 cores: candle-kernels)
+# Usage (repo root): gpu/build.sh        (~35-40 min the first time on 2 cores, ~20 of them
+# candle-kernels' nvcc; a few minutes after a change)
 # Builds go to target-cuda/ under `nice -n 19` (the team's rule for --features cuda builds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+command -v xz >/dev/null 2>&1 || { echo "gpu/build.sh: xz not found (it compresses target-gpu/): apt-get install xz-utils" >&2; exit 2; }
 # The check's Python: syntax (torch is not needed to compile the PyTorch baseline) and tests.
 PYTHONDONTWRITEBYTECODE=1 python3 - <<'PY'
 import pathlib
@@ -119,9 +121,9 @@ else
   echo "gpu/build.sh: WARNING: $engine_cuda" >&2
 fi
 BINS="fsdp cuda_kernels kernels_unit nccl_conformance comm_unit nccl_bandwidth"
-# Stripped and gzipped: the device tool carries at most 64 MiB (the CUDA CLI alone is ~53 MB);
-# gpu/check.sh unpacks them.
-for b in $BINS; do strip "target-gpu/$b" 2>/dev/null || true; gzip -9 "target-gpu/$b"; done
+# Stripped and xz-compressed: the device tool carries at most 64 MiB (the CUDA CLI alone is
+# ~53 MB; gzip -9 made the six 65 MiB, xz -6 makes them ~37 MB); gpu/check.sh unpacks them.
+for b in $BINS; do strip "target-gpu/$b" 2>/dev/null || true; xz -T0 -6 "target-gpu/$b"; done
 { echo "commit $(git rev-parse HEAD)$(git diff --quiet || echo ' (with uncommitted changes)')";
   echo "built $(date -u +%FT%TZ) on $(hostname)"; rustc --version
   echo "CUDA toolkit: $(nvcc --version | grep -m1 release) (CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-unset})"
