@@ -25,11 +25,16 @@ mkdir -p "$OUT"
 # Files this script appends to or derives (row logs are overwritten by their rows).
 rm -f "$OUT/metrics.jsonl" "$OUT/commands.txt" "$OUT/summary.txt" "$OUT/results.md" \
   "$OUT/pytorch_gpt2.jsonl" "$OUT/nccl_bandwidth.jsonl"
-[ -f "$G/fsdp.gz" ] || { echo "check.sh: $G/fsdp.gz missing: run gpu/build.sh on the build machine" >&2; exit 2; }
-# Unpack the gzipped executables (gpu/build.sh) into machine-local scratch.
+[ -f "$G/fsdp.xz" ] || { echo "check.sh: $G/fsdp.xz missing: run gpu/build.sh on the build machine" >&2; exit 2; }
+# Unpack the xz-compressed executables (gpu/build.sh) into machine-local scratch (xz, else
+# Python's lzma).
 T=${TMPDIR:-/tmp}/fsdp-gpu-bin
 mkdir -p "$T"
-for f in "$G"/*.gz; do gunzip -c "$f" > "$T/$(basename "$f" .gz)" && chmod +x "$T/$(basename "$f" .gz)"; done
+unxz_to() { # unxz_to FILE.xz OUT
+  if command -v xz >/dev/null 2>&1; then xz -dc "$1" > "$2"
+  else python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)' "$1" > "$2"; fi
+}
+for f in "$G"/*.xz; do unxz_to "$f" "$T/$(basename "$f" .xz)" && chmod +x "$T/$(basename "$f" .xz)"; done
 cp "$G/BUILD" "$T/BUILD"
 ORIG_LD_LIBRARY_PATH=${LD_LIBRARY_PATH-}
 # shellcheck disable=SC1091
@@ -58,7 +63,7 @@ run() {
   fi
   [ "$limit" -gt "$left" ] && limit=$left
   # Exact (shell-quoted) command, with the unpacked binaries and this run's log folder named
-  # as in the README: target-gpu/NAME (gunzipped) and $OUT.
+  # as in the README: target-gpu/NAME (unpacked) and $OUT.
   { printf '%q ' "$@"; echo; } | sed -e "s#$T/#target-gpu/#g" -e "s#$OUT/#\$OUT/#g" \
     -e "s#$PWD/gpu/#gpu/#g" >> "$OUT/commands.txt"
   local t0

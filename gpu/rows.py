@@ -417,7 +417,7 @@ def cmd_report(a):
     if commands:
         md.append("")
         md.append("## Commands (repo root, after `. target-gpu/device-env.sh`; `target-gpu/NAME` "
-                  "is the executable check.sh unpacks from `target-gpu/NAME.gz`)")
+                  "is the executable check.sh unpacks from `target-gpu/NAME.xz`)")
         md.append("")
         md.append("```")
         md.extend(commands)

@@ -57,8 +57,8 @@ pub(crate) mod raw;
 mod reduce;
 mod tensor;
 
+pub use crate::reduce_launch::{REDUCE_NVRTC_OPTIONS, REDUCE_SOURCE};
 pub use launcher::{NcclLauncher, NCCL_HOSTID_PER_RANK};
-pub use reduce::REDUCE_SOURCE;
 
 use crate::agreement::{self, Transport};
 use crate::buf::{Buf, BufMut, Element, OwnedBuf};
@@ -69,6 +69,7 @@ use crate::comm::{
     Communicator, PendingOp,
 };
 use crate::error::{CallDesc, CommError, OpKind};
+use crate::reduce_launch::RankOrderSteps;
 use crate::rendezvous::{LaunchEnv, Rendezvous};
 use crate::topology::{Group, ReduceOp, Topology};
 use cudarc::driver::{
@@ -617,28 +618,24 @@ impl NcclComm {
                 .map_err(|t| self.nccl_err(call, "ncclReduceScatter", t))?;
             return self.settle(call, group, start, "ncclReduceScatter");
         }
-        let chunk = (self.opts.chunk_bytes / (g * es as usize).max(1)).clamp(1, n);
-        let scratch = self
-            .stream
-            .alloc_zeros::<u8>(g * chunk * es as usize)
-            .map_err(|e| {
-                self.fail(cuda_error(
-                    self.rank,
-                    &format!(
-                        "cuMemAllocAsync({} bytes of reduction scratch)",
-                        g * chunk * es as usize
-                    ),
-                    e,
-                ))
-            })?;
+        let Some(steps) = RankOrderSteps::new(n, g, es as usize, self.opts.chunk_bytes) else {
+            return Ok(());
+        };
+        let scratch_bytes = steps.scratch_bytes();
+        let scratch = self.stream.alloc_zeros::<u8>(scratch_bytes).map_err(|e| {
+            self.fail(cuda_error(
+                self.rank,
+                &format!("cuMemAllocAsync({scratch_bytes} bytes of reduction scratch)"),
+                e,
+            ))
+        })?;
         let (sp, _guard) = scratch.device_ptr(&self.stream);
-        let mut a = 0usize;
-        while a < n {
-            let cnt = chunk.min(n - a);
+        for step in steps.iter() {
+            let cnt = step.count;
             grouped(c, || {
                 for j in 0..g {
-                    let from = send + (j * n + a) as u64 * es;
-                    let into = sp + (j * cnt) as u64 * es;
+                    let from = send + steps.send_offset(step, j);
+                    let into = sp + steps.scratch_offset(step, j);
                     // SAFETY: `from` addresses cnt elements of block j of the send buffer,
                     // `into` slot j of the scratch (g x chunk elements).
                     let r = unsafe {
@@ -674,12 +671,11 @@ impl NcclComm {
                 parts: sp,
                 g,
                 c: cnt,
-                out: recv + a as u64 * es,
+                out: recv + steps.out_offset(step),
             };
             self.reducer
                 .launch(self.rank, &self.stream, fold)
                 .map_err(|e| self.fail(e))?;
-            a += cnt;
         }
         Ok(())
     }
@@ -719,25 +715,21 @@ impl NcclComm {
                 .map_err(|t| self.nccl_err(call, "ncclAllReduce", t))?;
             return self.settle(call, group, start, "ncclAllReduce");
         }
-        let chunk = (self.opts.chunk_bytes / (g * es as usize).max(1)).clamp(1, n);
-        let scratch = self
-            .stream
-            .alloc_zeros::<u8>(g * chunk * es as usize)
-            .map_err(|e| {
-                self.fail(cuda_error(
-                    self.rank,
-                    &format!(
-                        "cuMemAllocAsync({} bytes of reduction scratch)",
-                        g * chunk * es as usize
-                    ),
-                    e,
-                ))
-            })?;
+        let Some(steps) = RankOrderSteps::new(n, g, es as usize, self.opts.chunk_bytes) else {
+            return Ok(());
+        };
+        let scratch_bytes = steps.scratch_bytes();
+        let scratch = self.stream.alloc_zeros::<u8>(scratch_bytes).map_err(|e| {
+            self.fail(cuda_error(
+                self.rank,
+                &format!("cuMemAllocAsync({scratch_bytes} bytes of reduction scratch)"),
+                e,
+            ))
+        })?;
         let (sp, _guard) = scratch.device_ptr(&self.stream);
-        let mut a = 0usize;
-        while a < n {
-            let cnt = chunk.min(n - a);
-            let piece = buf + a as u64 * es;
+        for step in steps.iter() {
+            let cnt = step.count;
+            let piece = buf + steps.out_offset(step);
             // SAFETY: `piece` addresses cnt elements of buf; scratch holds g x cnt.
             let r = unsafe {
                 sys::ncclAllGather(
@@ -763,7 +755,6 @@ impl NcclComm {
             self.reducer
                 .launch(self.rank, &self.stream, fold)
                 .map_err(|e| self.fail(e))?;
-            a += cnt;
         }
         Ok(())
     }

@@ -6,107 +6,21 @@
 //! the wire type at the end, `Avg` divided once by the group size, `Max` NaN-propagating.
 //! Compiled by NVRTC at first use with the same IEEE options as fsdp-kernels (no FMA, explicit
 //! `_rn` intrinsics), so the result is bit-identical to the thread backend.
+//!
+//! The source, the dtype and op codes and the grid are in [`crate::reduce_launch`] (built and
+//! tested without the feature too).
 
 use super::raw::cuda_error;
 use crate::error::CommError;
+use crate::reduce_launch::{
+    kernel_index, op_code, reduce_grid, REDUCE_BLOCK, REDUCE_KERNEL_NAMES, REDUCE_NVRTC_OPTIONS,
+    REDUCE_SOURCE,
+};
 use crate::topology::ReduceOp;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
 use fsdp_types::DType;
 use std::sync::Arc;
-
-/// CUDA C source of the reduction kernels (one per dtype).
-pub const REDUCE_SOURCE: &str = r#"
-typedef unsigned long long u64;
-typedef unsigned int u32;
-typedef unsigned short u16;
-#define GRID_STRIDE(i, n) \
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
-         i += (u64)gridDim.x * blockDim.x)
-__device__ float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }
-__device__ u16 f32_to_bf16(float x) {
-    const u32 u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x0040u);
-    return (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-__device__ float f16_to_f32(u16 h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
-__device__ u16 f32_to_f16(float x) { u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x)); return h; }
-__device__ float fold_f(float a, float x, u32 op) {
-    if (op == 2) { return (x > a || x != x) ? x : a; }
-    return __fadd_rn(a, x);
-}
-__device__ double fold_d(double a, double x, u32 op) {
-    if (op == 2) { return (x > a || x != x) ? x : a; }
-    return __dadd_rn(a, x);
-}
-// op: 0 sum, 1 avg (sum, then one division by g), 2 max.
-extern "C" __global__ void fsdp_rank_order_f32(const float* parts, u32 g, u64 c, float* out, u32 op) {
-    GRID_STRIDE(i, c) {
-        float a = parts[i];
-        for (u32 j = 1; j < g; ++j) a = fold_f(a, parts[(u64)j * c + i], op);
-        if (op == 1) a = __fdiv_rn(a, (float)g);
-        out[i] = a;
-    }
-}
-extern "C" __global__ void fsdp_rank_order_f64(const double* parts, u32 g, u64 c, double* out, u32 op) {
-    GRID_STRIDE(i, c) {
-        double a = parts[i];
-        for (u32 j = 1; j < g; ++j) a = fold_d(a, parts[(u64)j * c + i], op);
-        if (op == 1) a = __ddiv_rn(a, (double)g);
-        out[i] = a;
-    }
-}
-extern "C" __global__ void fsdp_rank_order_bf16(const u16* parts, u32 g, u64 c, u16* out, u32 op) {
-    GRID_STRIDE(i, c) {
-        float a = bf16_to_f32(parts[i]);
-        for (u32 j = 1; j < g; ++j) a = fold_f(a, bf16_to_f32(parts[(u64)j * c + i]), op);
-        if (op == 1) a = __fdiv_rn(a, (float)g);
-        out[i] = f32_to_bf16(a);
-    }
-}
-extern "C" __global__ void fsdp_rank_order_f16(const u16* parts, u32 g, u64 c, u16* out, u32 op) {
-    GRID_STRIDE(i, c) {
-        float a = f16_to_f32(parts[i]);
-        for (u32 j = 1; j < g; ++j) a = fold_f(a, f16_to_f32(parts[(u64)j * c + i]), op);
-        if (op == 1) a = __fdiv_rn(a, (float)g);
-        out[i] = f32_to_f16(a);
-    }
-}
-"#;
-
-/// Kernel names, indexed like [`dtype_index`].
-const NAMES: [&str; 4] = [
-    "fsdp_rank_order_f32",
-    "fsdp_rank_order_bf16",
-    "fsdp_rank_order_f16",
-    "fsdp_rank_order_f64",
-];
-
-fn dtype_index(d: DType) -> usize {
-    match d {
-        DType::F32 => 0,
-        DType::BF16 => 1,
-        DType::F16 => 2,
-        DType::F64 => 3,
-    }
-}
-
-/// The op code the kernels take.
-pub(crate) fn op_code(op: ReduceOp) -> u32 {
-    match op {
-        ReduceOp::Sum => 0,
-        ReduceOp::Avg => 1,
-        ReduceOp::Max => 2,
-    }
-}
-
-/// Threads per block.
-const BLOCK: u32 = 256;
-
-/// Blocks for `n` elements: `ceil(n / 256)` in `1..=2^20` (grid-stride loop beyond).
-pub(crate) fn grid(n: usize) -> u32 {
-    n.div_ceil(BLOCK as usize).clamp(1, 1 << 20) as u32
-}
 
 /// The compiled kernels on one context.
 pub(crate) struct Reducer {
@@ -131,27 +45,29 @@ pub(crate) struct Fold {
     pub(crate) out: u64,
 }
 
+/// Compiles [`REDUCE_SOURCE`] to PTX for `compute_{arch}` (e.g. `90`) with
+/// [`REDUCE_NVRTC_OPTIONS`]. NVRTC needs no device.
+pub(crate) fn compile_reduce_ptx(arch: u32) -> Result<Ptx, CompileError> {
+    let mut options: Vec<String> = REDUCE_NVRTC_OPTIONS.iter().map(|o| o.to_string()).collect();
+    options.push(format!("--gpu-architecture=compute_{arch}"));
+    compile_ptx_with_opts(
+        REDUCE_SOURCE,
+        CompileOptions {
+            options,
+            name: Some("fsdp_nccl_reduce.cu".into()),
+            ..Default::default()
+        },
+    )
+}
+
 impl Reducer {
     /// Compiles [`REDUCE_SOURCE`] for the context's compute capability and loads it.
     pub(crate) fn new(rank: usize, ctx: &Arc<CudaContext>) -> Result<Reducer, CommError> {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| cuda_error(rank, "cuDeviceGetAttribute(compute capability)", e))?;
-        let options = vec![
-            "--fmad=false".to_string(),
-            "--prec-div=true".to_string(),
-            "--ftz=false".to_string(),
-            format!("--gpu-architecture=compute_{major}{minor}"),
-        ];
-        let ptx = compile_ptx_with_opts(
-            REDUCE_SOURCE,
-            CompileOptions {
-                options,
-                name: Some("fsdp_nccl_reduce.cu".into()),
-                ..Default::default()
-            },
-        )
-        .map_err(|e| CommError::Device {
+        let arch = u32::try_from(major * 10 + minor).unwrap_or(0);
+        let ptx = compile_reduce_ptx(arch).map_err(|e| CommError::Device {
             rank,
             library: "nvrtc",
             call: "nvrtcCompileProgram(rank-order reduction)".into(),
@@ -165,7 +81,7 @@ impl Reducer {
         let module = ctx
             .load_module(ptx)
             .map_err(|e| cuda_error(rank, "cuModuleLoadData(rank-order reduction)", e))?;
-        let f = NAMES
+        let f = REDUCE_KERNEL_NAMES
             .iter()
             .map(|n| {
                 module
@@ -194,13 +110,13 @@ impl Reducer {
         if c == 0 {
             return Ok(());
         }
-        let f = &self.f[dtype_index(dtype)];
+        let k = kernel_index(dtype);
         let (g32, c64, code) = (g as u32, c as u64, op_code(op));
-        let mut b = stream.launch_builder(f);
+        let mut b = stream.launch_builder(&self.f[k]);
         b.arg(&parts).arg(&g32).arg(&c64).arg(&out).arg(&code);
         let cfg = LaunchConfig {
-            grid_dim: (grid(c), 1, 1),
-            block_dim: (BLOCK, 1, 1),
+            grid_dim: (reduce_grid(c), 1, 1),
+            block_dim: (REDUCE_BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: the pointer arguments are 64-bit device addresses of live buffers holding
@@ -209,7 +125,7 @@ impl Reducer {
         unsafe { b.launch(cfg) }.map_err(|e| {
             cuda_error(
                 rank,
-                &format!("cuLaunchKernel({})", NAMES[dtype_index(dtype)]),
+                &format!("cuLaunchKernel({})", REDUCE_KERNEL_NAMES[k]),
                 e,
             )
         })?;
@@ -223,36 +139,15 @@ mod tests {
 
     #[test]
     fn reduction_kernels_compile_with_nvrtc() {
-        // NVRTC needs no device: this runs wherever a `cuda` build can start.
-        let ptx = compile_ptx_with_opts(
-            REDUCE_SOURCE,
-            CompileOptions {
-                options: vec![
-                    "--fmad=false".into(),
-                    "--prec-div=true".into(),
-                    "--gpu-architecture=compute_90".into(),
-                ],
-                ..Default::default()
-            },
-        )
-        .map_err(|e| format!("{e:?}"))
-        .expect("the reduction source compiles");
+        // NVRTC needs no device: this runs wherever a `cuda` build can start (the CUDA CI step
+        // runs it against the toolkit's NVRTC), for the GPU test machine's sm_90.
+        let ptx = compile_reduce_ptx(90)
+            .map_err(|e| format!("{e:?}"))
+            .expect("the reduction source compiles for compute_90");
         let src = ptx.to_src();
-        for n in NAMES {
+        for n in REDUCE_KERNEL_NAMES {
             assert!(src.contains(&format!(".entry {n}(")), "{n}");
         }
         assert!(!src.contains("fma.rn"), "no fused multiply-add");
-    }
-
-    #[test]
-    fn grid_and_op_codes() {
-        assert_eq!(grid(0), 1);
-        assert_eq!(grid(257), 2);
-        assert_eq!(grid(usize::MAX / 4), 1 << 20);
-        assert_eq!(
-            [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max].map(op_code),
-            [0, 1, 2]
-        );
-        assert_eq!(NAMES[dtype_index(DType::BF16)], "fsdp_rank_order_bf16");
     }
 }
