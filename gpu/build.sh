@@ -123,7 +123,11 @@ fi
 BINS="fsdp cuda_kernels kernels_unit nccl_conformance comm_unit nccl_bandwidth"
 # Stripped and xz-compressed: the device tool carries at most 64 MiB (the CUDA CLI alone is
 # ~53 MB; gzip -9 made the six 65 MiB, xz -6 makes them ~37 MB); gpu/check.sh unpacks them.
-for b in $BINS; do strip "target-gpu/$b" 2>/dev/null || true; xz -T0 -6 "target-gpu/$b"; done
+# FSDP_GPU_PACK=0 (CI, where nothing travels) leaves them stripped but uncompressed.
+for b in $BINS; do
+  strip "target-gpu/$b" 2>/dev/null || true
+  if [ "${FSDP_GPU_PACK:-1}" != 0 ]; then xz -T0 -6 "target-gpu/$b"; fi
+done
 { echo "commit $(git rev-parse HEAD)$(git diff --quiet || echo ' (with uncommitted changes)')";
   echo "built $(date -u +%FT%TZ) on $(hostname)"; rustc --version
   echo "CUDA toolkit: $(nvcc --version | grep -m1 release) (CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-unset})"
