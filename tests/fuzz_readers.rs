@@ -12,7 +12,14 @@ use std::time::Duration;
 
 fn short(name: &str, inputs: u64) {
     fuzz::quiet_panics();
-    let dir = tempfile::tempdir().unwrap();
+    // Temporary files on a memory file system when there is one (each input is a file).
+    let shm = std::path::Path::new("/dev/shm");
+    let dir = if shm.is_dir() {
+        tempfile::tempdir_in(shm).or_else(|_| tempfile::tempdir())
+    } else {
+        tempfile::tempdir()
+    }
+    .unwrap();
     let seeds = fuzz::make_seeds(&dir.path().join("seeds"));
     let ws = dir.path().join("ws");
     let mut r = fuzz::reader(name, &seeds, &ws);
@@ -44,45 +51,45 @@ fn short(name: &str, inputs: u64) {
 
 #[test]
 fn fuzz_safetensors_header_short() {
-    short("safetensors_header", 3000);
+    short("safetensors_header", 5000);
 }
 
 #[test]
 fn fuzz_weights_short() {
-    short("weights", 1000);
+    short("weights", 3000);
 }
 
 #[test]
 fn fuzz_weights_index_short() {
-    short("weights_index", 1000);
+    short("weights_index", 2000);
 }
 
 #[test]
 fn fuzz_rank_file_short() {
-    short("rank_file", 1000);
+    short("rank_file", 2000);
 }
 
 #[test]
 fn fuzz_manifest_short() {
-    short("manifest", 1000);
+    short("manifest", 2000);
 }
 
 #[test]
 fn fuzz_token_file_short() {
-    short("token_file", 2000);
+    short("token_file", 5000);
 }
 
 #[test]
 fn fuzz_hf_config_short() {
-    short("hf_config", 1000);
+    short("hf_config", 3000);
 }
 
 #[test]
 fn fuzz_spec_short() {
-    short("spec", 1000);
+    short("spec", 3000);
 }
 
 #[test]
 fn fuzz_tokenizer_cuts_short() {
-    short("tokenizer_cuts", 500);
+    short("tokenizer_cuts", 1000);
 }

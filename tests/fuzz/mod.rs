@@ -759,7 +759,10 @@ pub fn reader(name: &str, seeds: &Seeds, ws: &Path) -> Reader {
             }
         }
         "hf_config" => {
-            let path = ws.join("config.json");
+            // The model is named after the config's directory.
+            let dir = ws.join("hf_config");
+            std::fs::create_dir_all(&dir).unwrap();
+            let path = dir.join("config.json");
             let args = plan_args("--hf-config", &path);
             Reader {
                 name: "hf_config",
