@@ -260,7 +260,9 @@ impl Manifest {
     ///
     /// Errors: `BadFile` (naming `path`) on any disagreement.
     pub fn layout(&self, path: &Path) -> Result<CheckpointLayout> {
-        if self.shard_size == 0 || self.world_size != self.shard_size * self.replicate_size {
+        if self.shard_size == 0
+            || self.shard_size.checked_mul(self.replicate_size) != Some(self.world_size)
+        {
             return Err(bad_file(
                 path,
                 format!(

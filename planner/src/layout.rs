@@ -13,7 +13,8 @@
 //! <https://github.com/pytorch/pytorch/pull/104967>).
 
 use crate::error::PlanError;
-use crate::spec::{ModelSpec, UnitSpec};
+use crate::hf::{MAX_DIM, MAX_LAYERS};
+use crate::spec::{Architecture, ModelSpec, UnitSpec};
 use fsdp_types::Numel;
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
@@ -88,7 +89,8 @@ impl FlatParamLayout {
     /// Lays out `params` (indices into `unit.params`, in order) for a shard group of
     /// `shard_size` ranks, each segment aligned to `alignment` elements.
     ///
-    /// Errors: `ZeroAlignment`, `ZeroWorldSize` (shard size 0).
+    /// Errors: `ZeroAlignment`, `ZeroWorldSize` (shard size 0), `InvalidSpec` when the padded
+    /// length does not fit in u64.
     pub fn new(
         unit_index: usize,
         unit: &UnitSpec,
@@ -105,9 +107,19 @@ impl FlatParamLayout {
         }
         let mut offset = 0u64;
         let mut segments = Vec::with_capacity(params.len());
+        let too_large = || {
+            PlanError::InvalidSpec(format!(
+                "unit `{}`: its parameters at alignment {alignment} and shard size {shard_size} \
+                 exceed 2^64 elements",
+                unit.name
+            ))
+        };
         for &i in params {
             let p = &unit.params[i];
-            offset = offset.div_ceil(alignment) * alignment;
+            offset = offset
+                .div_ceil(alignment)
+                .checked_mul(alignment)
+                .ok_or_else(too_large)?;
             let numel = p.numel();
             segments.push(Segment {
                 param_index: i,
@@ -117,10 +129,13 @@ impl FlatParamLayout {
                 numel,
                 weight_decay: p.weight_decay,
             });
-            offset += numel.0;
+            offset = offset.checked_add(numel.0).ok_or_else(too_large)?;
         }
-        let quantum = alignment * shard_size;
-        let padded = offset.div_ceil(quantum) * quantum;
+        let quantum = alignment.checked_mul(shard_size).ok_or_else(too_large)?;
+        let padded = offset
+            .div_ceil(quantum)
+            .checked_mul(quantum)
+            .ok_or_else(too_large)?;
         Ok(FlatParamLayout {
             unit: unit_index,
             trainable,
@@ -291,7 +306,8 @@ pub const MAX_PARAM_NUMEL: u64 = 1 << 48;
 
 /// Checks a spec: at least one unit, unique non-empty names, no zero-size dimension, no
 /// parameter above `MAX_PARAM_NUMEL` elements, every tied parameter's target in the same unit
-/// and not itself tied.
+/// and not itself tied, and the architecture's sizes within the bounds of a `config.json`
+/// ([`crate::hf::MAX_DIM`], [`crate::hf::MAX_LAYERS`]).
 pub fn validate(spec: &ModelSpec) -> Result<(), PlanError> {
     if spec.units.is_empty() {
         return Err(PlanError::InvalidSpec("the model has no units".into()));
@@ -363,6 +379,43 @@ pub fn validate(spec: &ModelSpec) -> Result<(), PlanError> {
                 }
             }
         }
+    }
+    // The architecture's sizes (as a spec file gives them) feed the activation estimates:
+    // they are held to the bounds of a config.json.
+    let (sizes, layers): (Vec<(&str, u64)>, u64) = match &spec.arch {
+        Architecture::Gpt2(c) => (
+            vec![
+                ("vocab_size", c.vocab_size),
+                ("n_positions", c.n_positions),
+                ("d_model", c.d_model),
+                ("n_head", c.n_head),
+            ],
+            c.n_layer,
+        ),
+        Architecture::Llama(c) => (
+            vec![
+                ("vocab_size", c.vocab_size),
+                ("d_model", c.d_model),
+                ("n_head", c.n_head),
+                ("n_kv_head", c.n_kv_head),
+                ("ffn_hidden", c.ffn_hidden),
+                ("max_seq", c.max_seq),
+            ],
+            c.n_layer,
+        ),
+        Architecture::Generic => (Vec::new(), 0),
+    };
+    for (field, v) in sizes {
+        if v == 0 || v > MAX_DIM {
+            return Err(PlanError::InvalidSpec(format!(
+                "architecture field `{field}` is {v}, outside 1..={MAX_DIM}"
+            )));
+        }
+    }
+    if layers > MAX_LAYERS {
+        return Err(PlanError::InvalidSpec(format!(
+            "architecture field `n_layer` is {layers}, above the limit of {MAX_LAYERS}"
+        )));
     }
     Ok(())
 }

@@ -102,7 +102,7 @@ fn tokenize(a: TokenizeArgs) -> Result<(), CliError> {
         }
         Ok(_) => {}
     }
-    let mut tokenizer = tokenizers::Tokenizer::from_file(tok).map_err(|e| {
+    let mut tokenizer = tokens::read_tokenizer(tok).map_err(|e| {
         CliError::Usage(format!(
             "--tokenizer {} is not a Hugging Face tokenizer file: {e}; pass a tokenizer.json saved by the `tokenizers` library",
             tok.display()

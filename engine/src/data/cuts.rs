@@ -245,6 +245,16 @@ impl CutPlan {
         } else {
             CutRule::BeforeSpace
         };
+        // `tokenizers` writes a vocabulary out by walking every id up to the largest, listing
+        // the missing ones: a single id near u32::MAX would take minutes and gigabytes.
+        let vocab = tokenizer.get_vocab(false);
+        let largest = vocab.values().copied().max().unwrap_or(0);
+        if largest as usize >= vocab.len() {
+            return Err(format!(
+                "its vocabulary has gaps (largest id {largest} for {} tokens)",
+                vocab.len()
+            ));
+        }
         let model = json("model", serde_json::to_value(tokenizer.get_model()))?;
         let kind = model["type"].as_str().unwrap_or("unknown").to_string();
         if kind == "BPE" && model["dropout"].as_f64().is_some_and(|p| p > 0.0) {

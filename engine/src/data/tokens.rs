@@ -637,6 +637,21 @@ pub struct EncodeStats {
     pub pieces: u64,
 }
 
+/// Reads a Hugging Face `tokenizer.json` from `path`. The JSON syntax is checked first:
+/// `tokenizers` panics, instead of returning an error, on a syntax error inside some sections
+/// (a decoder's).
+///
+/// Errors: the reason, without the path: the file cannot be read, is not JSON (line and
+/// column), or is not a tokenizer file.
+pub fn read_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer, String> {
+    let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
+    // Parsed into a value, which also checks the escapes inside strings (a skipped string's are
+    // not checked).
+    serde_json::from_slice::<serde_json::Value>(&bytes)
+        .map_err(|e| format!("not valid JSON: {e}"))?;
+    tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| e.to_string())
+}
+
 /// Turns off `tokenizer`'s truncation and padding, which would cut or pad every text encoded
 /// (a corpus is encoded whole, as `tokenizers`' `encode` does without them); returns a note
 /// for each one that was on.
