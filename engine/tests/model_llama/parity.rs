@@ -137,6 +137,16 @@ fn assert_bitwise(a: &Run, b: &Run, what: &str) {
         a.losses,
         b.losses
     );
+    // The same units, parameters and lengths first: the element comparison below would
+    // otherwise stop silently at the shorter side.
+    let shape = |p: &[Vec<Vec<f32>>]| -> Vec<Vec<usize>> {
+        p.iter().map(|u| u.iter().map(Vec::len).collect()).collect()
+    };
+    assert_eq!(
+        shape(&a.params),
+        shape(&b.params),
+        "{what}: element count per unit and parameter"
+    );
     for (u, (pa, pb)) in a.params.iter().zip(&b.params).enumerate() {
         for (k, (x, y)) in pa.iter().zip(pb).enumerate() {
             let diff = x
