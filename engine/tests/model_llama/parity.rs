@@ -103,6 +103,14 @@ fn run_engine(strategy: Strategy, w: usize, kk: usize, sync: GradSync, dtype: DT
         },
     );
     let mut runs: Vec<Run> = results.into_iter().map(|r| r.unwrap()).collect();
+    // Every rank saw the same losses and gathers the same full parameters.
+    for (rank, r) in runs.iter().enumerate().skip(1) {
+        assert_bitwise(
+            r,
+            &runs[0],
+            &format!("{strategy} W={w} {dtype}: rank {rank} vs rank 0"),
+        );
+    }
     runs.swap_remove(0)
 }
 
