@@ -184,6 +184,14 @@ fn offload_is_bitwise_the_run_on_the_device() {
         (Strategy::ShardOptimizer, 4),
         (Strategy::NoShard, 1),
     ];
+    // The pairs refused, by the rule in the docs: no-shard and shard-optimizer keep the whole
+    // parameters on the device all step, so there is no parameter shard to offload. (No-shard
+    // runs here at W = 1, where offloading its optimizer state applies.)
+    let refused = |strategy: Strategy, o: Offload| {
+        strategy == Strategy::NoShard && o == Offload::Params
+            || strategy == Strategy::ShardOptimizer && o == Offload::Params
+    };
+    let mut compared = Vec::new();
     for (strategy, w) in cases {
         for pd in [DType::F32, DType::BF16] {
             let mut base = Case::new(strategy, w, 2);
@@ -205,19 +213,25 @@ fn offload_is_bitwise_the_run_on_the_device() {
             for o in [Offload::Optimizer, Offload::Params] {
                 let mut c = base;
                 c.offload = Some(o);
+                let what = format!("{strategy} W={w} {pd} --offload {o}");
                 let allowed = PlanConfig {
                     offload: Some(o),
                     ..PlanConfig::new(w as u64)
                 }
                 .check_offload(strategy);
-                if allowed.is_err() {
+                if refused(strategy, o) {
+                    assert!(allowed.is_err(), "{what} is refused");
                     continue;
                 }
-                let what = format!("{strategy} W={w} {pd} --offload {o}");
+                assert!(allowed.is_ok(), "{what}: {allowed:?}");
                 assert_bitwise(&run(c), &on_device, &what);
+                compared.push(what);
             }
         }
     }
+    // 6 strategies x 2 offloads, less no-shard and shard-optimizer with the parameters
+    // offloaded, in both precisions.
+    assert_eq!(compared.len(), (6 * 2 - 2) * 2, "{compared:?}");
 }
 
 /// The device ledger equals the plan's device bytes and the host ledger its host bytes, per
