@@ -404,6 +404,29 @@ fn auto_picks_the_fastest_strategy_that_fits() {
         )),
         "{why}"
     );
+    // One byte below full shard's peak without checkpointing: nothing fits on the device
+    // alone, and offloading the optimizer already fits, so auto must not offload the
+    // parameters.
+    let mut e = c.clone();
+    e.strategy = Strategy::FullShard;
+    e.device_memory = None;
+    let tight = plan(&spec, &e).unwrap().memory.peak.0 - 1;
+    let mut t = c.clone();
+    t.device_memory = Some(fsdp_types::Bytes(tight));
+    assert_eq!(
+        first_fit(&spec, &t, &AUTO_ORDER_W8, &[Some(false)], None),
+        None
+    );
+    let (want_s, _, want_o) = first_fit(
+        &spec,
+        &t,
+        &AUTO_ORDER_W8[1..],
+        &[Some(false)],
+        Some(Offload::Optimizer),
+    )
+    .expect("offloading the optimizer fits");
+    let q = plan(&spec, &t).unwrap();
+    assert_eq!((q.strategy, q.config.offload), (want_s, want_o));
     // Every strategy was tried without offload first.
     assert!(why.contains("full-shard needs"), "{why}");
     assert!(why.contains("no-shard needs"), "{why}");
