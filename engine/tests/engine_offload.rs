@@ -188,8 +188,7 @@ fn offload_is_bitwise_the_run_on_the_device() {
     // parameters on the device all step, so there is no parameter shard to offload. (No-shard
     // runs here at W = 1, where offloading its optimizer state applies.)
     let refused = |strategy: Strategy, o: Offload| {
-        strategy == Strategy::NoShard && o == Offload::Params
-            || strategy == Strategy::ShardOptimizer && o == Offload::Params
+        o == Offload::Params && matches!(strategy, Strategy::NoShard | Strategy::ShardOptimizer)
     };
     let mut compared = Vec::new();
     for (strategy, w) in cases {
