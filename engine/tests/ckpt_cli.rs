@@ -518,12 +518,13 @@ fn inspect_reports_a_newer_step_folder_without_manifest() {
     );
 }
 
-/// Asserts that the checkpoint at `dir` (world size 2) holds [`value`]'s parameters and both
-/// moments of every trainable parameter, element by element.
-fn assert_values(dir: &Path, what: &str) {
+/// Asserts that the checkpoint at `dir` has world size 2 in shard groups of `shard` and holds
+/// [`value`]'s parameters and both moments of every trainable parameter, element by element.
+fn assert_values(dir: &Path, shard: u64, what: &str) {
     use fsdp_checkpoints::{Checkpoint, StateKind, Verify};
     let ck = Checkpoint::open(dir, Verify::Checksums).unwrap();
     assert_eq!(ck.manifest().world_size, 2, "{what}");
+    assert_eq!(ck.manifest().shard_size, shard, "{what}");
     assert_eq!(ck.manifest().train.step, 3, "{what}");
     let mut start = std::collections::HashMap::new();
     let mut trainable = Vec::new();
@@ -579,15 +580,16 @@ fn reshard_takes_the_strategy_names_of_train() {
         assert_eq!(code, 0, "{strategy}: {err}");
         // ZeRO-1 shards the optimizer state (and the master weights with it) over the world.
         let shard = if strategy.contains("zero") { 2 } else { 1 };
+        // The target's layout (the source's, also printed, is shard 2 x replicate 1).
         assert!(
             out.contains(&format!(
-                "(world size 2 = shard {shard} x replicate {})",
+                "(world size 2 = shard {shard} x replicate {}), step 3",
                 2 / shard
             )),
             "{strategy}: {out}"
         );
         assert!(d.join("latest").is_file(), "{strategy}: {err}");
-        assert_values(&d, strategy);
+        assert_values(&d, shard, strategy);
     }
 }
 
