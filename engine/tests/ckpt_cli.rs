@@ -184,6 +184,10 @@ fn consolidated_file_reads_in_python_safetensors() {
         .map(|s| s.success())
         .unwrap_or(false);
     if !has_python {
+        assert!(
+            !std::env::var("FSDP_REQUIRE_PYTHON").is_ok_and(|v| v == "1"),
+            "FSDP_REQUIRE_PYTHON=1 but python3 with safetensors + numpy is not installed"
+        );
         eprintln!("SKIPPED: python3 with safetensors + numpy not installed");
         return;
     }
