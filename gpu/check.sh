@@ -124,6 +124,10 @@ engine() {
   fi
 }
 
+# A machine that lists a GPU must run every CUDA test: there a missing device, driver or library
+# fails the test instead of skipping it (FSDP_REQUIRE_CUDA=1).
+if [ -n "$GPU_NAME" ]; then export FSDP_REQUIRE_CUDA=1; fi
+
 # 1. CUDA kernels against the CPU reference (bounds in each kernel's docstring).
 run kernels_unit 60 "$T/kernels_unit" --nocapture
 run cuda_kernels_vs_cpu 120 "$T/cuda_kernels" --skip cuda_tensor_kernels:: --nocapture --test-threads=1

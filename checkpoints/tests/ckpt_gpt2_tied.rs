@@ -112,6 +112,10 @@ fn tied_head_is_written_once_with_hf_names() {
             .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     } else {
+        assert!(
+            !std::env::var("FSDP_REQUIRE_PYTHON").is_ok_and(|v| v == "1"),
+            "FSDP_REQUIRE_PYTHON=1 but python3 with safetensors + numpy is not installed"
+        );
         eprintln!("SKIPPED the Python part: python3 with safetensors + numpy not installed");
     }
 }

@@ -341,7 +341,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn counter_normal_has_unit_moments_and_is_positional() {
+    fn counter_normal_has_unit_moments() {
         let n = 200_000u64;
         let xs: Vec<f64> = (0..n).map(|i| counter_normal(7, 11, i)).collect();
         let mean = xs.iter().sum::<f64>() / n as f64;
@@ -351,9 +351,51 @@ mod tests {
         // Tail mass beyond 2 sigma: 4.55 %.
         let tail = xs.iter().filter(|x| x.abs() > 2.0).count() as f64 / n as f64;
         assert!((tail - 0.0455).abs() < 0.002, "tail {tail}");
-        // Element i does not depend on the elements computed before it.
-        assert_eq!(counter_normal(7, 11, 12345), xs[12345]);
+        // Other seeds and streams give other values.
         assert_ne!(counter_normal(8, 11, 5), xs[5]);
         assert_ne!(counter_normal(7, 12, 5), xs[5]);
+    }
+
+    /// A rank fills its shard of a parameter from an offset, in parallel chunks of
+    /// `RANDOM_CHUNK`: element `start + i` is deviate `start + i` of the parameter's stream,
+    /// whatever the offset and wherever the chunks are cut, so every shard is the slice of the
+    /// whole parameter.
+    #[test]
+    fn random_fill_from_any_offset_is_the_slice_of_the_whole() {
+        let numel = 3 * RANDOM_CHUNK as u64 + 123;
+        let spec = ModelSpec {
+            name: "one".into(),
+            units: vec![fsdp_planner::UnitSpec {
+                name: "u".into(),
+                params: vec![ParamSpec::new("u.w", &[numel])],
+            }],
+            arch: fsdp_planner::Architecture::Generic,
+        };
+        let std = 0.02;
+        let init = RandomInit::new(&spec, 7, |_| InitRule::Normal { std });
+        let key = fnv1a(FNV_OFFSET, b"u.w");
+        let whole = init.full(&spec).remove(0).remove(0);
+        assert_eq!(whole.len() as u64, numel);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let expect = |start: u64, len: usize| -> Vec<f32> {
+            (0..len as u64)
+                .map(|i| (counter_normal(7, key, start + i) * std) as f32)
+                .collect()
+        };
+        assert_eq!(bits(&whole), bits(&expect(0, numel as usize)));
+        let chunk = RANDOM_CHUNK as u64;
+        for (start, len) in [
+            (1, 5),
+            (chunk - 3, 7),
+            (chunk + 17, 2 * RANDOM_CHUNK + 1),
+            (numel - 200, 200),
+            (numel / 3, (numel / 3) as usize),
+        ] {
+            let mut out = vec![0f32; len];
+            init.fill(0, 0, start, &mut out).unwrap();
+            let s = start as usize;
+            assert_eq!(bits(&out), bits(&whole[s..s + len]), "from {start}");
+            assert_eq!(bits(&out), bits(&expect(start, len)), "from {start}");
+        }
     }
 }

@@ -12,7 +12,9 @@
 //! Module `preflight`: the MPI memory pre-flight (a run that does not fit refused by every
 //! rank with exit 2) and `--strategy auto` resolved alike on every rank.
 //!
-//! Each test skips visibly ("SKIPPED: mpirun not found") without Open MPI's launcher.
+//! Without Open MPI's launcher each test prints "SKIPPED: mpirun not found" (shown with
+//! `--nocapture`) and passes, unless `FSDP_REQUIRE_MPI=1` is set: then it fails
+//! (`.ci/mpi-tests`, which installs Open MPI, sets it).
 
 use candle_core::Device;
 use fsdp::data::{Sampler, SamplerConfig, TextData};
@@ -39,12 +41,19 @@ const WARMUP: u64 = 2;
 const B: usize = 2;
 const T: usize = 32;
 
+/// `mpirun` on `PATH`; `None` (the caller skips) when there is none, unless
+/// `FSDP_REQUIRE_MPI=1` is set: then a missing launcher fails the test.
 fn mpirun() -> Option<PathBuf> {
-    std::env::var_os("PATH").and_then(|p| {
+    let found = std::env::var_os("PATH").and_then(|p| {
         std::env::split_paths(&p)
             .map(|d| d.join("mpirun"))
             .find(|f| f.is_file())
-    })
+    });
+    assert!(
+        found.is_some() || !std::env::var("FSDP_REQUIRE_MPI").is_ok_and(|v| v == "1"),
+        "FSDP_REQUIRE_MPI=1 but mpirun is not on PATH"
+    );
+    found
 }
 
 fn data_path() -> String {

@@ -1,7 +1,8 @@
 //! A non-finite value never reaches the weights: a step whose gradient (one rank's own
 //! contribution, or the sum of finite contributions) or loss is infinite or NaN changes no
 //! parameter, master weight, optimizer moment or update count on any rank, in f32, bf16 and
-//! f16, under every strategy, at W = 1, 2, 4; every rank takes the same decision; under
+//! f16, under every strategy, at W = 1, 2, 4, with the optimizer state or the parameters
+//! offloaded to host memory too; every rank takes the same decision; under
 //! `skip` the next step equals a run that never saw the bad step, under `error` the error names
 //! the step, the parameters and the ranks, and the engine goes on as if the step had not been
 //! called.
@@ -21,7 +22,7 @@ use fsdp::runtime::{
     Placement, RankEngine, StagedModel,
 };
 use fsdp_comm::{run_threads, Topology};
-use fsdp_planner::{plan, PlanConfig, ShardPlan, Strategy};
+use fsdp_planner::{plan, Offload, PlanConfig, ShardPlan, Strategy};
 use fsdp_testing::toy::DotModel;
 use fsdp_types::DType;
 use std::time::Duration;
@@ -92,12 +93,14 @@ fn engine_cfg(policy: NonFinitePolicy, max_skips: Option<u64>, clip: Option<Clip
 
 /// Variations of the path a gradient takes: the persistent f32 accumulation buffer reduced on
 /// the last micro-batch only, flat buffers as device tensors (the CPU device), bf16 on the
-/// wire.
+/// wire, the reduced shards downloaded to host memory for the norm and the optimizer step
+/// (offload, on the CPU device).
 #[derive(Debug, Clone, Copy, Default)]
 struct Path {
     sync_last: bool,
     device: bool,
     reduce_bf16: bool,
+    offload: Option<Offload>,
 }
 
 fn make_plan(m: &DotModel, w: usize, strategy: Strategy, dt: DType) -> ShardPlan {
@@ -114,6 +117,7 @@ fn make_plan_on(m: &DotModel, w: usize, strategy: Strategy, dt: DType, path: Pat
     if path.reduce_bf16 {
         c.reduce_dtype = DType::BF16;
     }
+    c.offload = path.offload;
     // One token per micro-batch: the f16 loss scale starts at 2^16.
     c.micro_batch = 1;
     c.seq_len = 1;
@@ -232,9 +236,11 @@ fn topologies() -> Vec<(usize, Strategy)> {
         (1, Strategy::NoShard),
         (2, Strategy::FullShard),
         (2, Strategy::ShardGradOp),
+        (2, Strategy::ShardOptimizer),
         (2, Strategy::NoShard),
         (4, Strategy::FullShard),
         (4, Strategy::ShardGradOp),
+        (4, Strategy::ShardOptimizer),
         (4, Strategy::NoShard),
         (4, Strategy::Hybrid { shard_size: 2 }),
     ]
@@ -343,6 +349,12 @@ fn a_nonfinite_step_changes_nothing_on_any_rank() {
                 if case == Case::SumOverflow && dt == DType::F16 {
                     continue;
                 }
+                // Shard-optimizer reduces once per step, the gradients summed over a rank's
+                // micro-batches first: 2e38 + 2e38 is that rank's own contribution, attributed
+                // to it (covered by Inf and Nan).
+                if case == Case::SumOverflow && strategy == Strategy::ShardOptimizer {
+                    continue;
+                }
                 let policies: &[NonFinitePolicy] = if dt == DType::F16 {
                     &[NonFinitePolicy::Auto, NonFinitePolicy::Skip]
                 } else {
@@ -356,50 +368,93 @@ fn a_nonfinite_step_changes_nothing_on_any_rank() {
         }
     }
     println!("{combos} combinations");
-    assert_eq!(combos, 3 * 9 * 4 * 2 - 9 * 2);
+    // Less f16's overflow of the sum at every topology, and shard-optimizer's (2 topologies) in
+    // f32 and bf16 under both policies.
+    assert_eq!(combos, 3 * 11 * 4 * 2 - 11 * 2 - 2 * 2 * 2);
 }
 
 /// The same on the other gradient paths: the persistent accumulation buffer reduced on the
-/// last micro-batch only (a rank's contribution is its sum over micro-batches), and flat
-/// buffers as device tensors (the CPU device) with f32 and bf16 on the wire.
+/// last micro-batch only (a rank's contribution is its sum over micro-batches), flat buffers
+/// as device tensors (the CPU device) with f32 and bf16 on the wire, and offload: the reduced
+/// shards downloaded into host buffers, their norm and the optimizer step computed there.
 #[test]
 fn a_nonfinite_step_changes_nothing_on_the_other_gradient_paths() {
-    let paths = [
-        Path {
-            sync_last: true,
-            ..Path::default()
-        },
-        Path {
-            device: true,
-            ..Path::default()
-        },
-        Path {
-            device: true,
-            reduce_bf16: true,
-            ..Path::default()
-        },
+    let sharded = vec![
+        (1, Strategy::FullShard),
+        (2, Strategy::FullShard),
+        (4, Strategy::Hybrid { shard_size: 2 }),
     ];
-    for path in paths {
-        for dt in [DType::F32, DType::BF16] {
-            for (w, strategy) in [
+    let offloaded = |o: Offload| Path {
+        device: true,
+        offload: Some(o),
+        ..Path::default()
+    };
+    let paths = [
+        (
+            Path {
+                sync_last: true,
+                ..Path::default()
+            },
+            sharded.clone(),
+        ),
+        (
+            Path {
+                device: true,
+                ..Path::default()
+            },
+            sharded.clone(),
+        ),
+        (
+            Path {
+                device: true,
+                reduce_bf16: true,
+                ..Path::default()
+            },
+            sharded,
+        ),
+        (
+            offloaded(Offload::Optimizer),
+            vec![
                 (1, Strategy::FullShard),
                 (2, Strategy::FullShard),
-                (4, Strategy::Hybrid { shard_size: 2 }),
-            ] {
+                (2, Strategy::ShardOptimizer),
+                (4, Strategy::ShardOptimizer),
+            ],
+        ),
+        (
+            offloaded(Offload::Params),
+            vec![(2, Strategy::FullShard), (4, Strategy::FullShard)],
+        ),
+    ];
+    let mut combos = 0;
+    for (path, topologies) in paths {
+        for dt in [DType::F32, DType::BF16] {
+            for &(w, strategy) in &topologies {
                 let reference = run_on(w, strategy, dt, NonFinitePolicy::Auto, None, path);
                 for case in [Case::Inf, Case::Nan, Case::SumOverflow, Case::NanLoss] {
-                    // Summed on one rank over its micro-batches first, 2e38 + 2e38 is that
-                    // rank's own contribution: attributed to it (covered by Inf and Nan).
-                    if case == Case::SumOverflow && path.sync_last {
+                    // Summed on one rank over its micro-batches first (sync-last, and always
+                    // under shard-optimizer), 2e38 + 2e38 is that rank's own contribution:
+                    // attributed to it (covered by Inf and Nan).
+                    if case == Case::SumOverflow
+                        && (path.sync_last || strategy == Strategy::ShardOptimizer)
+                    {
                         continue;
                     }
                     for policy in [NonFinitePolicy::Skip, NonFinitePolicy::Error] {
                         check_combination(&reference, w, strategy, dt, case, policy, path);
+                        combos += 1;
                     }
                 }
             }
         }
     }
+    // Topologies x cases (sync-last and shard-optimizer: 3, else 4), x 2 dtypes x 2 policies:
+    // sync-last, device, bf16 wire (3 topologies each), offload optimizer (2 full shard, 2
+    // shard-optimizer), offload params (2).
+    assert_eq!(
+        combos,
+        (3 * 3 + 3 * 4 + 3 * 4 + (2 * 4 + 2 * 3) + 2 * 4) * 2 * 2
+    );
 }
 
 /// `error` with f16 is refused when the engine is built: the loss scaler must skip overflows.

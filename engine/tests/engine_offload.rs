@@ -19,7 +19,7 @@ use fsdp_types::{Bytes, DType};
 use std::time::Duration;
 
 mod common;
-use common::{bits64 as bits, gpt_reference, micro_batch, text, Run, B, T};
+use common::{bits64 as bits, gpt_reference, micro_batch, shape, text, Run, B, T};
 
 const STEPS: usize = 3;
 
@@ -184,6 +184,13 @@ fn offload_is_bitwise_the_run_on_the_device() {
         (Strategy::ShardOptimizer, 4),
         (Strategy::NoShard, 1),
     ];
+    // The pairs refused, by the rule in the docs: no-shard and shard-optimizer keep the whole
+    // parameters on the device all step, so there is no parameter shard to offload. (No-shard
+    // runs here at W = 1, where offloading its optimizer state applies.)
+    let refused = |strategy: Strategy, o: Offload| {
+        o == Offload::Params && matches!(strategy, Strategy::NoShard | Strategy::ShardOptimizer)
+    };
+    let mut compared = Vec::new();
     for (strategy, w) in cases {
         for pd in [DType::F32, DType::BF16] {
             let mut base = Case::new(strategy, w, 2);
@@ -205,19 +212,25 @@ fn offload_is_bitwise_the_run_on_the_device() {
             for o in [Offload::Optimizer, Offload::Params] {
                 let mut c = base;
                 c.offload = Some(o);
+                let what = format!("{strategy} W={w} {pd} --offload {o}");
                 let allowed = PlanConfig {
                     offload: Some(o),
                     ..PlanConfig::new(w as u64)
                 }
                 .check_offload(strategy);
-                if allowed.is_err() {
+                if refused(strategy, o) {
+                    assert!(allowed.is_err(), "{what} is refused");
                     continue;
                 }
-                let what = format!("{strategy} W={w} {pd} --offload {o}");
+                assert!(allowed.is_ok(), "{what}: {allowed:?}");
                 assert_bitwise(&run(c), &on_device, &what);
+                compared.push(what);
             }
         }
     }
+    // 6 strategies x 2 offloads, less no-shard and shard-optimizer with the parameters
+    // offloaded, in both precisions.
+    assert_eq!(compared.len(), (6 * 2 - 2) * 2, "{compared:?}");
 }
 
 /// The device ledger equals the plan's device bytes and the host ledger its host bytes, per
@@ -347,7 +360,8 @@ fn offload_on_the_host_placement_is_refused() {
 }
 
 /// A checkpoint's rank state moves between offloaded and device runs: an offloaded run's state
-/// imported into a device run (and back) continues bit for bit as the uninterrupted run.
+/// imported into a device run (and back) continues bit for bit as the uninterrupted run: every
+/// loss, and after the last step the master shards, both moments and the full parameters.
 #[test]
 fn rank_state_moves_between_offloaded_and_device_runs() {
     let model = Gpt::from_preset("tiny").unwrap();
@@ -371,7 +385,9 @@ fn rank_state_moves_between_offloaded_and_device_runs() {
     let whole = run_threads(topo, Duration::from_secs(60), |comm| {
         let mut e =
             RankEngine::new_on(&model, &plan_dev, &comm, ecfg(), &init, placement(base)).unwrap();
-        steps(&mut e, 0..4)
+        let losses = steps(&mut e, 0..4);
+        let flats = e.export_state().unwrap().flats;
+        (losses, flats, e.full_params().unwrap())
     });
     let split = run_threads(topo, Duration::from_secs(60), |comm| {
         let mut a =
@@ -391,9 +407,41 @@ fn rank_state_moves_between_offloaded_and_device_runs() {
         st.plan_fingerprint = plan_off.fingerprint().to_string();
         c.import_state(&st).unwrap();
         losses.extend(steps(&mut c, 3..4));
-        losses
+        // The last step's update used the moments the third engine imported: its state and
+        // parameters after that step are the uninterrupted run's.
+        let flats = c.export_state().unwrap().flats;
+        (losses, flats, c.full_params().unwrap())
     });
-    let whole = whole.into_iter().next().unwrap().unwrap();
-    let split = split.into_iter().next().unwrap().unwrap();
-    assert_eq!(bits(&whole), bits(&split), "{whole:?} vs {split:?}");
+    for (rank, (whole, split)) in whole.into_iter().zip(split).enumerate() {
+        let (whole, split) = (whole.unwrap(), split.unwrap());
+        assert_eq!(
+            bits(&whole.0),
+            bits(&split.0),
+            "rank {rank}: {:?} vs {:?}",
+            whole.0,
+            split.0
+        );
+        assert_eq!(whole.1.len(), split.1.len(), "rank {rank}: flat parameters");
+        for (a, b) in whole.1.iter().zip(&split.1) {
+            let what = format!("rank {rank} unit {} flat {}", a.unit, a.flat);
+            assert_eq!((a.unit, a.flat), (b.unit, b.flat), "{what}");
+            assert_eq!(bits32(&a.param), bits32(&b.param), "{what}: master shard");
+            assert_eq!(
+                a.optimizer_state.len(),
+                b.optimizer_state.len(),
+                "{what}: optimizer state buffers"
+            );
+            for ((na, va), (nb, vb)) in a.optimizer_state.iter().zip(&b.optimizer_state) {
+                assert_eq!(na, nb, "{what}");
+                assert_eq!(bits32(va), bits32(vb), "{what}: {na}");
+            }
+        }
+        assert_eq!(shape(&whole.2), shape(&split.2), "rank {rank}: parameters");
+        let flat = |p: &[Vec<Vec<f32>>]| bits32(&p.concat().concat());
+        assert_eq!(flat(&whole.2), flat(&split.2), "rank {rank}: parameters");
+    }
+}
+
+fn bits32(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
 }

@@ -93,14 +93,21 @@ fn run_engine_ckpt(
     runs.swap_remove(0)
 }
 
-fn run_reference(w: usize, shard: usize, kk: usize, sync: GradSync, clip: Option<Clip>) -> Run {
-    gpt_reference(STEPS, w, shard, (kk, sync), clip, optimizer())
+fn run_reference(
+    w: usize,
+    shard: usize,
+    kk: usize,
+    sync: GradSync,
+    clip: Option<Clip>,
+    optimizer: Optimizer,
+) -> Run {
+    gpt_reference(STEPS, w, shard, (kk, sync), clip, optimizer)
 }
 
 fn check(strategy: Strategy, w: usize, kk: usize, sync: GradSync) {
     let e = run_engine(strategy, w, kk, sync, None);
     let shard = strategy.shard_size(w as u64).unwrap() as usize;
-    let r = run_reference(w, shard, kk, sync, None);
+    let r = run_reference(w, shard, kk, sync, None, optimizer());
     assert_bitwise(&e, &r, &format!("{strategy} W={w} K={kk} {sync:?}"));
     assert!(
         e.losses[STEPS - 1] < e.losses[0],
@@ -151,20 +158,172 @@ fn parity_grad_accumulation_sync_every_and_last_bitwise() {
     check(Strategy::ShardGradOp, 2, 3, GradSync::LastMicroBatch);
 }
 
-/// With clipping the engine sums squares per shard and then over ranks, the reference over
-/// whole parameters: the norm can differ in the last bits, so parameters are compared with a
-/// relative tolerance of 1e-5 (fp32 after 5 AdamW steps).
-#[test]
-fn parity_with_global_norm_clipping_within_fp32_tolerance() {
-    let clip = Some(Clip {
-        max_norm: 0.5,
-        norm: NormType::L2,
+/// A full-shard run at W = 3 with global-norm clipping: the world mean loss and the gradient
+/// norm before clipping of every step, the final parameters, and, for one more step's
+/// gradients, each rank's shards before and after `clip_grad_norm` and the norm it returned.
+struct Clipped {
+    run: Run,
+    norms: Vec<f64>,
+    before: Vec<Vec<Vec<Vec<f32>>>>,
+    after: Vec<Vec<Vec<Vec<f32>>>>,
+    returned: Vec<f64>,
+}
+
+fn run_clipped(w: usize, optimizer: Optimizer, clip: Clip) -> Clipped {
+    let model = Gpt::from_preset("tiny").unwrap();
+    let mut cfg = PlanConfig::new(w as u64);
+    cfg.strategy = Strategy::FullShard;
+    cfg.micro_batch = B as u64;
+    cfg.seq_len = T as u64;
+    if let Optimizer::Sgd(c) = optimizer {
+        cfg.optimizer = fsdp_planner::Optimizer::Sgd {
+            momentum: c.momentum,
+        };
+    }
+    let plan = plan(model.spec(), &cfg).unwrap();
+    let text = text();
+    let init = StagedModel::init_params(&model, 1234);
+    let ecfg = EngineConfig {
+        optimizer,
+        clip: Some(clip),
+        init_sync: InitSync::Verify,
+        enforce_memory_plan: true,
+        nonfinite: fsdp::runtime::NonFinitePolicy::Auto,
+        max_consecutive_skips: None,
+    };
+    let topo = Topology::new(w, 1).unwrap();
+    let results = run_threads(topo, Duration::from_secs(60), |comm| {
+        let mut e = RankEngine::new(&model, &plan, &comm, ecfg, &init).unwrap();
+        let (mut losses, mut norms) = (Vec::new(), Vec::new());
+        for step in 0..STEPS {
+            let mbs = vec![micro_batch(&text, step, 0, e.rank(), w, 1)];
+            let st = e.train_step(&mbs, 3e-3).unwrap();
+            losses.push(st.loss);
+            norms.push(st.grad_norm.expect("clipping computes the norm"));
+        }
+        let params = e.full_params().unwrap();
+        e.accumulate(&[micro_batch(&text, STEPS, 0, e.rank(), w, 1)])
+            .unwrap();
+        let before = e.grad_shards().unwrap();
+        let returned = e.clip_grad_norm(clip).unwrap();
+        let after = e.grad_shards().unwrap();
+        (losses, norms, params, before, after, returned)
     });
-    let e = run_engine(Strategy::FullShard, 3, 1, GradSync::EveryMicroBatch, clip);
-    let r = run_reference(3, 3, 1, GradSync::EveryMicroBatch, clip);
+    let ranks: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
+    for r in &ranks[1..] {
+        assert_eq!(bits64(&r.0), bits64(&ranks[0].0), "ranks agree on losses");
+        assert_eq!(bits64(&r.1), bits64(&ranks[0].1), "ranks agree on norms");
+    }
+    Clipped {
+        run: Run {
+            losses: ranks[0].0.clone(),
+            params: ranks[0].2.clone(),
+            grads: Vec::new(),
+        },
+        norms: ranks[0].1.clone(),
+        before: ranks.iter().map(|r| r.3.clone()).collect(),
+        after: ranks.iter().map(|r| r.4.clone()).collect(),
+        returned: ranks.iter().map(|r| r.5).collect(),
+    }
+}
+
+/// Global-norm clipping: the norm is the L2 norm of the whole gradient, summed in f64 over
+/// every rank's shard here; every rank's shard is multiplied by exactly
+/// `max_norm / (norm + 1e-6)` (in f32), leaving a global norm of `max_norm`; and clipping
+/// engaged on every step (each norm above `max_norm`). Over 5 steps of plain SGD, where the
+/// update is the clipped gradient itself, the engine's parameter updates equal the
+/// single-process reference's to 1e-5 of their size (the engine sums squares per shard and
+/// then over ranks, the reference over whole parameters: the norms differ in the last bits);
+/// with AdamW (nearly blind to the scale of the gradient) losses and parameters agree to fp32
+/// tolerance.
+#[test]
+fn parity_with_global_norm_clipping() {
+    let w = 3;
+    let max_norm = 0.5;
+    let clip = Clip {
+        max_norm,
+        norm: NormType::L2,
+    };
+    let sgd = Optimizer::Sgd(fsdp::optim::SgdConfig {
+        lr: 3e-3,
+        momentum: 0.0,
+        weight_decay: 0.0,
+    });
+    let c = run_clipped(w, sgd, clip);
+    assert!(
+        c.norms.iter().all(|&n| n > 2.0 * max_norm),
+        "clipping engaged on every step: {:?}",
+        c.norms
+    );
+    // The gradients of one more step, clipped by hand.
+    let sum_sq: f64 = c
+        .before
+        .iter()
+        .flatten()
+        .flatten()
+        .flatten()
+        .map(|&x| x as f64 * x as f64)
+        .sum();
+    let norm = sum_sq.sqrt();
+    assert!(norm > max_norm, "{norm}");
+    for (rank, &n) in c.returned.iter().enumerate() {
+        assert!(
+            (n - norm).abs() <= 1e-12 * norm,
+            "rank {rank}: norm {n} vs {norm} summed over every rank's shard"
+        );
+    }
+    let coef = (max_norm / (c.returned[0] + 1e-6)) as f32;
+    let mut clipped_sq = 0f64;
+    for (rank, (b, a)) in c.before.iter().zip(&c.after).enumerate() {
+        let b: Vec<f32> = b.concat().concat();
+        let a: Vec<f32> = a.concat().concat();
+        let want: Vec<u32> = b.iter().map(|&x| (x * coef).to_bits()).collect();
+        let got: Vec<u32> = a.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(got, want, "rank {rank}: shard x {coef}");
+        clipped_sq += a.iter().map(|&x| x as f64 * x as f64).sum::<f64>();
+    }
+    assert!(
+        (clipped_sq.sqrt() - max_norm).abs() <= 1e-5 * max_norm,
+        "clipped norm {}",
+        clipped_sq.sqrt()
+    );
+    // SGD: the updates against the reference's.
+    let r = run_reference(w, w, 1, GradSync::EveryMicroBatch, Some(clip), sgd);
+    let model = Gpt::from_preset("tiny").unwrap();
+    let init = StagedModel::init_params(&model, 1234);
+    assert_eq!(common::shape(&c.run.params), common::shape(&r.params));
+    assert_eq!(common::shape(&init), common::shape(&r.params));
+    let flat = |p: &[Vec<Vec<f32>>]| p.concat().concat();
+    let (p0, pe, pr) = (flat(&init), flat(&c.run.params), flat(&r.params));
+    let (mut diff, mut size) = (0f64, 0f64);
+    for ((&x0, &xe), &xr) in p0.iter().zip(&pe).zip(&pr) {
+        let (de, dr) = ((xe - x0) as f64, (xr - x0) as f64);
+        diff += (de - dr) * (de - dr);
+        size += dr * dr;
+    }
+    // 5 steps of lr 3e-3 x a clipped norm of 0.5: the update's norm is at most 7.5e-3.
+    assert!(
+        size.sqrt() > 5e-3 && size.sqrt() <= 7.5e-3 * (1.0 + 1e-5),
+        "update norm {}",
+        size.sqrt()
+    );
+    assert!(
+        diff.sqrt() <= 1e-5 * size.sqrt(),
+        "updates differ by {} of {}",
+        diff.sqrt(),
+        size.sqrt()
+    );
+    for (a, b) in c.run.losses.iter().zip(&r.losses) {
+        assert!((a - b).abs() <= 1e-6 * b.abs(), "loss {a} vs {b}");
+    }
+    // AdamW: losses and parameters to fp32 tolerance.
+    let e = run_clipped(w, optimizer(), clip).run;
+    let r = run_reference(w, w, 1, GradSync::EveryMicroBatch, Some(clip), optimizer());
+    assert_eq!(e.losses.len(), STEPS);
     for (a, b) in e.losses.iter().zip(&r.losses) {
         assert!((a - b).abs() <= 1e-5 * b.abs(), "loss {a} vs {b}");
     }
+    assert_eq!(common::shape(&e.params), common::shape(&r.params));
     let mut worst = 0f32;
     for (x, y) in e.params.iter().flatten().zip(r.params.iter().flatten()) {
         for (p, q) in x.iter().zip(y) {
@@ -200,7 +359,7 @@ fn parity_activation_checkpointing_on_and_off_bitwise() {
         let on = run_engine_ckpt(strategy, w, kk, sync, None, Some(true));
         let off = run_engine_ckpt(strategy, w, kk, sync, None, Some(false));
         let shard = strategy.shard_size(w as u64).unwrap() as usize;
-        let r = run_reference(w, shard, kk, sync, None);
+        let r = run_reference(w, shard, kk, sync, None, optimizer());
         assert_bitwise(&on, &r, &format!("{what} checkpointing on vs reference"));
         assert_bitwise(&off, &r, &format!("{what} checkpointing off vs reference"));
         assert_bitwise(&off, &on, &format!("{what} off vs on"));

@@ -297,6 +297,40 @@ fn config_errors_carry_numbers() {
         .contains("1024 positions"));
 }
 
+/// The strategies of auto at W = 8, fastest first: no-shard, shard-optimizer, shard-grad-op,
+/// hybrid with shard groups of 2 and 4, full shard.
+const AUTO_ORDER_W8: [Strategy; 6] = [
+    Strategy::NoShard,
+    Strategy::ShardOptimizer,
+    Strategy::ShardGradOp,
+    Strategy::Hybrid { shard_size: 2 },
+    Strategy::Hybrid { shard_size: 4 },
+    Strategy::FullShard,
+];
+
+/// The first `(strategy, activation checkpointing, offload)` whose own plan fits
+/// `c.device_memory`, trying every strategy under each checkpointing setting in turn.
+fn first_fit(
+    spec: &ModelSpec,
+    c: &PlanConfig,
+    strategies: &[Strategy],
+    ckpt: &[Option<bool>],
+    offload: Option<Offload>,
+) -> Option<(Strategy, Option<bool>, Option<Offload>)> {
+    let budget = c.device_memory.unwrap();
+    ckpt.iter()
+        .flat_map(|&a| strategies.iter().map(move |&s| (s, a)))
+        .find(|&(s, a)| {
+            let mut e = c.clone();
+            e.strategy = s;
+            e.device_memory = None;
+            e.activation_checkpointing = a;
+            e.offload = offload;
+            plan(spec, &e).unwrap().memory.peak <= budget
+        })
+        .map(|(s, a)| (s, a, offload))
+}
+
 #[test]
 fn auto_picks_the_fastest_strategy_that_fits() {
     let spec = fsdp_planner::preset("llama3-8b").unwrap();
@@ -315,11 +349,14 @@ fn auto_picks_the_fastest_strategy_that_fits() {
     );
     assert!(!p.schedule.activation_checkpointing);
     c.device_memory = Some(fsdp_types::Bytes(30 << 30));
+    // Each candidate planned on its own: the first of the documented order whose peak fits
+    // 30 GiB is full shard with activation checkpointing (hybrid with shard groups of 4 and
+    // checkpointing does not fit).
+    let ckpt = [None, Some(true)];
+    let first = first_fit(&spec, &c, &AUTO_ORDER_W8, &ckpt, None);
+    assert_eq!(first, Some((Strategy::FullShard, Some(true), None)));
     let p = plan(&spec, &c).unwrap();
-    assert!(matches!(
-        p.strategy,
-        Strategy::Hybrid { .. } | Strategy::FullShard
-    ));
+    assert_eq!(p.strategy, Strategy::FullShard);
     assert!(p.memory.peak.0 <= 30 << 30);
     // 32 layers of kept graphs do not fit 30 GiB under any strategy: auto then adds
     // activation checkpointing and says so.
@@ -328,22 +365,68 @@ fn auto_picks_the_fastest_strategy_that_fits() {
     assert!(why.contains("with activation checkpointing"), "{why}");
     assert!(why.contains("full-shard needs"), "{why}");
     // An explicit setting is kept: without checkpointing nothing fits 30 GiB on the device
-    // alone; auto's last resort moves the master weights, optimizer state and then the
-    // parameter shards to the host.
+    // alone; auto's last resort moves the master weights and optimizer state, then the
+    // parameter shards too, to the host: the optimizer offloaded before the parameters, the
+    // strategies fastest first, those that refuse the offload left out (no-shard at W > 1;
+    // shard-optimizer for the parameters).
     c.activation_checkpointing = Some(false);
+    assert_eq!(
+        first_fit(&spec, &c, &AUTO_ORDER_W8, &[Some(false)], None),
+        None,
+        "nothing fits without offload"
+    );
+    let mut want = first_fit(
+        &spec,
+        &c,
+        &AUTO_ORDER_W8[1..],
+        &[Some(false)],
+        Some(Offload::Optimizer),
+    );
+    if want.is_none() {
+        want = first_fit(
+            &spec,
+            &c,
+            &AUTO_ORDER_W8[2..],
+            &[Some(false)],
+            Some(Offload::Params),
+        );
+    }
+    let (want_s, _, want_o) = want.expect("an offloaded candidate fits 30 GiB");
     let p = plan(&spec, &c).unwrap();
     assert!(!p.schedule.activation_checkpointing);
-    assert!(p.config.offload.is_some_and(|o| o.is_some()));
+    assert_eq!((p.strategy, p.config.offload), (want_s, want_o));
     assert_eq!(p.fits(), Some(true));
     let why = p.auto_reason.as_deref().unwrap();
     assert!(
         why.starts_with(&format!(
-            "{} with --offload {} is the fastest way it fits, with offload",
-            p.strategy,
-            p.config.offload.unwrap()
+            "{want_s} with --offload {} is the fastest way it fits, with offload",
+            want_o.unwrap()
         )),
         "{why}"
     );
+    // One byte below full shard's peak without checkpointing: nothing fits on the device
+    // alone, and offloading the optimizer already fits, so auto must not offload the
+    // parameters.
+    let mut e = c.clone();
+    e.strategy = Strategy::FullShard;
+    e.device_memory = None;
+    let tight = plan(&spec, &e).unwrap().memory.peak.0 - 1;
+    let mut t = c.clone();
+    t.device_memory = Some(fsdp_types::Bytes(tight));
+    assert_eq!(
+        first_fit(&spec, &t, &AUTO_ORDER_W8, &[Some(false)], None),
+        None
+    );
+    let (want_s, _, want_o) = first_fit(
+        &spec,
+        &t,
+        &AUTO_ORDER_W8[1..],
+        &[Some(false)],
+        Some(Offload::Optimizer),
+    )
+    .expect("offloading the optimizer fits");
+    let q = plan(&spec, &t).unwrap();
+    assert_eq!((q.strategy, q.config.offload), (want_s, want_o));
     // Every strategy was tried without offload first.
     assert!(why.contains("full-shard needs"), "{why}");
     assert!(why.contains("no-shard needs"), "{why}");

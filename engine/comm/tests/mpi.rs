@@ -1,7 +1,8 @@
 //! The conformance suite on the MPI backend with 2 and 4 processes: each test starts
 //! `mpirun --oversubscribe -n N` on the `mpi_conformance` example (built by `cargo test
-//! --features mpi`) and requires every check to pass. Skips visibly ("SKIPPED: mpirun not
-//! found") when Open MPI's launcher is not installed.
+//! --features mpi`) and requires every check to pass. Without Open MPI's launcher each test
+//! prints "SKIPPED: mpirun not found" (shown with `--nocapture`) and passes, unless
+//! `FSDP_REQUIRE_MPI=1` is set: then it fails (`.ci/mpi-tests` sets it).
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -11,12 +12,19 @@ use std::time::{Duration, Instant};
 /// One MPI job at a time: the machine has few cores.
 static JOBS: Mutex<()> = Mutex::new(());
 
+/// `mpirun` on `PATH`; `None` (the caller skips) when there is none, unless
+/// `FSDP_REQUIRE_MPI=1` is set: then a missing launcher fails the test.
 fn mpirun() -> Option<PathBuf> {
-    std::env::var_os("PATH").and_then(|p| {
+    let found = std::env::var_os("PATH").and_then(|p| {
         std::env::split_paths(&p)
             .map(|d| d.join("mpirun"))
             .find(|f| f.is_file())
-    })
+    });
+    assert!(
+        found.is_some() || !std::env::var("FSDP_REQUIRE_MPI").is_ok_and(|v| v == "1"),
+        "FSDP_REQUIRE_MPI=1 but mpirun is not on PATH"
+    );
+    found
 }
 
 fn example() -> PathBuf {

@@ -14,24 +14,36 @@
 //!   conformance runs above include the tensor checks (`tensor_buffers_match_reference`,
 //!   `tensor_bad_buffers_are_local_errors`) on CUDA tensors.
 //!
-//! Without a device (or without the feature) each test prints
-//! `SKIPPED (no CUDA device): <test> (<why>)` to stderr and returns.
+//! Without the `cuda` feature every test is ignored (`cargo test` lists it as such). With the
+//! feature but without a device a test prints `SKIPPED (no CUDA device): <test> (<why>)` to
+//! stderr (shown with `--nocapture`) and passes, unless `FSDP_REQUIRE_CUDA=1` is set: then it
+//! fails (`gpu/check.sh` sets it on a machine that lists a GPU).
+
+/// Whether the environment requires a CUDA device (`FSDP_REQUIRE_CUDA=1`).
+fn required() -> bool {
+    std::env::var("FSDP_REQUIRE_CUDA").is_ok_and(|v| v == "1")
+}
+
+fn skip(test: &str, why: &str) -> bool {
+    assert!(
+        !required(),
+        "{test}: FSDP_REQUIRE_CUDA=1 but no CUDA device: {why}"
+    );
+    eprintln!("SKIPPED (no CUDA device): {test} ({why})");
+    false
+}
 
 #[cfg(feature = "cuda")]
 fn device_or_skip(test: &str) -> bool {
     match fsdp_comm::nccl::device_count() {
         Ok(_) => true,
-        Err(why) => {
-            eprintln!("SKIPPED (no CUDA device): {test} ({why})");
-            false
-        }
+        Err(why) => skip(test, &why),
     }
 }
 
 #[cfg(not(feature = "cuda"))]
 fn device_or_skip(test: &str) -> bool {
-    eprintln!("SKIPPED (no CUDA device): {test} (built without the `cuda` feature)");
-    false
+    skip(test, "built without the `cuda` feature")
 }
 
 #[cfg(feature = "cuda")]
@@ -260,6 +272,10 @@ mod gpu {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "cuda"),
+    ignore = "needs the cuda feature and a CUDA device"
+)]
 fn nccl_tensor_buffers_in_place() {
     if device_or_skip("nccl_tensor_buffers_in_place") {
         #[cfg(feature = "cuda")]
@@ -268,6 +284,10 @@ fn nccl_tensor_buffers_in_place() {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "cuda"),
+    ignore = "needs the cuda feature and a CUDA device"
+)]
 fn nccl_conformance_world_size_1() {
     if device_or_skip("nccl_conformance_world_size_1") {
         #[cfg(feature = "cuda")]
@@ -276,6 +296,10 @@ fn nccl_conformance_world_size_1() {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "cuda"),
+    ignore = "needs the cuda feature and a CUDA device"
+)]
 fn nccl_conformance_processes() {
     if std::env::var_os("RANK").is_none() || std::env::var_os("WORLD_SIZE").is_none() {
         eprintln!(
@@ -291,6 +315,10 @@ fn nccl_conformance_processes() {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "cuda"),
+    ignore = "needs the cuda feature and a CUDA device"
+)]
 fn nccl_device_buffers_in_place() {
     if device_or_skip("nccl_device_buffers_in_place") {
         #[cfg(feature = "cuda")]

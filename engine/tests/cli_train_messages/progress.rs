@@ -91,6 +91,16 @@ fn log_every_prints_steps_and_saves() {
         let dir = std::path::PathBuf::from(e["path"].as_str().unwrap());
         assert_eq!(dir, ck2.join(format!("step-{step:08}")));
         assert!(dir.join("manifest.json").is_file());
-        assert!(e["bytes"].as_u64().unwrap() > 0 && e["seconds"].as_f64().unwrap() >= 0.0);
+        // The bytes saved: the sizes of the step directory's files (the manifest and the rank
+        // files), summed here from the file system.
+        let files: Vec<std::fs::Metadata> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|f| f.unwrap().metadata().unwrap())
+            .filter(|m| m.is_file())
+            .collect();
+        assert!(files.len() >= 2, "{dir:?}");
+        let on_disk: u64 = files.iter().map(|m| m.len()).sum();
+        assert_eq!(e["bytes"].as_u64(), Some(on_disk), "{e}");
+        assert!(e["seconds"].as_f64().unwrap() >= 0.0, "{e}");
     }
 }

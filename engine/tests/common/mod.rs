@@ -110,6 +110,13 @@ pub fn assert_bitwise(a: &Run, b: &Run, what: &str) {
         a.losses,
         b.losses
     );
+    // The same units, parameters and lengths first: the element comparison below would
+    // otherwise stop silently at the shorter side.
+    assert_eq!(
+        shape(&a.params),
+        shape(&b.params),
+        "{what}: element count per unit and parameter"
+    );
     for (u, (pa, pb)) in a.params.iter().zip(&b.params).enumerate() {
         for (k, (x, y)) in pa.iter().zip(pb).enumerate() {
             let diff = x
@@ -125,4 +132,12 @@ pub fn assert_bitwise(a: &Run, b: &Run, what: &str) {
             );
         }
     }
+}
+
+/// The element count of each parameter of each unit.
+pub fn shape(params: &[Vec<Vec<f32>>]) -> Vec<Vec<usize>> {
+    params
+        .iter()
+        .map(|u| u.iter().map(Vec::len).collect())
+        .collect()
 }

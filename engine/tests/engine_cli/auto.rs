@@ -90,6 +90,22 @@ const ORDER: [(&str, bool); 8] = [
     ("full-shard", true),
 ];
 
+/// The last resort of auto at W = 2, in the planner's order: `(offload, activation
+/// checkpointing, strategy)`, the optimizer offloaded before the parameters, each without
+/// checkpointing first, then with it.
+const OFFLOAD_ORDER: [(&str, bool, &str); 10] = [
+    ("optimizer", false, "shard-optimizer"),
+    ("optimizer", false, "shard-grad-op"),
+    ("optimizer", false, "full-shard"),
+    ("optimizer", true, "shard-optimizer"),
+    ("optimizer", true, "shard-grad-op"),
+    ("optimizer", true, "full-shard"),
+    ("params", false, "shard-grad-op"),
+    ("params", false, "full-shard"),
+    ("params", true, "shard-grad-op"),
+    ("params", true, "full-shard"),
+];
+
 fn peaks() -> Vec<u64> {
     ORDER
         .iter()
@@ -245,10 +261,10 @@ fn auto_offloads_as_the_last_resort_and_refuses_what_nothing_fits() {
     // Without offload the least memory is full shard with checkpointing.
     let fs_ac = peaks[7];
     assert_eq!(fs_ac, least);
-    let offloaded = |o: &str, ac: &str| -> u64 {
+    let offloaded = |s: &str, ac: &str, o: &str| -> u64 {
         plan_json(&[
             "--strategy",
-            "full-shard",
+            s,
             "--activation-checkpointing",
             ac,
             "--offload",
@@ -258,27 +274,50 @@ fn auto_offloads_as_the_last_resort_and_refuses_what_nothing_fits() {
             .unwrap()
     };
     // The least memory there is: full shard with checkpointing and the parameters offloaded.
-    let params = offloaded("params", "on");
-    assert!(params < offloaded("optimizer", "on") && params < least);
+    let params = offloaded("full-shard", "on", "params");
+    assert!(params < offloaded("full-shard", "on", "optimizer") && params < least);
     // One byte below the least without offload: the planner's auto offloads and says so; a
     // run on a device offloads the same way (the library's search, on the CPU device); a run
     // on the host placement, whose device is host memory, does not: nothing fits there.
-    let b = (least - 1).to_string();
+    let budget = least - 1;
+    let b = budget.to_string();
+    // Each offloaded candidate planned on its own, in the documented order of the last resort:
+    // the optimizer offloaded before the parameters, each without checkpointing first, then
+    // with it, the strategies fastest first. At W = 2 no-shard keeps one shard per group and
+    // refuses both offloads; no-shard and shard-optimizer keep the parameters on the device
+    // and refuse `--offload params`.
+    let (want, want_ac, want_offload, want_peak) = OFFLOAD_ORDER
+        .iter()
+        .map(|&(o, ac, s)| (s, ac, o, offloaded(s, if ac { "on" } else { "off" }, o)))
+        .find(|c| c.3 <= budget)
+        .expect("an offloaded candidate fits one byte below the least without offload");
     let p = plan_json(&["--strategy", "auto", "--device-memory", &b]);
+    assert_eq!(p["strategy"]["name"], want, "{p}");
+    assert_eq!(p["strategy"]["activation_checkpointing"], want_ac, "{p}");
+    assert_eq!(p["config"]["offload"], want_offload, "{p}");
+    assert_eq!(p["memory"]["peak"]["bytes"], want_peak, "{p}");
+    let with_ac = if want_ac {
+        " with activation checkpointing"
+    } else {
+        ""
+    };
     let reason = p["strategy"]["auto_reason"].as_str().unwrap();
-    let (want, want_offload) = (
-        p["strategy"]["name"].as_str().unwrap(),
-        p["config"]["offload"].as_str().unwrap(),
-    );
     assert!(
-        reason.starts_with(want)
-            && reason.contains(&format!(
-                "with --offload {want_offload} is the fastest way it fits, with offload"
-            )),
+        reason.starts_with(&format!(
+            "{want}{with_ac} with --offload {want_offload} is the fastest way it fits, with offload"
+        )),
         "{reason}"
     );
-    let want_peak = p["memory"]["peak"]["bytes"].as_u64().unwrap();
-    assert!(want_peak < least);
+    // Every candidate without offload was tried first and named with its peak.
+    for ((s, ac), peak) in ORDER.iter().zip(&peaks) {
+        let name = if *ac {
+            format!("{s} with activation checkpointing")
+        } else {
+            s.to_string()
+        };
+        let needs = format!("{name} needs {}", fsdp_types::Bytes(*peak));
+        assert!(reason.contains(&needs), "{needs}: {reason}");
+    }
     let opts = fsdp::train::TrainOptions {
         model: "tiny".into(),
         world_size: 2,
@@ -287,9 +326,17 @@ fn auto_offloads_as_the_last_resort_and_refuses_what_nothing_fits() {
         placement: fsdp::runtime::Placement::Device(candle_core::Device::Cpu),
         ..Default::default()
     };
-    let choice = fsdp::train::resolve_auto(&opts, fsdp_types::Bytes(least - 1)).unwrap();
-    assert!(
-        choice.fits && choice.offload.is_some_and(|o| o.is_some()),
+    let choice = fsdp::train::resolve_auto(&opts, fsdp_types::Bytes(budget)).unwrap();
+    assert!(choice.fits, "{choice:?}");
+    assert_eq!(choice.strategy.to_string(), want, "{choice:?}");
+    assert_eq!(
+        choice.activation_checkpointing.unwrap_or(false),
+        want_ac,
+        "{choice:?}"
+    );
+    assert_eq!(
+        choice.offload.map(|o| o.to_string()).as_deref(),
+        Some(want_offload),
         "{choice:?}"
     );
     assert_eq!(choice.peak.0, want_peak);

@@ -103,6 +103,14 @@ fn run_engine(strategy: Strategy, w: usize, kk: usize, sync: GradSync, dtype: DT
         },
     );
     let mut runs: Vec<Run> = results.into_iter().map(|r| r.unwrap()).collect();
+    // Every rank saw the same losses and gathers the same full parameters.
+    for (rank, r) in runs.iter().enumerate().skip(1) {
+        assert_bitwise(
+            r,
+            &runs[0],
+            &format!("{strategy} W={w} {dtype}: rank {rank} vs rank 0"),
+        );
+    }
     runs.swap_remove(0)
 }
 
@@ -136,6 +144,16 @@ fn assert_bitwise(a: &Run, b: &Run, what: &str) {
         "{what}: {:?} vs {:?}",
         a.losses,
         b.losses
+    );
+    // The same units, parameters and lengths first: the element comparison below would
+    // otherwise stop silently at the shorter side.
+    let shape = |p: &[Vec<Vec<f32>>]| -> Vec<Vec<usize>> {
+        p.iter().map(|u| u.iter().map(Vec::len).collect()).collect()
+    };
+    assert_eq!(
+        shape(&a.params),
+        shape(&b.params),
+        "{what}: element count per unit and parameter"
     );
     for (u, (pa, pb)) in a.params.iter().zip(&b.params).enumerate() {
         for (k, (x, y)) in pa.iter().zip(pb).enumerate() {

@@ -163,12 +163,35 @@ pub fn probe() -> Probe {
     }
 }
 
+/// The environment variable that turns a CUDA test's skip into a failure: set it to `1` where
+/// a device must be present (the GPU machine), so that a missing device, driver or library
+/// fails the test instead of letting it pass without running.
+pub const REQUIRE_CUDA_VAR: &str = "FSDP_REQUIRE_CUDA";
+
 /// The tests' skip rule: `true` when a device is available; otherwise prints
-/// `SKIPPED (no CUDA device): <test> (<reason>)` to stderr (visible in `cargo test` output) and
-/// returns `false`.
+/// `SKIPPED (no CUDA device): <test> (<reason>)` to stderr and returns `false` (libtest shows
+/// the line only with `--nocapture`: the CUDA tests are also marked `ignore` in builds without
+/// the `cuda` feature, so that `cargo test` lists them as ignored). With
+/// [`REQUIRE_CUDA_VAR`]`=1` in the environment a missing device panics instead.
 pub fn device_or_skip(test: &str) -> bool {
-    match probe() {
+    skip_rule(
+        test,
+        probe(),
+        required(std::env::var(REQUIRE_CUDA_VAR).ok()),
+    )
+}
+
+/// Whether a `FSDP_REQUIRE_*` variable's value asks for the dependency: exactly `1`.
+fn required(value: Option<String>) -> bool {
+    value.as_deref() == Some("1")
+}
+
+fn skip_rule(test: &str, probe: Probe, require: bool) -> bool {
+    match probe {
         Probe::Available(_) => true,
+        Probe::Unavailable(why) if require => {
+            panic!("{test}: {REQUIRE_CUDA_VAR}=1 but no CUDA device: {why}")
+        }
         Probe::Unavailable(why) => {
             eprintln!("SKIPPED (no CUDA device): {test} ({why})");
             false
@@ -179,6 +202,20 @@ pub fn device_or_skip(test: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn skip_rule_skips_or_fails_as_required() {
+        let none = || Probe::Unavailable("no driver".into());
+        assert!(!skip_rule("t", none(), false));
+        let failed = std::panic::catch_unwind(|| skip_rule("t", none(), true));
+        let msg = failed.expect_err("a required device that is missing fails");
+        let msg = msg.downcast_ref::<String>().unwrap();
+        assert_eq!(msg, "t: FSDP_REQUIRE_CUDA=1 but no CUDA device: no driver");
+        assert!(required(Some("1".into())));
+        for v in [None, Some("0".into()), Some("".into()), Some("yes".into())] {
+            assert!(!required(v.clone()), "{v:?}");
+        }
+    }
 
     #[test]
     fn tiles_cover_exactly_the_spans_in_order() {
