@@ -201,27 +201,7 @@ pub fn evaluate(model: &Decoder, weights: EvalWeights<'_>, o: &EvalOptions) -> R
         let comm: Box<dyn Communicator> = Box::new(comm);
         pool.install(move || body(&*comm))
     });
-    let mut first_err = None;
-    let mut outcome = None;
-    for (rank, r) in results.into_iter().enumerate() {
-        match r {
-            Ok(Ok(x)) => {
-                outcome.get_or_insert(x);
-            }
-            Ok(Err(e)) => {
-                first_err.get_or_insert(e);
-            }
-            Err(e) => {
-                first_err.get_or_insert(EngineError::Comm {
-                    rank,
-                    source: Box::new(e),
-                });
-            }
-        }
-    }
-    if let Some(e) = first_err {
-        return Err(e);
-    }
+    let outcome = crate::train::rank_outcomes(results)?.into_iter().next();
     let (loss_sum, tokens) =
         outcome.ok_or_else(|| EngineError::Config("no rank evaluated".into()))?;
     let loss = loss_sum / tokens.max(1) as f64;

@@ -689,32 +689,7 @@ pub fn train_prepared(
         }
     };
     let seconds = t_start.elapsed().as_secs_f64();
-    let mut outcomes = Vec::with_capacity(results.len());
-    let mut first_err = None;
-    for (rank, r) in results.into_iter().enumerate() {
-        match r {
-            Ok(Ok(x)) => outcomes.push(x),
-            // A data error (a token file truncated or damaged under the run) is the cause;
-            // the other ranks then only saw their peer leave.
-            Ok(Err(e @ EngineError::Data(_))) => {
-                if !matches!(first_err, Some(EngineError::Data(_))) {
-                    first_err = Some(e);
-                }
-            }
-            Ok(Err(e)) => {
-                first_err.get_or_insert(e);
-            }
-            Err(e) => {
-                first_err.get_or_insert(EngineError::Comm {
-                    rank,
-                    source: Box::new(e),
-                });
-            }
-        }
-    }
-    if let Some(e) = first_err {
-        return Err(e);
-    }
+    let mut outcomes = rank_outcomes(results)?;
     let r0 = &outcomes[0];
     let tail = r0.steps.len().clamp(1, 10);
     let final_train_loss = r0
@@ -952,5 +927,38 @@ fn slot_max(
         C::UnshardedGrads => &mut b.unsharded_grads,
         C::Staging => &mut b.staging,
         C::Activations => &mut b.activations,
+    }
+}
+
+/// Every rank's outcome in rank order, or the error that ended the run: a data error first (a
+/// token file truncated or damaged under the run is the cause; the other ranks then only saw
+/// their peer leave), else the lowest rank's error.
+pub(crate) fn rank_outcomes<T>(
+    results: Vec<std::result::Result<Result<T>, CommError>>,
+) -> Result<Vec<T>> {
+    let mut outcomes = Vec::with_capacity(results.len());
+    let mut first_err = None;
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(Ok(x)) => outcomes.push(x),
+            Ok(Err(e @ EngineError::Data(_))) => {
+                if !matches!(first_err, Some(EngineError::Data(_))) {
+                    first_err = Some(e);
+                }
+            }
+            Ok(Err(e)) => {
+                first_err.get_or_insert(e);
+            }
+            Err(e) => {
+                first_err.get_or_insert(EngineError::Comm {
+                    rank,
+                    source: Box::new(e),
+                });
+            }
+        }
+    }
+    match first_err {
+        Some(e) => Err(e),
+        None => Ok(outcomes),
     }
 }

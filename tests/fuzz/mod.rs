@@ -482,7 +482,7 @@ pub fn make_seeds(dir: &Path) -> Seeds {
     let ck = Checkpoint::open(&ckpt, Verify::Checksums).unwrap();
     let config = fsdp_planner::hf::gpt2_hf_config(&tiny_gpt2()).unwrap();
     let hf_dir = dir.join("hf");
-    consolidate_to_hf_dir(&ck, &hf_dir, &config, 2048).unwrap();
+    consolidate_to_hf_dir(&ck, &hf_dir, &config, &[], 2048).unwrap();
 
     let mut by_reader: BTreeMap<&'static str, Vec<Vec<u8>>> = BTreeMap::new();
     let mut weights = vec![
