@@ -713,6 +713,55 @@ fn init_from_a_model_directory_exports_its_tokenizer_files_byte_for_byte() {
     assert_eq!(resumed.manifest().train.step, 3);
     check_export(&ck, &t.path().join("out-resumed"));
 
+    // Resumed (in a copy of the checkpoints) on tokens of another tokenizer: the carried files
+    // are not that tokenizer's, so none is carried on, with a note, and the export holds no
+    // tokenizer.
+    let ck_other = t.path().join("ck-other");
+    let cp = std::process::Command::new("cp")
+        .args(["-r", s(&ck), s(&ck_other)])
+        .status()
+        .unwrap();
+    assert!(cp.success());
+    let other = t.path().join("other.bin");
+    let mut w = fsdp::data::tokens::TokenWriter::create(&other, 260, [0x12; 32]).unwrap();
+    w.push(&(0..4000u32).map(|i| i * 7 % 250).collect::<Vec<_>>())
+        .unwrap();
+    w.finish().unwrap();
+    let (rc, o, err) = fsdp(&[
+        "train",
+        "--hf-config",
+        s(&src.join("config.json")),
+        "--data",
+        s(&other),
+        "--allow-tokenizer-mismatch",
+        "--world-size",
+        "2",
+        "--steps",
+        "4",
+        "--micro-batch",
+        "1",
+        "--seq-len",
+        "16",
+        "--eval-batches",
+        "1",
+        "--threads-per-rank",
+        "1",
+        "--ckpt-every",
+        "2",
+        "--ckpt-dir",
+        s(&ck_other),
+        "--resume",
+    ]);
+    assert_eq!(rc, 0, "{o}\n{err}");
+    assert!(err.contains("tokenizer files are not carried"), "{err}");
+    let step4 = Checkpoint::open(&ck_other, Verify::Checksums).unwrap();
+    assert_eq!(step4.manifest().train.step, 4);
+    assert!(step4.model_files().is_empty());
+    let out = t.path().join("out-other");
+    let (rc, stdout, err) = fsdp(&["ckpt", "consolidate", s(&ck_other), "-o", s(&out)]);
+    assert_eq!(rc, 0, "{stdout}\n{err}");
+    assert!(!out.join("tokenizer.json").exists(), "{stdout}");
+
     // A damaged carried file is refused by name, and nothing is exported.
     let victim = resumed.dir().join("model-files").join("tokenizer.json");
     let mut bytes = std::fs::read(&victim).unwrap();

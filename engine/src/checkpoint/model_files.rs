@@ -83,30 +83,31 @@ pub fn read_model_dir(dir: &Path) -> Result<Vec<(String, Vec<u8>)>, RunError> {
 
 /// The files the run of `o` carries in its checkpoints:
 ///
-/// - resuming from a checkpoint that carries files: those (checked against its manifest), so
-///   a resumed run keeps them whatever flags it was given;
-/// - else, `--init-from DIR` of a model directory: its [`CARRIED_FILES`] — unless the run
-///   trains on a token file whose header records another tokenizer than `DIR/tokenizer.json`
-///   (SHA-256 of the bytes; a `DIR` without `tokenizer.json` cannot be checked), when none is
-///   carried and [`Carried::note`] says why: an export would pair the weights with a tokenizer
-///   that did not make their training tokens;
-/// - else nothing (a preset or `--hf-config`: no model directory to take them from).
+/// - resuming from a checkpoint that carries files: those (checked against its manifest);
+/// - else, `--init-from DIR` of a model directory: its [`CARRIED_FILES`];
+/// - else nothing (a preset or `--hf-config`: no model directory to take them from);
+///
+/// and none, with [`Carried::note`] saying why, when the run trains on a token file whose
+/// header records another tokenizer than those files' `tokenizer.json` (SHA-256 of the bytes;
+/// files without one cannot be checked): an export would pair the weights with a tokenizer
+/// that did not make their training tokens.
 ///
 /// Errors: [`RunError::Refused`] when a file cannot be read or a resumed checkpoint's file is
 /// damaged.
 pub fn carried_files(o: &TrainOptions, resumed: Option<&Checkpoint>) -> Result<Carried, RunError> {
-    if let Some(ck) = resumed.filter(|c| !c.model_files().is_empty()) {
+    let (files, from) = if let Some(ck) = resumed.filter(|c| !c.model_files().is_empty()) {
         let files = ck
             .model_files()
             .iter()
             .map(|r| Ok((r.file.clone(), ck.read_model_file(&r.file)?)))
             .collect::<Result<Vec<_>, RunError>>()?;
-        return Ok(Carried { files, note: None });
-    }
-    let Some(dir) = o.init_from.as_deref().filter(|d| d.is_dir()) else {
-        return Ok(Carried::default());
+        (files, format!("the checkpoint {}", ck.dir().display()))
+    } else {
+        let Some(dir) = o.init_from.as_deref().filter(|d| d.is_dir()) else {
+            return Ok(Carried::default());
+        };
+        (read_model_dir(dir)?, dir.display().to_string())
     };
-    let files = read_model_dir(dir)?;
     if files.is_empty() {
         return Ok(Carried::default());
     }
@@ -123,14 +124,14 @@ pub fn carried_files(o: &TrainOptions, resumed: Option<&Checkpoint>) -> Result<C
             .map(|(_, b)| sha256_hex(b));
         if have.as_deref() != Some(want.as_str()) {
             let found = match &have {
-                Some(x) => format!("{} has SHA-256 {x}", dir.join(TOKENIZER_JSON).display()),
-                None => format!("{} has no {TOKENIZER_JSON} to compare", dir.display()),
+                Some(x) => format!("the {TOKENIZER_JSON} of {from} has SHA-256 {x}"),
+                None => format!("{from} has no {TOKENIZER_JSON} to compare"),
             };
             return Ok(Carried {
                 files: Vec::new(),
                 note: Some(format!(
                     "note: {} was tokenized with the tokenizer of SHA-256 {want}, but {found}: \
-                     the model directory's tokenizer files are not carried in the checkpoints \
+                     the model's tokenizer files are not carried in the checkpoints \
                      (an export would pair the weights with a tokenizer that did not make their \
                      training tokens); copy that tokenizer's files into the exported directory",
                     data.display()

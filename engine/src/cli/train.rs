@@ -484,6 +484,13 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
     // directory's config.json. A directory without one names no model: refuse rather than
     // load its weights into the default preset.
     if let Some(from) = args.ckpt.init_from.as_deref() {
+        if std::fs::metadata(from).is_err() {
+            return Err(CliError::Usage(format!(
+                "--init-from {}: no such file or directory; pass a Hugging Face model \
+                 directory, a .safetensors file or a model.safetensors.index.json",
+                from.display()
+            )));
+        }
         let named = args.model.is_some() || args.hf_config.is_some();
         let cfg = fsdp_checkpoints::hfdir::CONFIG_FILE;
         if !named && from.is_dir() && !from.join(cfg).is_file() {
