@@ -287,7 +287,9 @@ fn init_from_consolidated_file_starts_from_its_weights() {
 fn sigkill_at_random_moments_never_leaves_a_partial_checkpoint() {
     let t = tempfile::tempdir().unwrap();
     let root = t.path().join("crash");
-    let steps = 60;
+    // Long enough that at least 20 kills land before the run ends on an idle machine too (60
+    // steps ended after 14-19 kills on two idle cores).
+    let steps = 240;
     let mut args = train_args(&root, steps, "2");
     args.push("--resume".into());
     // Deterministic pseudo-random kill delays (SplitMix64), 20..420 ms.
