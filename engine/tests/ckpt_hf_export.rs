@@ -57,6 +57,33 @@ fn start_weights(model: &Decoder, file: &Path) -> BTreeMap<String, FullTensor> {
     tensors.into_iter().map(|t| (t.name.clone(), t)).collect()
 }
 
+/// One step of `fsdp train --init-from dir` (its config.json the model) at a learning rate of
+/// 1e-30, saved into `ck`: the saved parameters are the directory's values. (exit code,
+/// stdout, stderr).
+fn one_step_from(dir: &Path, ck: &Path) -> (i32, String, String) {
+    fsdp(&[
+        "train",
+        "--init-from",
+        s(dir),
+        "--steps",
+        "1",
+        "--micro-batch",
+        "1",
+        "--seq-len",
+        "16",
+        "--eval-batches",
+        "1",
+        "--lr",
+        "1e-30",
+        "--min-lr",
+        "1e-30",
+        "--warmup",
+        "0",
+        "--ckpt-dir",
+        s(ck),
+    ])
+}
+
 /// [`train`] from the weights file `init` with a learning rate of 1e-30: the checkpoint's
 /// parameters are `init`'s values, bit for bit.
 fn train_from(root: &Path, model_args: &[&str], init: &Path) {
@@ -491,27 +518,7 @@ fn gpt2_exports_a_model_directory_that_init_from_reads_back() {
         assert_same(f, &want[name]);
     }
     // Read back: the directory's config.json is the model, the weights its start.
-    let (rc, o, err) = fsdp(&[
-        "train",
-        "--init-from",
-        s(&out),
-        "--steps",
-        "1",
-        "--micro-batch",
-        "1",
-        "--seq-len",
-        "16",
-        "--eval-batches",
-        "1",
-        "--lr",
-        "1e-30",
-        "--min-lr",
-        "1e-30",
-        "--warmup",
-        "0",
-        "--ckpt-dir",
-        s(&t.path().join("again")),
-    ]);
+    let (rc, o, err) = one_step_from(&out, &t.path().join("again"));
     assert_eq!(rc, 0, "{o}\n{err}");
     let again = ckpt_tensors(&t.path().join("again"));
     for (name, f) in &found {
@@ -686,28 +693,36 @@ fn init_from_a_model_directory_exports_its_tokenizer_files_byte_for_byte() {
     check_export(&ck3, &t.path().join("out3"));
 
     // A resumed run (its model from the config.json alone) keeps carrying them.
-    let (rc, o, err) = fsdp(&[
-        "train",
-        "--hf-config",
-        s(&src.join("config.json")),
-        "--world-size",
-        "2",
-        "--steps",
-        "3",
-        "--micro-batch",
-        "1",
-        "--seq-len",
-        "16",
-        "--eval-batches",
-        "1",
-        "--threads-per-rank",
-        "1",
-        "--ckpt-every",
-        "2",
-        "--ckpt-dir",
-        s(&ck),
-        "--resume",
-    ]);
+    // `fsdp train --resume` of the directory's model (its config.json alone) into `root` up to
+    // `steps`, then `extra`.
+    let resume = |root: &Path, steps: &str, extra: &[&str]| {
+        let cfg = src.join("config.json");
+        let mut a = vec![
+            "train",
+            "--hf-config",
+            s(&cfg),
+            "--world-size",
+            "2",
+            "--steps",
+            steps,
+            "--micro-batch",
+            "1",
+            "--seq-len",
+            "16",
+            "--eval-batches",
+            "1",
+            "--threads-per-rank",
+            "1",
+            "--ckpt-every",
+            "2",
+            "--ckpt-dir",
+            s(root),
+            "--resume",
+        ];
+        a.extend_from_slice(extra);
+        fsdp(&a)
+    };
+    let (rc, o, err) = resume(&ck, "3", &[]);
     assert_eq!(rc, 0, "{o}\n{err}");
     let resumed = Checkpoint::open(&ck, Verify::Checksums).unwrap();
     assert_eq!(resumed.manifest().train.step, 3);
@@ -727,31 +742,11 @@ fn init_from_a_model_directory_exports_its_tokenizer_files_byte_for_byte() {
     w.push(&(0..4000u32).map(|i| i * 7 % 250).collect::<Vec<_>>())
         .unwrap();
     w.finish().unwrap();
-    let (rc, o, err) = fsdp(&[
-        "train",
-        "--hf-config",
-        s(&src.join("config.json")),
-        "--data",
-        s(&other),
-        "--allow-tokenizer-mismatch",
-        "--world-size",
-        "2",
-        "--steps",
+    let (rc, o, err) = resume(
+        &ck_other,
         "4",
-        "--micro-batch",
-        "1",
-        "--seq-len",
-        "16",
-        "--eval-batches",
-        "1",
-        "--threads-per-rank",
-        "1",
-        "--ckpt-every",
-        "2",
-        "--ckpt-dir",
-        s(&ck_other),
-        "--resume",
-    ]);
+        &["--data", s(&other), "--allow-tokenizer-mismatch"],
+    );
     assert_eq!(rc, 0, "{o}\n{err}");
     assert!(err.contains("tokenizer files are not carried"), "{err}");
     let step4 = Checkpoint::open(&ck_other, Verify::Checksums).unwrap();
@@ -856,29 +851,7 @@ fn a_tied_config_with_a_different_stored_head_is_refused() {
     assert_ne!(head.data, embed.data);
     std::fs::write(dir.join("config.json"), cfg_text(true)).unwrap();
 
-    let run = |ck: &Path| {
-        fsdp(&[
-            "train",
-            "--init-from",
-            s(&dir),
-            "--steps",
-            "1",
-            "--micro-batch",
-            "1",
-            "--seq-len",
-            "16",
-            "--eval-batches",
-            "1",
-            "--lr",
-            "1e-30",
-            "--min-lr",
-            "1e-30",
-            "--warmup",
-            "0",
-            "--ckpt-dir",
-            s(ck),
-        ])
-    };
+    let run = |ck: &Path| one_step_from(&dir, ck);
     let (rc, o, err) = run(&t.path().join("refused"));
     assert_eq!(rc, 2, "{o}\n{err}");
     assert!(
