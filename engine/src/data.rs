@@ -21,7 +21,10 @@
 //!   wrapping into the next epoch. So within a step every rank's micro-batches are disjoint,
 //!   every rank runs the same number of steps (the stream never ends), and the single-process
 //!   reference that accumulates micro-batches `g` in rank order sees exactly the same
-//!   windows.
+//!   windows. The stream itself does not depend on the world size, micro-batch or
+//!   accumulation: a resumed run starts from a [`StreamOrigin`] (the step and the count of
+//!   sequences the checkpoint consumed) and continues at exactly the next sequence under any
+//!   new shape of the step.
 
 use candle_core::{Device, Tensor};
 use rand_chacha::rand_core::{RngCore, SeedableRng};
@@ -595,6 +598,27 @@ pub struct SamplerConfig {
     pub seed: u64,
 }
 
+/// Where a run starts in the global stream of training windows: at optimizer step `step`
+/// (0-based, the first step this run trains), having consumed `sequences` windows of the
+/// stream. A fresh run starts at [`StreamOrigin::START`]; a resumed run at the checkpoint's
+/// step and its count of consumed sequences, whatever world size, micro-batch or
+/// accumulation consumed them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StreamOrigin {
+    /// The first optimizer step of the run (0-based).
+    pub step: u64,
+    /// Stream positions (sequences) consumed before that step.
+    pub sequences: u64,
+}
+
+impl StreamOrigin {
+    /// Step 0, nothing consumed.
+    pub const START: StreamOrigin = StreamOrigin {
+        step: 0,
+        sequences: 0,
+    };
+}
+
 /// One micro-batch: `B` sequences of `T` tokens, row-major.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Batch {
@@ -633,6 +657,8 @@ pub struct Sampler {
     cfg: SamplerConfig,
     n_train: usize,
     n_val: usize,
+    /// Where this run starts in the stream.
+    origin: StreamOrigin,
     /// The most recently used epoch orders (at most 2), to avoid reshuffling per batch.
     cache: Mutex<Vec<(u64, Arc<Vec<u32>>)>>,
 }
@@ -729,8 +755,52 @@ impl Sampler {
             cfg,
             n_train,
             n_val,
+            origin: StreamOrigin::START,
             cache: Mutex::new(Vec::new()),
         })
+    }
+
+    /// This sampler with the run starting at `origin`: step `origin.step`'s first
+    /// micro-batch takes stream position `origin.sequences` (see [`Sampler::stream_position`]).
+    pub fn with_origin(mut self, origin: StreamOrigin) -> Self {
+        self.origin = origin;
+        self
+    }
+
+    /// Where the run starts in the stream.
+    pub fn origin(&self) -> StreamOrigin {
+        self.origin
+    }
+
+    /// Sequences one optimizer step consumes over all ranks: `B * grad_accum * W`.
+    pub fn sequences_per_step(&self) -> u64 {
+        (self.cfg.micro_batch * self.cfg.grad_accum * self.cfg.world_size) as u64
+    }
+
+    /// Sequences of the stream consumed when optimizer steps `0..steps` are done (`steps >=`
+    /// the origin's step): `origin.sequences + (steps - origin.step) * B * grad_accum * W`.
+    /// Panics if `steps` is before the origin (a caller bug).
+    pub fn consumed_after(&self, steps: u64) -> u64 {
+        assert!(
+            steps >= self.origin.step,
+            "step {steps} is before the stream origin (step {})",
+            self.origin.step
+        );
+        self.origin.sequences + (steps - self.origin.step) * self.sequences_per_step()
+    }
+
+    /// First stream position of micro-batch `k` of step `step` on `rank`:
+    /// `origin.sequences + g * B` with `g = ((step - origin.step) * grad_accum + k) * W +
+    /// rank`. Panics if `step` is before the origin.
+    pub fn stream_position(&self, step: u64, k: usize, rank: usize) -> u64 {
+        assert!(
+            step >= self.origin.step,
+            "step {step} is before the stream origin (step {})",
+            self.origin.step
+        );
+        let local = (step - self.origin.step) * self.cfg.grad_accum as u64 + k as u64;
+        let g = local * self.cfg.world_size as u64 + rank as u64;
+        self.origin.sequences + g * self.cfg.micro_batch as u64
     }
 
     /// The configuration.
@@ -760,7 +830,8 @@ impl Sampler {
         (self.n_train / per_step).max(1)
     }
 
-    /// Global micro-batch index `g = (step * grad_accum + k) * W + rank`.
+    /// Global micro-batch index `g = (step * grad_accum + k) * W + rank` of a run started at
+    /// step 0 (for [`StreamOrigin::START`], [`Sampler::stream_position`] is `g * B`).
     pub fn global_index(&self, step: u64, k: usize, rank: usize) -> u64 {
         (step * self.cfg.grad_accum as u64 + k as u64) * self.cfg.world_size as u64 + rank as u64
     }
@@ -811,8 +882,9 @@ impl Sampler {
     }
 
     /// Micro-batch `k` (`0 <= k < grad_accum`) of optimizer step `step` (0-based) on `rank`:
-    /// the `B` training windows at stream positions `g*B .. (g+1)*B`,
-    /// `g = (step * grad_accum + k) * W + rank`. Panics if `rank >= W` or `k >= grad_accum`
+    /// the `B` training windows at stream positions `p .. p + B`, `p =`
+    /// [`Sampler::stream_position`] (`g*B` with `g = (step * grad_accum + k) * W + rank` from
+    /// the start). Panics if `rank >= W`, `k >= grad_accum` or `step` is before the origin
     /// (caller bugs, not data errors), or if a token file cannot be read: use
     /// [`Sampler::try_micro_batch`] for a token file.
     pub fn micro_batch(&self, step: u64, k: usize, rank: usize) -> Batch {
@@ -835,8 +907,7 @@ impl Sampler {
             self.cfg.grad_accum
         );
         let b = self.cfg.micro_batch;
-        let g = self.global_index(step, k, rank);
-        let windows = self.stream_windows(g * b as u64, b);
+        let windows = self.stream_windows(self.stream_position(step, k, rank), b);
         self.batch_of(0, windows)
     }
 

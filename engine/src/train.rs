@@ -7,7 +7,7 @@
 //! own rayon pool of `max(1, cores / W)` threads (candle's matmul and kernels use the current
 //! rayon pool), so `W` ranks never oversubscribe the cores.
 
-use crate::data::{Batch, Sampler, SamplerConfig, TextData, TokenSource};
+use crate::data::{Batch, Sampler, SamplerConfig, StreamOrigin, TextData, TokenSource};
 use crate::error::{EngineError, Result};
 use crate::init::{FileWeights, ParamSource};
 use crate::memory::{CountingAllocator, PhasePeak, PHASES};
@@ -67,7 +67,8 @@ pub struct TrainOptions {
     pub seed: u64,
     /// Evaluate the validation loss every N steps (0: only at the end).
     pub eval_every: u64,
-    /// At most this many validation micro-batches per rank per evaluation (0: all).
+    /// At most this many global validation micro-batches per evaluation, shared by the
+    /// ranks (0: all), so every world size evaluates the same windows.
     pub eval_batches: usize,
     /// Units gathered ahead (prefetch depth).
     pub prefetch: u64,
@@ -152,6 +153,13 @@ pub trait TrainHooks: Sync {
     /// the step, so the step is the data position.
     fn resume(&self, _rank: usize) -> Result<Option<(RankState, u64)>> {
         Ok(None)
+    }
+
+    /// Where the run starts in the training stream, the same on every rank: the resumed
+    /// checkpoint's step and count of consumed sequences ([`StreamOrigin::START`] for a fresh
+    /// run). A resume's step must equal its origin's step.
+    fn stream_origin(&self) -> StreamOrigin {
+        StreamOrigin::START
     }
 
     /// After optimizer step `step` (1-based) on `rank`.
@@ -609,7 +617,8 @@ pub fn train_prepared(
             seed: o.seed,
         },
     )
-    .map_err(|e| EngineError::Data(e.to_string()))?;
+    .map_err(|e| EngineError::Data(e.to_string()))?
+    .with_origin(hooks.stream_origin());
     let init: Box<dyn ParamSource> = match &o.init_from {
         Some(p) => Box::new(
             FileWeights::open(p, model.spec())
@@ -828,17 +837,19 @@ fn run_rank(ctx: &RankContext<'_>, comm: &dyn Communicator) -> Result<RankOutcom
         e.import_state(&st)?;
         start = next;
     }
+    if start != sampler.origin().step {
+        return Err(EngineError::State(format!(
+            "rank {rank} resumes at step {start} but the data stream starts at step {}",
+            sampler.origin().step
+        )));
+    }
     // Every rank trains the same number of steps; say so loudly if not (instead of hanging).
     e.check_batch_counts((o.steps - start.min(o.steps)) * o.grad_accum as u64)?;
     let data_err = |e: crate::data::DataError| EngineError::Data(format!("rank {rank}: {e}"));
-    // The validation batches: `--eval-batches N` per rank (global batches `j * W + rank`),
-    // or with 0 every batch of the split, however many ranks share them.
+    // The validation batches: the first `--eval-batches N` global batches of the split (0:
+    // all), batch `v` on rank `v % W`, so every world size evaluates the same windows.
     let w = o.world_size.max(1);
-    let val_batches = if o.eval_batches == 0 {
-        sampler.eval_batch_count(crate::data::EvalSplit::Validation, 0)
-    } else {
-        sampler.val_batches_per_rank(o.eval_batches) * w
-    };
+    let val_batches = sampler.eval_batch_count(crate::data::EvalSplit::Validation, o.eval_batches);
     let val = crate::eval::rank_batches(
         sampler,
         crate::data::EvalSplit::Validation,

@@ -262,6 +262,11 @@ pub struct CheckpointHooks {
     on_save: Option<SaveCallback>,
     /// The model's own files written into every checkpoint ([`super::model_files`]).
     model_files: Vec<(String, Vec<u8>)>,
+    /// Where this run starts in the training stream (the resumed checkpoint's step and
+    /// consumed sequences, or the start).
+    origin: crate::data::StreamOrigin,
+    /// Sequences one optimizer step of this run consumes (`B * grad_accum * W`).
+    sequences_per_step: u64,
 }
 
 /// What a completed checkpoint save reports (rank 0): [`CheckpointHooks::on_save`].
@@ -315,6 +320,7 @@ impl CheckpointHooks {
         }
         let mut resume_from = None;
         let mut set_aside = Vec::new();
+        let mut origin = crate::data::StreamOrigin::START;
         if let Some(mode) = a.resume {
             let Some(root) = a.dir.as_deref() else {
                 return Err(RunError::Refused(
@@ -382,10 +388,20 @@ impl CheckpointHooks {
                         ));
                     }
                 }
+                let (at, unrecorded) = stream_origin_of(
+                    &ck.manifest().train,
+                    ck.manifest().world_size,
+                    sequences_per_step(o),
+                );
+                if let Some(n) = unrecorded {
+                    note(n);
+                }
+                origin = at;
                 for line in resume_changes(
                     &ck.manifest().train.extra,
                     ck.manifest().world_size,
                     ck.manifest().train.step,
+                    at.sequences,
                     o,
                 ) {
                     note(format!("note: resuming with {line}"));
@@ -458,6 +474,8 @@ impl CheckpointHooks {
             set_aside: std::sync::Mutex::new(set_aside),
             on_save: None,
             model_files: carried.files,
+            origin,
+            sequences_per_step: sequences_per_step(o),
         })
     }
 
@@ -798,6 +816,10 @@ impl CheckpointHooks {
 }
 
 impl crate::train::TrainHooks for CheckpointHooks {
+    fn stream_origin(&self) -> crate::data::StreamOrigin {
+        self.origin
+    }
+
     fn resume(
         &self,
         rank: usize,
@@ -936,7 +958,12 @@ impl crate::train::TrainHooks for CheckpointHooks {
         if let Ok(Some(p)) = begun {
             let mut t = self.train.clone();
             t.step = step;
-            t.data_position = step;
+            // The global count of sequences consumed: a resume at any world size,
+            // micro-batch or accumulation continues at the next one.
+            t.data_position = self.origin.sequences
+                + step.saturating_sub(self.origin.step) * self.sequences_per_step;
+            t.extra
+                .insert(DATA_POSITION_UNIT_KEY.into(), "sequences".into());
             t.optimizer.step = engine.steps_taken() - engine.skipped_steps();
             if let Some(sc) = engine.loss_scaler() {
                 t.extra.insert("loss_scale".into(), sc.scale.to_string());
@@ -974,15 +1001,17 @@ impl crate::train::TrainHooks for CheckpointHooks {
 }
 
 /// What a resume changes, given the checkpoint's saved flags (`extra`, the manifest's
-/// `train.extra`), its world size `saved_world` and completed `step`, against the run's
-/// options: one line per changed setting (the data file, the tokenizer of a token file,
-/// `--seq-len`, `--micro-batch`, `--grad-accum`, the world size), with where this run's sample
-/// stream starts against where the checkpoint's stopped (samples skipped or seen twice). Empty
-/// when nothing changes.
+/// `train.extra`), its world size `saved_world`, completed `step` and `consumed` sequences of
+/// the training stream ([`stream_origin_of`]), against the run's options: one line per
+/// changed setting (the data file, the tokenizer of a token file, `--seq-len`,
+/// `--micro-batch`, `--grad-accum`, the world size); a new shape of the step says that the
+/// stream continues at sequence `consumed` and whether the global batch changes. Empty when
+/// nothing changes.
 pub fn resume_changes(
     extra: &std::collections::BTreeMap<String, String>,
     saved_world: u64,
     step: u64,
+    consumed: u64,
     o: &TrainOptions,
 ) -> Vec<String> {
     let mut lines = Vec::new();
@@ -1101,33 +1130,81 @@ pub fn resume_changes(
             .saturating_mul(ga_was.unwrap_or(ga_now))
             .saturating_mul(saved_world);
         let per_step_now = mb_now.saturating_mul(ga_now).saturating_mul(w_now);
-        let consumed = step.saturating_mul(per_step_was);
-        let start = step.saturating_mul(per_step_now);
         let g = fsdp_types::group_thousands;
-        let effect = match start.cmp(&consumed) {
-            std::cmp::Ordering::Greater => format!(
-                "sequences {}..{} of the stream are skipped",
-                g(consumed),
-                g(start)
-            ),
-            std::cmp::Ordering::Less => format!(
-                "sequences {}..{} of the stream are seen a second time",
-                g(start),
-                g(consumed)
-            ),
-            std::cmp::Ordering::Equal => "no sequence is skipped or repeated".into(),
+        let batch = if per_step_now == per_step_was {
+            String::new()
+        } else {
+            format!(
+                "; the global batch changes from {} to {} sequences per step (the \
+                 learning-rate schedule still counts steps)",
+                g(per_step_was),
+                g(per_step_now)
+            )
         };
         lines.push(format!(
-            "{}: {} sequences per step (was {}); the checkpoint consumed {} sequences \
-             ({step} steps), this run starts at sequence {}: {effect}",
+            "{}: the checkpoint consumed {} sequences of the stream ({step} steps); this run \
+             continues at sequence {}, none skipped or repeated{batch}",
             shape.join(", "),
-            g(per_step_now),
-            g(per_step_was),
             g(consumed),
-            g(start)
+            g(consumed)
         ));
     }
     lines
+}
+
+/// The manifest's `train.extra` key saying what `train.data_position` counts: `sequences`
+/// (the global count of training sequences consumed, at any world size). A checkpoint
+/// without it recorded the step there; its stream position is the step times its own
+/// sequences per step ([`stream_origin_of`]).
+pub const DATA_POSITION_UNIT_KEY: &str = "data_position_unit";
+
+/// Sequences one optimizer step of the run `o` consumes: `micro_batch * grad_accum * W`.
+pub fn sequences_per_step(o: &TrainOptions) -> u64 {
+    (o.micro_batch as u64)
+        .saturating_mul(o.grad_accum as u64)
+        .saturating_mul(o.world_size as u64)
+}
+
+/// Where a run resumed from a checkpoint with train state `t` (saved at world size
+/// `saved_world`) starts in the training stream: the checkpoint's step and its count of
+/// consumed sequences, `t.data_position` when it records sequences
+/// ([`DATA_POSITION_UNIT_KEY`]), else its step times its own `micro_batch * grad_accum *
+/// saved_world` (from `t.extra`). A checkpoint that records neither is taken to have used
+/// `this_per_step` sequences per step, and the second value says so (a note for the user).
+pub fn stream_origin_of(
+    t: &fsdp_checkpoints::TrainState,
+    saved_world: u64,
+    this_per_step: u64,
+) -> (crate::data::StreamOrigin, Option<String>) {
+    let num = |k: &str| t.extra.get(k).and_then(|v| v.parse::<u64>().ok());
+    let (sequences, note) =
+        if t.extra.get(DATA_POSITION_UNIT_KEY).map(String::as_str) == Some("sequences") {
+            (t.data_position, None)
+        } else if let (Some(mb), Some(ga)) = (num("micro_batch"), num("grad_accum")) {
+            (
+                t.step
+                    .saturating_mul(mb)
+                    .saturating_mul(ga)
+                    .saturating_mul(saved_world),
+                None,
+            )
+        } else {
+            (
+                t.step.saturating_mul(this_per_step),
+                Some(format!(
+                    "note: the checkpoint records neither its stream position nor its \
+                     micro-batch and accumulation; taking {} sequences per step, as this run",
+                    this_per_step
+                )),
+            )
+        };
+    (
+        crate::data::StreamOrigin {
+            step: t.step,
+            sequences,
+        },
+        note,
+    )
 }
 
 /// The checkpoint key recording the SHA-256 of the tokenizer a token file `--data` was made
@@ -1207,15 +1284,15 @@ mod tests {
             hf_config: Some(p.clone()),
             ..TrainOptions::default()
         };
-        assert!(resume_changes(&extra, 1, 5, &o).is_empty());
+        assert!(resume_changes(&extra, 1, 5, 0, &o).is_empty());
         std::fs::write(&p, cfg("1234.0")).unwrap();
-        let l = resume_changes(&extra, 1, 5, &o);
+        let l = resume_changes(&extra, 1, 5, 0, &o);
         assert_eq!(l.len(), 1, "{l:?}");
         assert!(l[0].contains("rope_theta 1234 was 10000"), "{l:?}");
     }
 
     #[test]
-    fn resume_changes_count_skipped_sequences() {
+    fn resume_changes_say_where_the_stream_continues() {
         let mut extra = std::collections::BTreeMap::new();
         extra.insert("micro_batch".to_string(), "8".to_string());
         extra.insert("grad_accum".to_string(), "1".to_string());
@@ -1227,17 +1304,63 @@ mod tests {
             world_size: 1,
             ..TrainOptions::default()
         };
-        let l = resume_changes(&extra, 1, 20, &o);
+        let l = resume_changes(&extra, 1, 20, 160, &o);
         assert_eq!(l.len(), 1, "{l:?}");
         assert!(
-            l[0].contains("sequences 160..320 of the stream are skipped"),
+            l[0].contains("consumed 160 sequences of the stream (20 steps); this run continues at sequence 160, none skipped or repeated; the global batch changes from 8 to 16"),
             "{l:?}"
         );
         let same = TrainOptions {
             micro_batch: 8,
+            ..o.clone()
+        };
+        assert!(resume_changes(&extra, 1, 20, 160, &same).is_empty());
+        // The same global batch at another world size: no batch change.
+        let w2 = TrainOptions {
+            micro_batch: 4,
+            world_size: 2,
             ..o
         };
-        assert!(resume_changes(&extra, 1, 20, &same).is_empty());
+        let l = resume_changes(&extra, 1, 20, 160, &w2);
+        assert!(
+            l[0].starts_with("--micro-batch 4 (was 8), world size 2 (was 1): ")
+                && !l[0].contains("global batch"),
+            "{l:?}"
+        );
+    }
+
+    #[test]
+    fn stream_origin_reads_sequences_or_derives_them_from_an_older_checkpoint() {
+        let mut t = fsdp_checkpoints::TrainState {
+            step: 20,
+            data_position: 20,
+            rng_state: vec![],
+            optimizer: fsdp_checkpoints::OptimizerState {
+                name: "adamw".into(),
+                lr: 1e-3,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.0,
+                step: 20,
+            },
+            extra: Default::default(),
+        };
+        // Neither recorded: this run's shape, said.
+        let (o, note) = stream_origin_of(&t, 2, 12);
+        assert_eq!((o.step, o.sequences), (20, 240));
+        assert!(note.unwrap().contains("12 sequences per step"));
+        // An older checkpoint: the step was recorded, its shape gives the count.
+        t.extra.insert("micro_batch".into(), "3".into());
+        t.extra.insert("grad_accum".into(), "5".into());
+        let (o, note) = stream_origin_of(&t, 2, 12);
+        assert_eq!((o.step, o.sequences, note), (20, 20 * 3 * 5 * 2, None));
+        // A checkpoint that records sequences: taken as is.
+        t.extra
+            .insert(DATA_POSITION_UNIT_KEY.into(), "sequences".into());
+        t.data_position = 77;
+        let (o, note) = stream_origin_of(&t, 2, 12);
+        assert_eq!((o.step, o.sequences, note), (20, 77, None));
     }
 
     #[test]
@@ -1262,10 +1385,10 @@ mod tests {
         assert_eq!(saved["data_vocab_size"], "500");
         let mut extra = saved.clone();
         extra.insert("data".into(), a.display().to_string());
-        assert!(resume_changes(&extra, 1, 5, &on(&a)).is_empty());
+        assert!(resume_changes(&extra, 1, 5, 0, &on(&a)).is_empty());
         // The same path rewritten by another tokenizer.
         std::fs::copy(&b, &a).unwrap();
-        let l = resume_changes(&extra, 1, 5, &on(&a));
+        let l = resume_changes(&extra, 1, 5, 0, &on(&a));
         assert_eq!(l.len(), 1, "{l:?}");
         assert!(
             l[0].contains("another tokenizer (--data ")
@@ -1276,11 +1399,11 @@ mod tests {
         let c = file("c.bin", 0xaa);
         let mut extra_c = data_extra(&on(&c));
         extra_c.insert("data".into(), c.display().to_string());
-        assert!(resume_changes(&extra_c, 1, 5, &on(&c)).is_empty());
+        assert!(resume_changes(&extra_c, 1, 5, 0, &on(&c)).is_empty());
         let mut w = TokenWriter::create(&c, 500, [0xaa; 32]).unwrap();
         w.push(&[1, 2, 3, 4]).unwrap();
         w.finish().unwrap();
-        let l = resume_changes(&extra_c, 1, 5, &on(&c));
+        let l = resume_changes(&extra_c, 1, 5, 0, &on(&c));
         assert_eq!(l.len(), 1, "{l:?}");
         assert!(
             l[0].contains("changed since the checkpoint (4 tokens, the checkpoint's file had 3)"),
@@ -1289,7 +1412,7 @@ mod tests {
         // Text after a token file.
         let text = dir.path().join("t.txt");
         std::fs::write(&text, "text").unwrap();
-        let l = resume_changes(&extra, 1, 5, &on(&text));
+        let l = resume_changes(&extra, 1, 5, 0, &on(&text));
         assert!(l.iter().any(|x| x.starts_with("text as bytes")), "{l:?}");
     }
 }

@@ -314,7 +314,7 @@ fn inspect(dir: &std::path::Path, json: bool) -> Result<(), CliError> {
         m.alignment
     );
     outln!(o,
-        "step         {} (optimizer {} step {}, lr {}, betas ({}, {}), eps {}, weight decay {}); data position {}",
+        "step         {} (optimizer {} step {}, lr {}, betas ({}, {}), eps {}, weight decay {}); data position {}{}",
         t.step,
         t.optimizer.name,
         t.optimizer.step,
@@ -323,7 +323,11 @@ fn inspect(dir: &std::path::Path, json: bool) -> Result<(), CliError> {
         t.optimizer.beta2,
         t.optimizer.eps,
         t.optimizer.weight_decay,
-        t.data_position
+        t.data_position,
+        match t.extra.get(crate::checkpoint::resume::DATA_POSITION_UNIT_KEY) {
+            Some(unit) => format!(" {unit} consumed"),
+            None => String::new(),
+        }
     );
     let (mut real, mut pad, mut trainable) = (0u64, 0u64, 0u64);
     for (_, _, f) in l.flat_params() {

@@ -54,8 +54,8 @@ pub struct EvalArgs {
     #[arg(long, value_parser = super::checks::at_least_one)]
     pub micro_batch: Option<usize>,
     /// Micro-batches evaluated, over all ranks: the first N of the split in file order, or
-    /// `all`. `fsdp train --world-size 1 --eval-batches N` (0 for all) evaluates the same
-    /// windows.
+    /// `all`. `fsdp train --eval-batches N` (0 for all) evaluates the same windows at any
+    /// world size.
     #[arg(long, value_name = "N|all", default_value = "16", value_parser = eval_batches)]
     pub eval_batches: usize,
     /// dtype the units compute in (default: the checkpoint's, else f32).

@@ -217,8 +217,10 @@ pub struct TrainArgs {
     /// Evaluate the validation loss every N steps (0: only at the end).
     #[arg(long, default_value_t = 0)]
     pub eval_every: u64,
-    /// Validation micro-batches per rank per evaluation (0: every micro-batch of the split,
-    /// shared by the ranks).
+    /// Validation micro-batches per evaluation over all ranks (0: every micro-batch of the
+    /// split): the first N of the split in file order, shared by the ranks, so a run at
+    /// any world size evaluates the same windows (and `fsdp eval --eval-batches N` on its
+    /// checkpoint the same).
     #[arg(long, default_value_t = 16)]
     pub eval_batches: usize,
     /// Without a terminal, print a progress line every N steps or every 30 seconds, whichever
