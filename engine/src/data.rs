@@ -297,7 +297,7 @@ impl TextData {
                     });
                 }
                 if read >= next_report {
-                    eprintln!(
+                    crate::output::errln!(
                         "reading {} ({}): {} bytes so far",
                         path.display(),
                         stream_kind(&meta),
@@ -312,7 +312,7 @@ impl TextData {
                     kind: stream_kind(&meta),
                 });
             }
-            eprintln!(
+            crate::output::errln!(
                 "read {} bytes from {} ({}) into memory",
                 fsdp_types::group_thousands(bytes.len() as u64),
                 path.display(),

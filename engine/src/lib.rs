@@ -13,6 +13,7 @@ pub mod init;
 pub mod memory;
 pub mod model;
 pub mod optim;
+pub mod output;
 pub mod preflight;
 pub mod process;
 pub mod run;

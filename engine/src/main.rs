@@ -70,8 +70,10 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // The run said where it saved and how to resume.
+        Err(e @ fsdp::cli::CliError::Stopped(_)) => ExitCode::from(e.exit_code()),
         Err(e) => {
-            eprintln!("error: {e}");
+            fsdp::output::print_err(&format!("error: {e}\n"));
             ExitCode::from(e.exit_code())
         }
     }

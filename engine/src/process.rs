@@ -201,7 +201,10 @@ pub mod mpi {
                 };
                 let r = crate::train::train_prepared(run, alloc, hooks, progress, Some(&factory));
                 if let Err(e) = &r {
-                    eprintln!("fsdp train: rank {}: {e}; aborting the MPI job", self.rank);
+                    crate::output::errln!(
+                        "fsdp train: rank {}: {e}; aborting the MPI job",
+                        self.rank
+                    );
                     self.universe.abort(1);
                 }
                 r

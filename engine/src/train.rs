@@ -162,14 +162,28 @@ pub trait TrainHooks: Sync {
         StreamOrigin::START
     }
 
-    /// After optimizer step `step` (1-based) on `rank`.
+    /// After optimizer step `step` (1-based) on `rank`. `stop`: every rank agreed that the run
+    /// stops after this step ([`TrainHooks::stop_requested`]) although steps remain; a
+    /// checkpoint hook saves this step then, due or not (once: the same call also saves a due
+    /// step).
     fn after_step(
         &self,
         _rank: usize,
         _step: u64,
         _engine: &mut RankEngine<'_, Decoder>,
+        _stop: bool,
     ) -> Result<()> {
         Ok(())
+    }
+
+    /// Whether this rank asks the run to stop: 0 for no, any other code for yes (`fsdp
+    /// train`: the number of the signal received). Asked on every rank before the first step
+    /// and after every step but the last; the ranks' answers are all-gathered (one value per
+    /// rank), and when any rank asks, every rank stops at that same step boundary — after the
+    /// step, with [`TrainHooks::after_step`]'s `stop` set, or before the first step without
+    /// training — and [`TrainReport::stopped`] holds the lowest asking rank's code.
+    fn stop_requested(&self) -> u32 {
+        0
     }
 }
 
@@ -285,6 +299,20 @@ pub struct TrainReport {
     pub device_memory: Option<DeviceMemoryReport>,
     /// Plan fingerprint.
     pub fingerprint: String,
+    /// The run stopped early because a rank asked to ([`TrainHooks::stop_requested`]);
+    /// `None` when it ran every step.
+    pub stopped: Option<EarlyStop>,
+}
+
+/// Where and why a run stopped before its last step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct EarlyStop {
+    /// The last step completed (1-based; the resumed step, or 0, when the run stopped before
+    /// its first step).
+    pub after_step: u64,
+    /// The lowest asking rank's [`TrainHooks::stop_requested`] code (`fsdp train`: the
+    /// signal number).
+    pub code: u32,
 }
 
 /// A rank's device memory: the plan's peak against the measured peak (bytes).
@@ -742,6 +770,8 @@ pub fn train_prepared(
         .map(|x| x.peaks.iter().map(|p| p.peak_total.0).max().unwrap_or(0))
         .collect();
     let host_peak_per_rank = outcomes.iter().map(|x| x.host_peak).collect();
+    // Every rank stopped at the same agreed step.
+    let stopped = outcomes[0].stopped;
     Ok(TrainReport {
         model: model.name().to_string(),
         params: model.spec().numel().0,
@@ -788,6 +818,7 @@ pub fn train_prepared(
             .map(|(a, b)| a.peak().saturating_sub(b)),
         device_memory,
         fingerprint: plan.fingerprint().to_string(),
+        stopped,
     })
 }
 
@@ -799,6 +830,8 @@ struct RankOutcome {
     device_peak: Option<u64>,
     /// Bytes of the host ledger (offload; 0 without it).
     host_peak: u64,
+    /// Where the ranks agreed to stop early, if they did.
+    stopped: Option<EarlyStop>,
 }
 
 /// What every rank of a run shares: the model, the plan, the engine configuration, the
@@ -863,7 +896,24 @@ fn run_rank(ctx: &RankContext<'_>, comm: &dyn Communicator) -> Result<RankOutcom
     // The device peak counts the training loop: model states already allocated, start-up
     // transients (initial values, checkpoint import) not.
     e.reset_device_memory_peak()?;
+    // Whether any rank asks to stop: one flag per rank, all-gathered, so that every rank
+    // (thread or process, any backend) takes the same decision at the same step boundary.
+    let agree_stop = |e: &mut RankEngine<'_, Decoder>| -> Result<Option<u32>> {
+        let asked = f64::from(hooks.stop_requested());
+        let all = e.barrier_with_status(asked)?;
+        Ok(all.into_iter().find(|&x| x != 0.0).map(|x| x as u32))
+    };
+    let mut stopped = None;
+    if start < o.steps {
+        stopped = agree_stop(&mut e)?.map(|code| EarlyStop {
+            after_step: start,
+            code,
+        });
+    }
     for step in start..o.steps {
+        if stopped.is_some() {
+            break;
+        }
         let mbs: Vec<MicroBatch> = (0..o.grad_accum)
             .map(|k| to_micro_batch(&sampler.try_micro_batch(step, k, rank).map_err(data_err)?))
             .collect::<Result<_>>()?;
@@ -881,9 +931,16 @@ fn run_rank(ctx: &RankContext<'_>, comm: &dyn Communicator) -> Result<RankOutcom
                 *m = (*m).max(q.max.get(c));
             }
         }
-        hooks.after_step(rank, st.step, &mut e)?;
         let last = step + 1 == o.steps;
-        let eval_now = last || (o.eval_every > 0 && (step + 1) % o.eval_every == 0);
+        let code = if last { None } else { agree_stop(&mut e)? };
+        let stop = code.is_some();
+        hooks.after_step(rank, st.step, &mut e, stop)?;
+        stopped = code.map(|code| EarlyStop {
+            after_step: st.step,
+            code,
+        });
+        // A stopping run does not evaluate: the time before the scheduler's kill is the save's.
+        let eval_now = !stop && (last || (o.eval_every > 0 && (step + 1) % o.eval_every == 0));
         let v = if eval_now {
             let (sum, n) = crate::eval::sum_in_batch_order(&e.eval_each(&val)?, val_batches, w);
             val_loss = sum / n.max(1) as f64;
@@ -921,6 +978,7 @@ fn run_rank(ctx: &RankContext<'_>, comm: &dyn Communicator) -> Result<RankOutcom
         peaks,
         device_peak,
         host_peak,
+        stopped,
     })
 }
 

@@ -107,10 +107,22 @@ fn piped_run_prints_a_line_per_evaluation_and_at_the_end() {
     assert!(out.lines().all(|l| l.starts_with('{')), "{out}");
 }
 
-/// `fsdp train | head -1` ends quietly (exit 141), in this binary to keep the number of test
-/// executables down.
-#[path = "cli_train_messages/broken_pipe.rs"]
-mod broken_pipe;
+/// A closed stdout or stderr ends no command (`fsdp train | head -1` trains on and saves), in
+/// this binary to keep the number of test executables down.
+#[path = "cli_train_messages/closed_output.rs"]
+mod closed_output;
+
+/// `--log-file`: every line, appended as it happens, also without a terminal.
+#[path = "cli_train_messages/log_file.rs"]
+mod log_file;
+
+/// A process read line by line while it runs.
+#[path = "cli_train_messages/running.rs"]
+mod running;
+
+/// SIGTERM / SIGINT: every rank stops after one step, saves it and exits 143 / 130.
+#[path = "cli_train_messages/stop.rs"]
+mod stop;
 
 /// Training text from pipes, FIFOs and standard input; a data file changed during training.
 #[path = "cli_train_messages/data_sources.rs"]

@@ -809,7 +809,7 @@ impl CheckpointHooks {
                     to.display()
                 )
             })?;
-            eprintln!("moved {} aside to {}", from.display(), to.display());
+            crate::output::errln!("moved {} aside to {}", from.display(), to.display());
         }
         Ok(())
     }
@@ -860,12 +860,15 @@ impl crate::train::TrainHooks for CheckpointHooks {
         rank: usize,
         step: u64,
         engine: &mut crate::runtime::RankEngine<'_, crate::model::decoder::Decoder>,
+        stop: bool,
     ) -> crate::error::Result<()> {
         let Some(root) = &self.root else {
             return Ok(());
         };
-        let due =
-            step == self.last_step || (self.every > 0 && step.checked_rem(self.every) == Some(0));
+        // A run stopping early (a signal) saves the step it stops after.
+        let due = stop
+            || step == self.last_step
+            || (self.every > 0 && step.checked_rem(self.every) == Some(0));
         if !due {
             return Ok(());
         }

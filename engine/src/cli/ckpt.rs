@@ -131,7 +131,7 @@ pub fn shard_size_for(
 
 /// Prints a note or warning of the library on stderr.
 fn note(line: String) {
-    eprintln!("{line}");
+    crate::output::errln!("{line}");
 }
 
 /// Runs `fsdp ckpt`.
@@ -243,7 +243,7 @@ pub fn run(args: CkptArgs) -> Result<(), CliError> {
                 allow_padding_ranks,
             };
             let r = reshard_checkpoint(&req, &mut note)?;
-            println!(
+            crate::output::outln!(
                 "resharded {} (world size {} = shard {} x replicate {}) -> {} (world size {} = shard {} x replicate {}), step {}",
                 r.source.display(),
                 r.from.world_size,
@@ -271,15 +271,11 @@ macro_rules! outln {
     }};
 }
 
-/// Prints `text` to stdout; a closed pipe (`| head`) is not an error.
+/// Prints `text` to stdout; a closed stdout (`| head`) ends the printing, not the command
+/// ([`crate::output`]).
 fn emit(text: &str) -> Result<(), CliError> {
-    use std::io::Write as _;
-    match std::io::stdout().lock().write_all(text.as_bytes()) {
-        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
-            Err(CliError::Failed(format!("stdout: {e}")))
-        }
-        _ => Ok(()),
-    }
+    crate::output::print_out(text);
+    Ok(())
 }
 
 fn inspect(dir: &std::path::Path, json: bool) -> Result<(), CliError> {

@@ -169,11 +169,11 @@ fn tokenize(a: TokenizeArgs) -> Result<(), CliError> {
     let sha = tokens::sha256_file(tok)
         .map_err(|e| CliError::Usage(format!("--tokenizer {}: {e}", tok.display())))?;
     for note in tokens::without_truncation_and_padding(&mut tokenizer) {
-        eprintln!("note: {note}");
+        crate::output::errln!("note: {note}");
     }
     let mut plan = CutPlan::new(&tokenizer);
     if let Some(reason) = plan.whole_reason() {
-        eprintln!(
+        crate::output::errln!(
             "note: cutting a text is not proven exact for the tokenizer {}: {reason}; each \
              input is encoded whole, in one piece held in memory (exact, as `tokenizers` encodes it)",
             tok.display()
@@ -247,12 +247,8 @@ fn tokenize(a: TokenizeArgs) -> Result<(), CliError> {
         if pieces == 1 { "" } else { "s" },
         start.elapsed().as_secs_f64()
     );
-    use std::io::Write as _;
-    if let Err(e) = writeln!(std::io::stdout().lock(), "{line}") {
-        if e.kind() == std::io::ErrorKind::BrokenPipe {
-            std::process::exit(141);
-        }
-    }
+    // The token file is written: a closed stdout (`| head`) loses only this line.
+    crate::output::outln!("{line}");
     Ok(())
 }
 

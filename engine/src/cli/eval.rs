@@ -126,7 +126,9 @@ fn checkpoint_model(ck: &Checkpoint) -> Result<Decoder, CliError> {
 pub fn run(a: EvalArgs) -> Result<(), CliError> {
     crate::preflight::check_thread_world_size(a.world_size)?;
     let ck = match &a.ckpt {
-        Some(p) => Some(open_verified(p, &mut |line| eprintln!("{line}"))?),
+        Some(p) => Some(open_verified(p, &mut |line| {
+            crate::output::errln!("{line}")
+        })?),
         None => None,
     };
     let extra = ck.as_ref().map(|c| &c.manifest().train.extra);
@@ -147,7 +149,7 @@ pub fn run(a: EvalArgs) -> Result<(), CliError> {
                         .map_or("not recorded", String::as_str)
                 );
                 if a.allow_tokenizer_mismatch {
-                    eprintln!("note: --allow-tokenizer-mismatch: {problem}");
+                    crate::output::errln!("note: --allow-tokenizer-mismatch: {problem}");
                 } else {
                     return Err(CliError::Usage(format!(
                         "{problem} (or pass --allow-tokenizer-mismatch to evaluate anyway)"
@@ -179,7 +181,7 @@ pub fn run(a: EvalArgs) -> Result<(), CliError> {
                 Some(&a.data),
                 a.allow_tokenizer_mismatch,
             )? {
-                eprintln!("{n}");
+                crate::output::errln!("{n}");
             }
             let model =
                 Decoder::from_hf_config(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
@@ -226,7 +228,7 @@ pub fn run(a: EvalArgs) -> Result<(), CliError> {
         let mut v = serde_json::to_value(&report).map_err(|e| CliError::Failed(e.to_string()))?;
         v["weights"] = serde_json::Value::String(source);
         v["param_dtype"] = serde_json::Value::String(param_dtype.to_string());
-        println!("{v}");
+        crate::output::outln!("{v}");
     } else {
         print_report(&report, &source);
     }
@@ -234,7 +236,7 @@ pub fn run(a: EvalArgs) -> Result<(), CliError> {
 }
 
 fn print_report(r: &EvalReport, source: &str) {
-    println!(
+    crate::output::outln!(
         "evaluated {} ({} params) from {source} on {} | split {}: {} micro-batches of {} windows \
          of {} tokens ({} tokens) | world {}",
         r.model,
@@ -247,8 +249,10 @@ fn print_report(r: &EvalReport, source: &str) {
         fsdp_types::group_thousands(r.tokens),
         r.world_size
     );
-    println!(
+    crate::output::outln!(
         "loss {:.6} nats per token | perplexity {:.4} | {:.1} s",
-        r.loss, r.perplexity, r.seconds
+        r.loss,
+        r.perplexity,
+        r.seconds
     );
 }

@@ -1,5 +1,7 @@
 //! The `fsdp` CLI (clap): one module per subcommand. Bad input exits with code 2 and a message,
-//! never a panic; a failed run (NaN loss, memory over plan, a dead rank) exits with code 1.
+//! never a panic; a failed run (NaN loss, memory over plan, a dead rank) exits with code 1; a
+//! training run stopped by SIGINT or SIGTERM exits with 130 or 143 ([`stop`]). Everything is
+//! printed through [`crate::output`], which never panics on a closed stream.
 
 use clap::{Parser, Subcommand};
 
@@ -10,6 +12,7 @@ pub mod eval;
 pub mod launch;
 pub mod plan;
 pub mod progress;
+pub mod stop;
 pub mod train;
 
 /// Errors surfaced by the CLI, with the exit code each maps to.
@@ -21,6 +24,10 @@ pub enum CliError {
     /// A run that started and failed (exit code 1).
     #[error("{0}")]
     Failed(String),
+    /// A training run stopped early by this signal (SIGINT, SIGTERM) after saving what it
+    /// could and saying so: exit code 128 + signal ([`stop::exit_code`]), no further message.
+    #[error("stopped by {}", stop::signal_name(*.0))]
+    Stopped(i32),
 }
 
 impl From<crate::run::RunError> for CliError {
@@ -34,11 +41,12 @@ impl From<crate::run::RunError> for CliError {
 }
 
 impl CliError {
-    /// 2 for bad input, 1 for a failed run.
+    /// 2 for bad input, 1 for a failed run, 128 + signal for a run stopped by a signal.
     pub fn exit_code(&self) -> u8 {
         match self {
             CliError::Usage(_) => 2,
             CliError::Failed(_) => 1,
+            CliError::Stopped(sig) => stop::exit_code(*sig),
         }
     }
 }

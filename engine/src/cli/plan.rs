@@ -406,8 +406,9 @@ pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
     match &args.output {
         Some(path) => std::fs::write(path, text)
             .map_err(|e| CliError::Usage(format!("cannot write {}: {e}", path.display()))),
+        // A closed stdout (`| head`) ends the printing quietly ([`crate::output`]).
         None => {
-            print!("{text}");
+            crate::output::print_out(&text);
             Ok(())
         }
     }

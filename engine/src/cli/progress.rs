@@ -72,7 +72,7 @@ impl PlainLog {
             } else {
                 "training continues on the copy read at the start"
             };
-            eprintln!(
+            crate::output::errln!(
                 "warning: --data {} changed on disk by step {step} (was {} bytes, now {size}); \
                  {how}",
                 path.display(),

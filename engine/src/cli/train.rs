@@ -1,27 +1,17 @@
 //! `fsdp train`: train a byte-level GPT on a text file (default: the embedded project corpus)
 //! with `--world-size` rank threads under a sharding strategy, with a progress bar or JSON
 //! lines, and a summary of losses, speed and memory (measured against the plan).
-
-/// `println!` for the run's standard output that treats a closed reader (`fsdp train | head`)
-/// as the end of the run: the process exits quietly with 141 (128 + SIGPIPE, what a shell
-/// reports for a process killed by a broken pipe) instead of panicking mid-training. Other
-/// write errors are ignored, as `println!` would panic on them for no benefit.
-macro_rules! out {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let mut stdout = std::io::stdout().lock();
-        if let Err(e) = writeln!(stdout, $($arg)*) {
-            if e.kind() == std::io::ErrorKind::BrokenPipe {
-                std::process::exit(141);
-            }
-        }
-    }};
-}
+//!
+//! Output never ends the run: when standard output or standard error closes (`fsdp train |
+//! head -1`, a closed terminal) training goes on, saves its checkpoints and stops printing
+//! there ([`crate::output`]); `--log-file` keeps every line. SIGINT and SIGTERM stop every
+//! rank after the same step, save it and exit 130 / 143 ([`super::stop`]).
 
 use super::CliError;
 use crate::checkpoint::{CheckpointHooks, SaveReport};
 use crate::error::EngineError;
 use crate::memory::CountingAllocator;
+use crate::output::{errln, outln};
 use crate::preflight::{
     available_memory, cap_threads, cores, launcher_local_ranks, AutoResolution, Budget, RankHost,
     RankMemory,
@@ -135,7 +125,7 @@ pub const DEFAULT_MODEL: &str = "tiny";
 /// Arguments of `fsdp train`. Negative numbers are read as values (`--lr -1` is refused by the
 /// value check naming the rule, not by the parser as an unknown flag).
 #[derive(Debug, clap::Args)]
-#[command(allow_negative_numbers = true)]
+#[command(allow_negative_numbers = true, after_help = EXIT_HELP)]
 pub struct TrainArgs {
     /// Text to train on (bytes are tokens): a file, or a pipe, FIFO or `/dev/stdin`, read whole
     /// into memory at the start; or a token file from `fsdp data tokenize` (recognised by its
@@ -275,10 +265,26 @@ pub struct TrainArgs {
     /// file a resumed checkpoint trained on (by default such a run is refused, exit 2).
     #[arg(long)]
     pub allow_tokenizer_mismatch: bool,
+    /// Also append every line the run prints (progress lines, checkpoint and stop messages,
+    /// notes, warnings, errors, the summary) to this file, created if missing (its directory
+    /// must exist), each line written as it happens; under a terminal's progress bar the file
+    /// gets the plain progress line of every --log-every steps. The run then outlives its
+    /// terminal: SIGHUP is ignored (as under nohup). In a job of several processes (--backend
+    /// mpi or nccl) each rank writes its own file, like torchrun's per-rank logs: rank 0 PATH,
+    /// rank R PATH.rankR.
+    #[arg(long, value_name = "PATH")]
+    pub log_file: Option<PathBuf>,
     /// Checkpoints: --ckpt-dir, --ckpt-every, --keep-last, --resume, --init-from.
     #[command(flatten)]
     pub ckpt: super::ckpt::TrainCkptArgs,
 }
+
+/// The end of `fsdp train --help`: exit codes and what a signal does.
+pub const EXIT_HELP: &str = "Exit codes: 0 the run finished; 1 it failed; 2 bad input (nothing \
+ran); 130 (SIGINT, Ctrl-C) or 143 (SIGTERM, a scheduler's stop): every rank stopped after the \
+same step, saved it to --ckpt-dir (nothing is saved without one) and printed the command that \
+resumes it (--resume). A second signal exits at once with the same code, without a final \
+checkpoint (the newest complete one is unchanged).";
 
 impl TrainArgs {
     /// The training options these flags describe.
@@ -427,6 +433,14 @@ fn mib(b: u64) -> String {
 
 /// Runs `fsdp train`; `alloc` is the binary's counting allocator (process peak), if any.
 pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result<(), CliError> {
+    // A log file that cannot be written is refused before anything else; one rank thread
+    // process opens it now, so that even a bad flag's error is in it.
+    if let Some(p) = &args.log_file {
+        crate::output::check_log_path(p).map_err(CliError::Usage)?;
+        if args.backend == BackendArg::Threads {
+            open_log_file(p, None)?;
+        }
+    }
     let mut opts = args.options()?;
     // Under `fsdp launch` (torchrun's environment) every process would otherwise train its
     // own copy of the model as a world of --world-size threads: refuse instead.
@@ -468,8 +482,16 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         )?),
         _ => None,
     };
-    let root =
-        mpi.as_ref().is_none_or(|m| m.rank() == 0) && nccl.as_ref().is_none_or(|n| n.rank() == 0);
+    let process_rank = mpi
+        .as_ref()
+        .map(|m| m.rank())
+        .or(nccl.as_ref().map(|n| n.rank()));
+    let root = process_rank.is_none_or(|r| r == 0);
+    if let (Some(p), Some(r)) = (&args.log_file, process_rank) {
+        open_log_file(p, Some(r))?;
+    }
+    // From here on SIGINT / SIGTERM stop every rank at the next step boundary (saved).
+    super::stop::install(args.log_file.is_some()).map_err(CliError::Failed)?;
     // Every MPI rank's node memory, gathered once, so that every rank resolves auto and
     // decides the pre-flight on the same numbers.
     let host = !opts.placement.device().is_cuda();
@@ -503,7 +525,7 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
             )));
         }
         if !named && from.is_file() && root {
-            eprintln!(
+            errln!(
                 "note: --init-from {} is a weights file, which names no model: the model is the \
                  default `{DEFAULT_MODEL}`; pass --hf-config CONFIG.json or --model for another",
                 from.display()
@@ -520,7 +542,7 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
             args.allow_tokenizer_mismatch,
         )?;
         if let (Some(n), true) = (note, root) {
-            eprintln!("{n}");
+            errln!("{n}");
         }
     }
     // One pass: the model, the plan (auto resolved), the pre-flight on that plan.
@@ -547,17 +569,17 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         .into_iter()
         .flatten()
         {
-            eprintln!("{note}");
+            errln!("{note}");
         }
     }
     let mut ckpt = args.ckpt.config()?;
     ckpt.allow_tokenizer_mismatch = args.allow_tokenizer_mismatch;
-    let mut hooks = CheckpointHooks::new(&ckpt, &run, &mut |line| eprintln!("{line}"))?;
+    let mut hooks = CheckpointHooks::new(&ckpt, &run, &mut |line| errln!("{line}"))?;
     // `--init-from DIR --resume` with a checkpoint to resume: the weights (and optimizer
     // state) are the checkpoint's, DIR names the model only.
     if let (Some((step, dir)), Some(from)) = (hooks.resume_step(), &run.options.init_from) {
         if root {
-            eprintln!(
+            errln!(
                 "note: the weights come from the checkpoint of step {step} ({}); --init-from {} gives the model only",
                 dir.display(),
                 from.display()
@@ -577,9 +599,9 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
                 opts.steps
             );
             if args.json {
-                eprintln!("{msg}");
+                errln!("{msg}");
             } else {
-                out!("{msg}");
+                outln!("{msg}");
             }
         }
         return Ok(());
@@ -597,9 +619,13 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         Some(b)
     };
     let json = args.json;
+    // The newest checkpoint this run saved (rank 0): where a stop says it went.
+    let last_save = std::sync::Arc::new(std::sync::Mutex::new(None::<(u64, PathBuf)>));
     {
         let bar = bar.clone();
+        let last_save = last_save.clone();
         hooks.on_save(Box::new(move |s: &SaveReport| {
+            *last_save.lock().unwrap_or_else(|p| p.into_inner()) = Some((s.step, s.path.clone()));
             if json {
                 let line = serde_json::json!({
                     "event": "checkpoint",
@@ -608,7 +634,7 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
                     "bytes": s.bytes,
                     "seconds": s.seconds,
                 });
-                out!("{line}");
+                outln!("{line}");
                 return;
             }
             let line = format!(
@@ -618,14 +644,11 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
                 s.seconds,
                 fsdp_types::Bytes(s.bytes)
             );
-            match &bar {
-                Some(b) if !b.is_hidden() => b.println(line),
-                _ => out!("{line}"),
-            }
+            print_line(bar.as_ref(), &line);
         }));
     }
     if let (Some(a), true, false) = (&auto, root, json) {
-        out!(
+        outln!(
             "strategy auto: {}, activation checkpointing {} (budget {} per rank: {}); {}",
             a.choice.strategy,
             if a.choice.activation_checkpointing == Some(true) {
@@ -644,13 +667,15 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         use std::io::IsTerminal;
         !json && root && !(std::io::stdout().is_terminal() && std::io::stderr().is_terminal())
     };
+    // Under a terminal's bar the log file gets the plain lines the terminal does not show.
+    let plain_to_log = !json && root && !plain && args.log_file.is_some();
     let total_steps = opts.steps;
     let log = super::progress::PlainLog::new(args.log_every, opts.data.clone());
     let progress = |r: &StepReport| {
         log.watch_data(r.step);
         if json {
             if let Ok(s) = serde_json::to_string(r) {
-                out!("{s}");
+                outln!("{s}");
             }
             return;
         }
@@ -667,16 +692,19 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
             // The report starts with "step N: ".
             let why = why.split_once(": ").map_or(why.as_str(), |(_, rest)| rest);
             let line = format!("step {}/{total_steps} skipped, no update: {why}", r.step);
-            match &bar {
-                Some(b) => b.println(line),
-                None if root => out!("{line}"),
-                None => {}
+            if root {
+                print_line(bar.as_ref(), &line);
             }
         }
         // Plain output: every --log-every steps or 30 s, the last step, evaluated steps and
         // every step skipped.
-        if plain && log.due(r, total_steps) {
-            out!("{}", super::progress::log_line(r, total_steps));
+        if (plain || plain_to_log) && log.due(r, total_steps) {
+            let line = super::progress::log_line(r, total_steps);
+            if plain {
+                outln!("{line}");
+            } else {
+                crate::output::log_only(&format!("{line}\n"));
+            }
         }
         if let Some(b) = &bar {
             let val = r
@@ -697,25 +725,161 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
             ));
         }
     };
+    let resume_dir = hooks.resume_step().map(|(_, d)| d.to_path_buf());
+    let hooks = super::stop::StopOnSignal { inner: &hooks };
     let report = match (&mpi, &nccl) {
         (Some(m), _) => m.train(&run, alloc, &hooks, &progress),
         (None, Some(n)) => n.train(&run, alloc, &hooks, &progress),
         (None, None) => train_prepared(&run, alloc, &hooks, &progress, None),
     }
     .map_err(cli_error)?;
+    let stopped = report.stopped.map(|s| (s.after_step, s.code as i32));
     if !root {
-        return Ok(());
+        return match stopped {
+            Some((_, sig)) => Err(CliError::Stopped(sig)),
+            None => Ok(()),
+        };
     }
     if let Some(b) = &bar {
-        b.finish();
+        if stopped.is_some() {
+            b.abandon();
+        } else {
+            b.finish();
+        }
     }
     if json {
         let s = serde_json::to_string(&summary_json(&report, auto.as_ref()))
             .map_err(|e| CliError::Failed(e.to_string()))?;
-        out!("{s}");
-    } else {
+        outln!("{s}");
+    } else if !report.steps.is_empty() {
         print_summary(&report, args.memory_report);
     }
+    let Some((after, sig)) = stopped else {
+        if let Some(sig) = super::stop::received() {
+            errln!(
+                "note: {} arrived during the last step; the run finished it",
+                super::stop::signal_name(sig)
+            );
+        }
+        return Ok(());
+    };
+    let saved = last_save
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone()
+        .filter(|(step, _)| *step == after);
+    // Stopped before its first step, a resumed run's checkpoint is still the newest.
+    let resumed = resume_dir.filter(|_| report.steps.is_empty());
+    let command = resume_command(&mpi, &nccl, opts.world_size);
+    let name = super::stop::signal_name(sig);
+    let at = if report.steps.is_empty() {
+        "before its first step".to_string()
+    } else {
+        format!("after step {after} of {}", opts.steps)
+    };
+    let (checkpoint, message) = match (&saved, &resumed, &ckpt.dir) {
+        (Some((_, dir)), _, _) => (
+            Some(dir.clone()),
+            format!(
+                "stopped by {name} {at}: saved the checkpoint of step {after} to {}; resume \
+                 with:\n  {command}",
+                dir.display()
+            ),
+        ),
+        (None, Some(dir), _) => (
+            Some(dir.clone()),
+            format!(
+                "stopped by {name} {at}: nothing trained; the checkpoint of step {after} in {} \
+                 is unchanged; resume with:\n  {command}",
+                dir.display()
+            ),
+        ),
+        (None, None, Some(_)) if report.steps.is_empty() => (
+            None,
+            format!("stopped by {name} {at}: nothing trained, nothing saved"),
+        ),
+        (None, None, _) => (
+            None,
+            format!(
+                "stopped by {name} {at}: nothing was saved (no --ckpt-dir); pass --ckpt-dir \
+                 DIR to keep the work of a stopped run"
+            ),
+        ),
+    };
+    if json {
+        let line = serde_json::json!({
+            "event": "stopped",
+            "signal": name,
+            "step": after,
+            "steps": opts.steps,
+            "checkpoint": checkpoint,
+            "resume": checkpoint.as_ref().map(|_| command.clone()),
+        });
+        outln!("{line}");
+    }
+    errln!("{message}");
+    Err(CliError::Stopped(sig))
+}
+
+/// The command that resumes a stopped run: this process's arguments with `--resume`, under
+/// the launcher that started it (MPI: `mpirun -n W`, NCCL: `fsdp launch --nproc W --`).
+fn resume_command(
+    mpi: &Option<crate::process::mpi::MpiProcess>,
+    nccl: &Option<crate::process::NcclProcess>,
+    world_size: usize,
+) -> String {
+    let args: Vec<String> = std::env::args_os()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    match (mpi, nccl) {
+        (Some(_), _) => format!(
+            "mpirun -n {world_size} {}",
+            super::stop::resume_command_of(args)
+        ),
+        (None, Some(_)) => format!(
+            "{} launch --nproc {world_size} -- {}",
+            shlex::try_quote(&args[0]).map_or(args[0].clone(), |q| q.into_owned()),
+            super::stop::resume_command_of(args.into_iter().skip(1))
+        ),
+        (None, None) => super::stop::resume_command_of(args),
+    }
+}
+
+/// Prints `line` above a visible progress bar (and into the log file), else on stdout.
+fn print_line(bar: Option<&ProgressBar>, line: &str) {
+    match bar {
+        Some(b) if !b.is_hidden() => {
+            b.println(line);
+            crate::output::log_only(&format!("{line}\n"));
+        }
+        _ => outln!("{line}"),
+    }
+}
+
+/// Opens `--log-file PATH` for this process: PATH for rank 0 (and for a process of rank
+/// threads, `rank` None), PATH.rankR for rank R of a job of several processes; its first line
+/// names the command line and the process.
+///
+/// Errors: [`CliError::Usage`] naming the path when it cannot be opened for appending.
+fn open_log_file(path: &std::path::Path, rank: Option<usize>) -> Result<(), CliError> {
+    let path = match rank {
+        Some(r) if r > 0 => {
+            let mut p = path.as_os_str().to_owned();
+            p.push(format!(".rank{r}"));
+            PathBuf::from(p)
+        }
+        _ => path.to_path_buf(),
+    };
+    crate::output::open_log(&path).map_err(CliError::Usage)?;
+    let args: Vec<String> = std::env::args_os()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    crate::output::log_only(&format!(
+        "== {} (pid {}{})\n",
+        shlex::try_join(args.iter().map(String::as_str)).unwrap_or_else(|_| args.join(" ")),
+        std::process::id(),
+        rank.map(|r| format!(", rank {r}")).unwrap_or_default()
+    ));
     Ok(())
 }
 
@@ -747,6 +911,8 @@ fn summary_json(r: &TrainReport, auto: Option<&AutoResolution>) -> serde_json::V
         "device_memory": r.device_memory,
         "memory": r.memory,
         "fingerprint": r.fingerprint,
+        "stopped_after_step": r.stopped.map(|s| s.after_step),
+        "stop_signal": r.stopped.map(|s| super::stop::signal_name(s.code as i32)),
     })
 }
 
@@ -754,7 +920,14 @@ fn summary_json(r: &TrainReport, auto: Option<&AutoResolution>) -> serde_json::V
 /// memory peak against the plan; with `memory_report` also the precision, the per-phase and
 /// per-category table and the process heap against the plan.
 fn print_summary(r: &TrainReport, memory_report: bool) {
-    out!(
+    if let Some(s) = r.stopped {
+        outln!(
+            "stopped early by {} after step {} (the summary covers the steps of this run)",
+            super::stop::signal_name(s.code as i32),
+            s.after_step
+        );
+    }
+    outln!(
         "trained {} ({} params) on {} | world {} ({}, shard group {}, activation checkpointing {})",
         r.model,
         fsdp_types::group_thousands(r.params),
@@ -768,10 +941,14 @@ fn print_summary(r: &TrainReport, memory_report: bool) {
             "off"
         }
     );
-    out!(
-        "train loss {:.4} (mean of last steps) | val loss {:.4}{}",
+    outln!(
+        "train loss {:.4} (mean of last steps) | val loss {}{}",
         r.final_train_loss,
-        r.final_val_loss,
+        if r.final_val_loss.is_nan() && r.stopped.is_some() {
+            "not evaluated (stopped early)".to_string()
+        } else {
+            format!("{:.4}", r.final_val_loss)
+        },
         if r.skipped_steps > 0 {
             format!(
                 " | {} steps skipped (non-finite gradients or loss)",
@@ -781,7 +958,7 @@ fn print_summary(r: &TrainReport, memory_report: bool) {
             String::new()
         }
     );
-    out!(
+    outln!(
         "{} tokens/s | {:.1} s | communication exposed (rank 0): {:.2} s",
         fsdp_types::group_thousands(r.tokens_per_s.round() as u64),
         r.seconds,
@@ -796,7 +973,7 @@ fn print_summary(r: &TrainReport, memory_report: bool) {
             ),
             _ => String::new(),
         };
-        out!(
+        outln!(
             "memory rank {rank}: engine-owned peak {} of plan {} ({:.1}%){host}",
             mib(*peak),
             mib(r.plan_engine_peak_per_rank),
@@ -804,7 +981,7 @@ fn print_summary(r: &TrainReport, memory_report: bool) {
         );
     }
     if let Some(d) = r.device_memory {
-        out!(
+        outln!(
             "device memory: plan {} B, measured peak {} B ({:.4})",
             d.plan_bytes,
             d.measured_peak_bytes,
@@ -818,9 +995,9 @@ fn print_summary(r: &TrainReport, memory_report: bool) {
 
 /// The memory report of `--memory-report`.
 fn print_memory_report(r: &TrainReport) {
-    out!("precision: {}", r.precision);
-    out!("memory per rank, engine-owned bytes: measured (ledger peak) / plan, per phase");
-    out!(
+    outln!("precision: {}", r.precision);
+    outln!("memory per rank, engine-owned bytes: measured (ledger peak) / plan, per phase");
+    outln!(
         "{:<6} {:<15} {:<28} {:>14} {:>14}",
         "rank",
         "phase",
@@ -831,7 +1008,7 @@ fn print_memory_report(r: &TrainReport) {
     for (rank, cats) in r.memory.iter().enumerate() {
         for c in cats.iter().filter(|c| c.planned > 0 || c.measured > 0) {
             let mark = if c.measured > c.planned { "  OVER" } else { "" };
-            out!(
+            outln!(
                 "{:<6} {:<15} {:<28} {:>14} {:>14}{mark}",
                 rank,
                 c.phase,
@@ -842,7 +1019,7 @@ fn print_memory_report(r: &TrainReport) {
         }
     }
     match r.process_peak {
-        Some(p) => out!(
+        Some(p) => outln!(
             "process heap peak during training {} (all {} ranks) vs plan peak {} per rank x {} = {}",
             mib(p),
             r.world_size,
@@ -850,6 +1027,6 @@ fn print_memory_report(r: &TrainReport) {
             r.world_size,
             mib(r.plan_peak_per_rank * r.world_size as u64)
         ),
-        None => out!("process heap: not measured (no counting allocator installed)"),
+        None => outln!("process heap: not measured (no counting allocator installed)"),
     }
 }

@@ -727,7 +727,11 @@ impl Watchdog {
                 Some((deadline, rank, call, timeout)) => {
                     let now = Instant::now();
                     if now >= deadline {
-                        eprintln!(
+                        // Not `eprintln!`: with stderr closed it would panic this thread
+                        // instead of ending the process.
+                        use std::io::Write as _;
+                        let _ = writeln!(
+                            std::io::stderr(),
                             "fsdp-comm mpi: rank {rank}: {call} did not complete within {} ms \
                              after every peer joined it: a peer died or stopped inside the \
                              collective; aborting this process so the job ends",

@@ -1,0 +1,177 @@
+//! Every line the `fsdp` binary prints: standard output, standard error and the `--log-file`
+//! of `fsdp train`, through writes that never panic and never end the process.
+//!
+//! When a stream fails — its reader went away (`fsdp train | head -1`: EPIPE; Rust ignores
+//! SIGPIPE, so a closed pipe is an error here, never a signal), the terminal closed (EIO), the
+//! file it is redirected to filled its disk — that stream is given up for the rest of the
+//! process and the work goes on: training keeps training and saving, `plan`, `ckpt` and `data`
+//! finish and exit 0 when their work succeeded. `println!` would panic instead (exit 101), so
+//! the binary's code prints only through [`outln!`] / [`errln!`] and the functions here.
+//!
+//! With a log file open ([`open_log`]) every line printed on either stream is also appended
+//! to it, one `write` per line on a file opened with `O_APPEND`, so each line is in the file
+//! when the call returns, whether or not the terminal is still there. A failed write to the
+//! log file (a full disk) is said once on stderr and ends the log, not the run.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::Mutex;
+
+/// Standard output failed once: nothing more is written to it.
+static STDOUT_GONE: AtomicBool = AtomicBool::new(false);
+/// Standard error failed once: nothing more is written to it.
+static STDERR_GONE: AtomicBool = AtomicBool::new(false);
+/// The log file, when one is open.
+static LOG: Mutex<Option<LogFile>> = Mutex::new(None);
+/// The log file's descriptor (-1: none), for the signal handler's last words ([`log_fd`]).
+static LOG_FD: AtomicI32 = AtomicI32::new(-1);
+
+struct LogFile {
+    file: std::fs::File,
+    path: PathBuf,
+}
+
+/// `println!` that never panics: formats one line, prints it on standard output (unless that
+/// stream is gone) and appends it to the log file, if any ([`print_out`]).
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        $crate::output::print_out(&format!("{}\n", format_args!($($arg)*)))
+    };
+}
+pub(crate) use outln;
+
+/// `eprintln!` that never panics: formats one line, prints it on standard error (unless that
+/// stream is gone) and appends it to the log file, if any ([`print_err`]).
+macro_rules! errln {
+    ($($arg:tt)*) => {
+        $crate::output::print_err(&format!("{}\n", format_args!($($arg)*)))
+    };
+}
+pub(crate) use errln;
+
+/// Writes `text` (whole lines, each ending in `\n`) on standard output and appends it to the
+/// log file, if one is open. A failed write to standard output gives that stream up for the
+/// rest of the process ([`stdout_gone`]); nothing is returned because nothing can be done.
+pub fn print_out(text: &str) {
+    write_stream(&STDOUT_GONE, text.as_bytes(), |b| {
+        let mut s = std::io::stdout().lock();
+        s.write_all(b).and_then(|()| s.flush())
+    });
+    log_only(text);
+}
+
+/// As [`print_out`], on standard error.
+pub fn print_err(text: &str) {
+    write_stream(&STDERR_GONE, text.as_bytes(), |b| {
+        let mut s = std::io::stderr().lock();
+        s.write_all(b).and_then(|()| s.flush())
+    });
+    log_only(text);
+}
+
+/// Appends `text` (whole lines) to the log file only, if one is open: what the terminal
+/// shows in another form (a progress bar) or not at all. A failed write closes the log file
+/// and says so once on standard error.
+pub fn log_only(text: &str) {
+    let mut log = LOG.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(l) = log.as_mut() else {
+        return;
+    };
+    if let Err(e) = l.file.write_all(text.as_bytes()) {
+        let path = l.path.clone();
+        // The descriptor is withdrawn from the signal handler before the file closes.
+        LOG_FD.store(-1, Ordering::SeqCst);
+        *log = None;
+        drop(log);
+        let line = format!(
+            "warning: --log-file {}: {e}; no more lines are written to it (the run goes on)\n",
+            path.display()
+        );
+        write_stream(&STDERR_GONE, line.as_bytes(), |b| {
+            std::io::stderr().lock().write_all(b)
+        });
+    }
+}
+
+fn write_stream(gone: &AtomicBool, bytes: &[u8], write: impl FnOnce(&[u8]) -> std::io::Result<()>) {
+    if gone.load(Ordering::Relaxed) {
+        return;
+    }
+    if write(bytes).is_err() {
+        gone.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Whether a write to standard output failed (its reader went away): commands whose output
+/// is all their work may stop early.
+pub fn stdout_gone() -> bool {
+    STDOUT_GONE.load(Ordering::Relaxed)
+}
+
+/// Whether a write to standard error failed.
+pub fn stderr_gone() -> bool {
+    STDERR_GONE.load(Ordering::Relaxed)
+}
+
+/// Checks, before any work, that `path` can be a log file: its parent directory exists and it
+/// is not a directory itself.
+///
+/// Errors: a message naming `path` and the fix.
+pub fn check_log_path(path: &Path) -> Result<(), String> {
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if !parent.is_dir() {
+        return Err(format!(
+            "--log-file {}: the directory {} does not exist; create it first or choose a log \
+             file in an existing directory",
+            path.display(),
+            parent.display()
+        ));
+    }
+    if path.is_dir() {
+        return Err(format!(
+            "--log-file {}: is a directory; give the path of a file (it is created, or appended \
+             to)",
+            path.display()
+        ));
+    }
+    Ok(())
+}
+
+/// Opens `path` for appending (created if missing, after [`check_log_path`]'s checks) as the
+/// log file of every later [`print_out`], [`print_err`] and [`log_only`]; replaces a log file
+/// opened before.
+///
+/// Errors: a message naming `path` and the operating system's reason.
+pub fn open_log(path: &Path) -> Result<(), String> {
+    check_log_path(path)?;
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| {
+            format!(
+                "--log-file {}: cannot open it for appending: {e}",
+                path.display()
+            )
+        })?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::io::AsRawFd;
+        LOG_FD.store(file.as_raw_fd(), Ordering::SeqCst);
+    }
+    *LOG.lock().unwrap_or_else(|p| p.into_inner()) = Some(LogFile {
+        file,
+        path: path.to_path_buf(),
+    });
+    Ok(())
+}
+
+/// The open log file's raw descriptor, or -1: for a signal handler, which may only call
+/// async-signal-safe functions such as `write(2)`.
+pub fn log_fd() -> i32 {
+    LOG_FD.load(Ordering::SeqCst)
+}
