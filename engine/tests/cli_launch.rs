@@ -1,6 +1,7 @@
 //! `fsdp launch` end to end on the CPU: N real child processes with torchrun's environment,
 //! every output line prefixed with its rank, a failing rank's exit code returned and the other
-//! ranks stopped at once, Ctrl-C forwarded, bad input exiting 2.
+//! ranks stopped at once (but given time to finish a stop on a signal), Ctrl-C forwarded, bad
+//! input exiting 2.
 
 use std::collections::BTreeSet;
 use std::process::{Command, Output, Stdio};
@@ -117,6 +118,36 @@ fn cli_launch_returns_the_failing_ranks_code_and_stops_the_others_promptly() {
     assert!(err.contains("[rank 1] giving up"), "{err}");
     assert!(
         err.contains("fsdp launch: rank 1 exited with code 3; stopped ranks [0, 2]"),
+        "{err}"
+    );
+}
+
+/// A rank that exits 143 (`fsdp train` stopped by SIGTERM after the step every rank agreed
+/// on) is not a failure of the others: they finish their own stop (here rank 0 prints after
+/// 0.5 s) before the launcher exits with 143.
+#[test]
+fn cli_launch_lets_the_ranks_finish_a_stop_on_a_signal() {
+    let (o, took) = launch(&[
+        "--nproc",
+        "2",
+        "--master-port",
+        "29616",
+        "--program",
+        "sh",
+        "--",
+        "-c",
+        "if [ \"$RANK\" = 1 ]; then exit 143; fi; sleep 0.5; echo saved; exit 143",
+    ]);
+    let (out, err) = (text(&o.stdout), text(&o.stderr));
+    assert_eq!(o.status.code(), Some(143), "{err}");
+    assert_eq!(
+        rank_lines(&out, 0),
+        ["saved"],
+        "rank 0 finished:\n{out}\n{err}"
+    );
+    assert!(took < Duration::from_secs(20), "{took:?}");
+    assert!(
+        err.contains("fsdp launch: rank 1 stopped on signal 15 (exit 143); every rank has exited"),
         "{err}"
     );
 }

@@ -12,7 +12,10 @@
 //! ranks at once (SIGKILL to each rank's process group) and exits with that rank's code, after
 //! a line on stderr naming the rank, its code and the ranks it stopped. Ctrl-C (SIGINT) or
 //! SIGTERM to the launcher is forwarded to every rank's process group; ranks still running
-//! after 10 s are killed; the launcher then exits with 130 (SIGINT) or 143 (SIGTERM). Each
+//! after `--grace` (30 s, torchrun's) are killed; the launcher then exits with 130 (SIGINT)
+//! or 143 (SIGTERM). A rank that exits with 130 or 143 itself (`fsdp train` stopped by a
+//! signal, after all ranks agreed on the step and saved it) is not a failure of the others:
+//! they get `--grace` to finish the same stop before they are killed. Each
 //! rank runs in its own process group (so it and its children can be signalled together) and,
 //! on Linux, dies with the launcher (`PR_SET_PDEATHSIG`). All ranks exiting 0 exits 0.
 //!
@@ -45,8 +48,10 @@ pub struct LaunchArgs {
     /// Program to start instead of this `fsdp` executable (e.g. a conformance test binary).
     #[arg(long)]
     pub program: Option<PathBuf>,
-    /// Seconds ranks get to exit after a forwarded Ctrl-C / SIGTERM before they are killed.
-    #[arg(long, default_value_t = 10.0)]
+    /// Seconds ranks get to exit after a forwarded Ctrl-C / SIGTERM (or after one rank
+    /// stopped on such a signal) before they are killed: enough for `fsdp train` to finish its
+    /// step and write its final checkpoint.
+    #[arg(long, default_value_t = 30.0)]
     pub grace: f64,
     /// The command line every rank runs (after `--`), e.g. `train --model tiny`: arguments of
     /// this `fsdp` executable, or of `--program` (which may take none).
@@ -245,7 +250,7 @@ fn monitor(children: &mut [Option<Child>], grace: Duration) -> i32 {
             let running: Vec<usize> = (0..children.len())
                 .filter(|&r| children[r].is_some())
                 .collect();
-            eprintln!(
+            crate::output::errln!(
                 "fsdp launch: received signal {sig}; forwarding it to ranks {running:?} \
                  ({:.0} s to exit)",
                 grace.as_secs_f64()
@@ -265,6 +270,16 @@ fn monitor(children: &mut [Option<Child>], grace: Duration) -> i32 {
             return 128 + sig;
         }
         if let Some((rank, failed)) = reap(children) {
+            // 130 / 143: the rank stopped on SIGINT / SIGTERM after its checkpoint; the
+            // others agreed on the same step and are finishing (saving, printing).
+            let stop = failed == 128 + 2 || failed == 128 + 15;
+            if stop {
+                let deadline = Instant::now() + grace;
+                while children.iter().any(Option::is_some) && Instant::now() < deadline {
+                    reap(children);
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
             let others: Vec<usize> = (0..children.len())
                 .filter(|&r| children[r].is_some())
                 .collect();
@@ -274,9 +289,17 @@ fn monitor(children: &mut [Option<Child>], grace: Duration) -> i32 {
             for c in children.iter_mut().flatten() {
                 let _ = c.wait();
             }
-            eprintln!(
-                "fsdp launch: rank {rank} exited with code {failed}; stopped ranks {others:?}"
-            );
+            if stop && others.is_empty() {
+                crate::output::errln!(
+                    "fsdp launch: rank {rank} stopped on signal {} (exit {failed}); every rank \
+                     has exited",
+                    failed - 128
+                );
+            } else {
+                crate::output::errln!(
+                    "fsdp launch: rank {rank} exited with code {failed}; stopped ranks {others:?}"
+                );
+            }
             return failed;
         }
         if children.iter().all(Option::is_none) {
