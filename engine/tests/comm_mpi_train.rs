@@ -10,7 +10,8 @@
 //! backend's own parity tests).
 //!
 //! Module `preflight`: the MPI memory pre-flight (a run that does not fit refused by every
-//! rank with exit 2) and `--strategy auto` resolved alike on every rank.
+//! rank with exit 2) and `--strategy auto` resolved alike on every rank. Module `stop`: a
+//! SIGTERM to one process stops both after the same step, saved, and the resume is exact.
 //!
 //! Without Open MPI's launcher each test prints "SKIPPED: mpirun not found" (shown with
 //! `--nocapture`) and passes, unless `FSDP_REQUIRE_MPI=1` is set: then it fails
@@ -30,6 +31,9 @@ use std::time::{Duration, Instant};
 
 #[path = "comm_mpi_train/preflight.rs"]
 mod preflight;
+
+#[path = "comm_mpi_train/stop.rs"]
+mod stop;
 
 static JOBS: Mutex<()> = Mutex::new(());
 
