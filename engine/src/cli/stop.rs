@@ -14,15 +14,24 @@
 //!
 //! A second signal exits at once with the same code (`_exit` from the handler): a checkpoint
 //! being written at that moment is left as the atomic save protocol leaves a killed save
-//! (not published; the newest complete checkpoint and `latest` unchanged).
+//! (not published; the newest complete checkpoint and `latest` unchanged). Signals within
+//! [`REPEAT_WINDOW`] of the first count as the first: a scheduler that signals every process
+//! of a job (Slurm) while `fsdp launch` or `mpirun` forwards its own copy delivers two within
+//! milliseconds, and that must not cost the final checkpoint.
 
 use crate::model::decoder::Decoder;
 use crate::runtime::{RankEngine, RankState};
 use crate::train::TrainHooks;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 
 /// The first SIGINT or SIGTERM received (0: none).
 static RECEIVED: AtomicI32 = AtomicI32::new(0);
+/// When the first one arrived: `CLOCK_MONOTONIC` nanoseconds (0: not yet recorded).
+static FIRST_AT_NS: AtomicU64 = AtomicU64::new(0);
+
+/// How long after the first stop signal another one is the same request (a copy forwarded
+/// by a launcher) rather than a second one that exits at once.
+pub const REPEAT_WINDOW: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The exit code of a run stopped by signal `sig`: 128 + `sig`, the shell's convention (130
 /// for SIGINT, 143 for SIGTERM).
@@ -47,12 +56,31 @@ pub fn received() -> Option<i32> {
     }
 }
 
+/// `CLOCK_MONOTONIC` in nanoseconds (async-signal-safe: `clock_gettime`).
+#[cfg(target_env = "gnu")]
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec; clock_gettime is async-signal-safe.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64).saturating_mul(1_000_000_000) + ts.tv_nsec as u64
+}
+
 #[cfg(target_env = "gnu")]
 extern "C" fn on_stop_signal(sig: libc::c_int) {
+    let now = monotonic_ns().max(1);
     if RECEIVED
         .compare_exchange(0, sig, Ordering::SeqCst, Ordering::SeqCst)
         .is_ok()
     {
+        FIRST_AT_NS.store(now, Ordering::SeqCst);
+        return;
+    }
+    // A copy of the first (its time not even stored yet, or within the window).
+    let first = FIRST_AT_NS.load(Ordering::SeqCst);
+    if first == 0 || now.saturating_sub(first) < REPEAT_WINDOW.as_nanos() as u64 {
         return;
     }
     const MSG: &[u8] = b"fsdp train: second signal: exiting now without a final checkpoint \

@@ -283,8 +283,8 @@ pub struct TrainArgs {
 pub const EXIT_HELP: &str = "Exit codes: 0 the run finished; 1 it failed; 2 bad input (nothing \
 ran); 130 (SIGINT, Ctrl-C) or 143 (SIGTERM, a scheduler's stop): every rank stopped after the \
 same step, saved it to --ckpt-dir (nothing is saved without one) and printed the command that \
-resumes it (--resume). A second signal exits at once with the same code, without a final \
-checkpoint (the newest complete one is unchanged).";
+resumes it (--resume). A second signal (1 s or more after the first) exits at once with the \
+same code, without a final checkpoint (the newest complete one is unchanged).";
 
 impl TrainArgs {
     /// The training options these flags describe.

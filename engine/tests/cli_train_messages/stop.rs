@@ -1,7 +1,8 @@
 //! SIGTERM / SIGINT on `fsdp train`: every rank stops after the same step, saves it, says
 //! where and how to resume, and exits 128 + signal; the resumed run equals an uninterrupted
-//! one bit for bit; a second signal exits at once; without `--ckpt-dir` nothing is saved and
-//! the run says so.
+//! one bit for bit; a second signal (a second or more after the first) exits at once, a copy
+//! within a second is the same stop; without `--ckpt-dir` nothing is saved and the run says
+//! so.
 
 use super::running::{step_losses, Running};
 use fsdp_checkpoints::{list_checkpoints, Checkpoint, StateKind, Verify};
@@ -162,7 +163,12 @@ fn a_second_signal_exits_at_once_and_the_newest_checkpoint_stays_intact() {
     run.until(|v| v["event"] == "checkpoint" && v["step"].as_u64().is_some_and(|s| s >= 2));
     run.signal(libc::SIGTERM);
     run.wait_delivered();
+    // The second signal comes more than a second later (a copy within a second is the same
+    // request), with the run frozen meanwhile so that it cannot finish its stop first.
+    run.signal(libc::SIGSTOP);
+    std::thread::sleep(std::time::Duration::from_millis(1200));
     run.signal(libc::SIGTERM);
+    run.signal(libc::SIGCONT);
     let (code, lines, err) = run.finish();
     assert_eq!(code, 143, "{err}");
     assert!(
@@ -188,6 +194,24 @@ fn a_second_signal_exits_at_once_and_the_newest_checkpoint_stays_intact() {
         latest == newest_reported || latest == newest_reported + 1,
         "latest is step {latest}, the newest save reported step {newest_reported}"
     );
+}
+
+/// A launcher forwarding the SIGTERM a scheduler also sent to every process of the job: two
+/// signals within a second are one stop, saved.
+#[test]
+fn a_copy_of_the_signal_within_a_second_is_the_same_stop() {
+    let t = tempfile::tempdir().unwrap();
+    let d = t.path().join("ck");
+    let mut run = Running::start(&args(Some(&d), "tiny", 100_000, &[]));
+    run.until(|v| v["step"].as_u64().is_some_and(|s| s >= 2));
+    run.signal(libc::SIGTERM);
+    run.wait_delivered();
+    run.signal(libc::SIGTERM);
+    let (code, lines, err) = run.finish();
+    assert_eq!(code, 143, "{err}");
+    let k = stopped_event(&lines)["step"].as_u64().unwrap();
+    assert!(!err.contains("second signal"), "{err}");
+    assert_eq!(state(&d).0, k, "the stop saved step {k}");
 }
 
 #[test]
