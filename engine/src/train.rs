@@ -149,8 +149,8 @@ pub const DEFAULT_MAX_SKIPPED: u64 = 50;
 /// rank at the same point (so implementations may use collectives through the engine).
 pub trait TrainHooks: Sync {
     /// Before the first step: a state to import on `rank` and the 0-based step to continue
-    /// from (`None`: start fresh at step 0). The data order is a pure function of the seed and
-    /// the step, so the step is the data position.
+    /// from (`None`: start fresh at step 0). The data position is
+    /// [`TrainHooks::stream_origin`].
     fn resume(&self, _rank: usize) -> Result<Option<(RankState, u64)>> {
         Ok(None)
     }

@@ -141,6 +141,10 @@ impl TrainHooks for StopOnSignal<'_> {
         self.inner.resume(rank)
     }
 
+    fn stream_origin(&self) -> crate::data::StreamOrigin {
+        self.inner.stream_origin()
+    }
+
     fn after_step(
         &self,
         rank: usize,

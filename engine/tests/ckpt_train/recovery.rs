@@ -134,7 +134,7 @@ fn resume_with_another_batch_shape_or_data_says_what_changes() {
     let root = t.path().join("r");
     let args = train_args(&root, 2, "2");
     assert_eq!(fsdp(&args).0, 0);
-    // 2 steps x 2 ranks x 1 sequence consumed; now 2 ranks x 3: the run starts at 12.
+    // 2 steps x 2 ranks x 1 sequence consumed; now 2 ranks x 3: the run continues at 4.
     let mut more = train_args(&root, 3, "2");
     set(&mut more, "--micro-batch", "3");
     let data = t.path().join("other.txt");
@@ -159,9 +159,9 @@ fn resume_with_another_batch_shape_or_data_says_what_changes() {
     );
     assert!(
         err.contains(
-            "note: resuming with --micro-batch 3 (was 1): 6 sequences per step (was 2); the \
-             checkpoint consumed 4 sequences (2 steps), this run starts at sequence 12: \
-             sequences 4..12 of the stream are skipped"
+            "note: resuming with --micro-batch 3 (was 1): the checkpoint consumed 4 sequences \
+             of the stream (2 steps); this run continues at sequence 4, none skipped or \
+             repeated; the global batch changes from 2 to 6 sequences per step"
         ),
         "{err}"
     );
