@@ -64,6 +64,28 @@ pub enum PlanError {
         /// What is wrong, with the numbers.
         problem: String,
     },
+    /// A hardware profile (`fsdp-hardware/1` JSON, [`crate::time::HardwareProfile`]) with a
+    /// missing, unknown, negative, zero or non-finite value, or a malformed document.
+    #[error("hardware profile {origin}: `{field}` {problem}")]
+    BadProfile {
+        /// Where the profile came from (a file name, or `built-in NAME`).
+        origin: String,
+        /// The JSON path of the field (`collectives.intra_node.all_gather.latency_s`,
+        /// `gemm.bf16.points[2].flops_per_s`), or `(document)` for a syntax error.
+        field: String,
+        /// What is wrong and how to fix it.
+        problem: String,
+    },
+    /// A built-in hardware profile name that does not exist.
+    #[error(
+        "unknown hardware `{name}` (built in: {known}; or give the path of a profile JSON file)"
+    )]
+    UnknownHardware {
+        /// The name given.
+        name: String,
+        /// Comma-separated built-in names.
+        known: String,
+    },
     /// An I/O error, with the path.
     #[error("{path}: {source}")]
     Io {

@@ -22,6 +22,7 @@ pub mod presets;
 pub mod report;
 pub mod schedule;
 pub mod spec;
+pub mod time;
 
 pub use config::{ActivationModel, GradSync, Offload, Optimizer, PlanConfig, Strategy};
 pub use error::PlanError;

@@ -1,0 +1,8 @@
+//! The time model's inputs: hardware profiles.
+
+pub mod profile;
+
+pub use profile::{
+    builtin_profile, CollectiveCost, Collectives, CurvePoint, GemmCurve, GemmRates,
+    HardwareProfile, HostLink, LinkCollectives, BUILTIN_PROFILE_NAMES, PROFILE_SCHEMA,
+};

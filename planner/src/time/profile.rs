@@ -1,0 +1,455 @@
+//! Hardware profiles (`fsdp-hardware/1` JSON): what one rank's device and links can do, the
+//! numbers the time model turns FLOPs and bytes into seconds.
+//!
+//! ```text
+//! {
+//!   "schema": "fsdp-hardware/1",
+//!   "name": string, "description": string,
+//!   "ranks_per_node": int,                      // ranks sharing a node's fast links (>= 1)
+//!   "gemm": {                                   // per dtype the plan computes in; each optional
+//!     "bf16" | "f16" | "f32" | "f64": {
+//!       "peak_flops_per_s": float,              // the MFU denominator (vendor dense peak, or
+//!                                               // the measured maximum of a calibrated profile)
+//!       "points": [{"flops": float, "flops_per_s": float}, ...]
+//!     }                                         // rate of one GEMM call by its FLOPs: linear
+//!   },                                          // in log10(flops), clamped at both ends
+//!   "memory_bandwidth_bytes_per_s": float,      // elementwise ops, the optimizer step
+//!   "elementwise_flops_per_s": float,           // the compute roof of elementwise ops
+//!   "collectives": {
+//!     "intra_node" | "inter_node": {
+//!       "all_gather" | "reduce_scatter" | "all_reduce": {
+//!         "latency_s": float,                   // fixed cost of one call
+//!         "step_latency_s": float,              // per ring step (n-1, all-reduce 2(n-1))
+//!         "bus_bandwidth_bytes_per_s": float    // nccl-tests' busbw; inter_node: per rank
+//!       }
+//!     }
+//!   },
+//!   "host": {
+//!     "link_bytes_per_s": float,                // device <-> host copies (offload)
+//!     "optimizer_bytes_per_s": float            // host optimizer threads' memory traffic
+//!   },
+//!   "overlap_slowdown": float,                  // compute runs 1 + this slower while a
+//!                                               // collective is in flight (0 = free overlap)
+//!   "sources": {"json.path": "where the number comes from", ...}
+//! }
+//! ```
+//!
+//! Every number must be present and finite; rates, bandwidths and `ranks_per_node` must be
+//! positive, latencies and the slowdown non-negative; curve points must have increasing
+//! `flops`, and no point may exceed its dtype's peak (else MFU could pass 100%). A violation
+//! is [`PlanError::BadProfile`] naming the field by its JSON path. `sources` is free text per
+//! path; the built-in profiles cite a public document for every number.
+//!
+//! Built in: `h100-sxm`, `h200`, `a100-80gb` (`planner/profiles/*.json`), from NVIDIA's
+//! datasheets, the measured maximum achievable matmul FLOPS (MAMF) of Bekman's
+//! "Machine Learning Engineering", and NCCL's own latency model (`src/graph/tuning.cc`).
+
+use crate::error::PlanError;
+use fsdp_types::DType;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// The schema tag every profile carries.
+pub const PROFILE_SCHEMA: &str = "fsdp-hardware/1";
+
+/// The built-in profiles, by name, with their JSON text.
+const BUILTIN: [(&str, &str); 3] = [
+    ("h100-sxm", include_str!("../../profiles/h100-sxm.json")),
+    ("h200", include_str!("../../profiles/h200.json")),
+    ("a100-80gb", include_str!("../../profiles/a100-80gb.json")),
+];
+
+/// The names of the built-in hardware profiles.
+pub const BUILTIN_PROFILE_NAMES: [&str; 3] = ["h100-sxm", "h200", "a100-80gb"];
+
+/// One point of a GEMM rate curve.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CurvePoint {
+    /// FLOPs of one GEMM call (`2 m n k`; a batched call counts its whole batch).
+    pub flops: f64,
+    /// FLOPs per second a call of that size achieves.
+    pub flops_per_s: f64,
+}
+
+/// The GEMM rate of one dtype.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GemmCurve {
+    /// The dense peak (FLOP/s) MFU divides by.
+    pub peak_flops_per_s: f64,
+    /// The achieved rate by call size, `flops` increasing.
+    pub points: Vec<CurvePoint>,
+}
+
+impl GemmCurve {
+    /// The rate (FLOP/s) of a call of `flops` FLOPs: linear in `log10(flops)` between the two
+    /// points around it, the first point's rate below the first, the last's above the last.
+    pub fn rate(&self, flops: f64) -> f64 {
+        let p = &self.points;
+        let first = p[0];
+        if flops <= first.flops {
+            return first.flops_per_s;
+        }
+        for w in p.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            if flops <= b.flops {
+                let x = (flops.log10() - a.flops.log10()) / (b.flops.log10() - a.flops.log10());
+                return a.flops_per_s + x * (b.flops_per_s - a.flops_per_s);
+            }
+        }
+        p[p.len() - 1].flops_per_s
+    }
+
+    /// Seconds for one GEMM call of `flops` FLOPs.
+    pub fn seconds(&self, flops: f64) -> f64 {
+        if flops <= 0.0 {
+            0.0
+        } else {
+            flops / self.rate(flops)
+        }
+    }
+}
+
+/// GEMM curves per dtype (each optional: a plan computing in a dtype the profile lacks is an
+/// error naming the field).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GemmRates {
+    /// bf16 operands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bf16: Option<GemmCurve>,
+    /// f16 operands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub f16: Option<GemmCurve>,
+    /// f32 operands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub f32: Option<GemmCurve>,
+    /// f64 operands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub f64: Option<GemmCurve>,
+}
+
+impl GemmRates {
+    /// The curve of `dtype`, if the profile has one.
+    pub fn get(&self, dtype: DType) -> Option<&GemmCurve> {
+        match dtype {
+            DType::BF16 => self.bf16.as_ref(),
+            DType::F16 => self.f16.as_ref(),
+            DType::F32 => self.f32.as_ref(),
+            DType::F64 => self.f64.as_ref(),
+        }
+    }
+}
+
+/// The cost of one collective kind on one level of links (NCCL's ring model, `tuning.cc`:
+/// latency = base + steps x per-step latency; time = latency + bytes / algorithm bandwidth).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CollectiveCost {
+    /// Fixed seconds per call.
+    pub latency_s: f64,
+    /// Seconds per ring step (`n - 1` steps for all-gather and reduce-scatter, `2(n - 1)` for
+    /// all-reduce; on `inter_node`, the steps that cross nodes).
+    pub step_latency_s: f64,
+    /// Bus bandwidth in bytes/s, nccl-tests' convention (`doc/PERFORMANCE.md`: busbw = algbw x
+    /// (n-1)/n for all-gather and reduce-scatter, x 2(n-1)/n for all-reduce). On `inter_node`,
+    /// the bandwidth of one rank's network port: a group with `k` members per node crosses
+    /// nodes on `k` ports at once.
+    pub bus_bandwidth_bytes_per_s: f64,
+}
+
+/// The three collectives FSDP issues, on one level of links.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinkCollectives {
+    /// All-gather (parameters).
+    pub all_gather: CollectiveCost,
+    /// Reduce-scatter (gradients).
+    pub reduce_scatter: CollectiveCost,
+    /// All-reduce (gradients without sharding, hybrid's replicate level, scalars).
+    pub all_reduce: CollectiveCost,
+}
+
+/// Collective costs within one node and across nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Collectives {
+    /// Groups whose ranks all sit in one node (NVLink, or threads of one host).
+    pub intra_node: LinkCollectives,
+    /// Groups spanning nodes (the network).
+    pub inter_node: LinkCollectives,
+}
+
+/// The host side of offload.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostLink {
+    /// Device <-> host copy bandwidth, bytes/s (one direction).
+    pub link_bytes_per_s: f64,
+    /// Bytes/s the host optimizer threads read plus write (the offloaded optimizer step and
+    /// gradient post-processing).
+    pub optimizer_bytes_per_s: f64,
+}
+
+/// A hardware profile (see the module doc for the JSON and its rules). Every rate is one
+/// rank's: one device, or the cores one rank gets on a shared CPU.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HardwareProfile {
+    /// Always [`PROFILE_SCHEMA`].
+    pub schema: String,
+    /// Short name (`h100-sxm`).
+    pub name: String,
+    /// What machine this describes and how the numbers were obtained.
+    pub description: String,
+    /// Ranks per node (decides which groups cross nodes).
+    pub ranks_per_node: u64,
+    /// GEMM rates per dtype.
+    pub gemm: GemmRates,
+    /// Memory bandwidth (bytes/s) of elementwise ops and the optimizer step.
+    pub memory_bandwidth_bytes_per_s: f64,
+    /// FLOP/s of elementwise (non-GEMM) arithmetic.
+    pub elementwise_flops_per_s: f64,
+    /// Collective costs.
+    pub collectives: Collectives,
+    /// Host link and host optimizer.
+    pub host: HostLink,
+    /// Fraction by which compute slows while a collective is in flight (>= 0).
+    pub overlap_slowdown: f64,
+    /// The source of each number, by JSON path.
+    #[serde(default)]
+    pub sources: BTreeMap<String, String>,
+}
+
+fn bad(origin: &str, field: impl Into<String>, problem: impl Into<String>) -> PlanError {
+    PlanError::BadProfile {
+        origin: origin.to_string(),
+        field: field.into(),
+        problem: problem.into(),
+    }
+}
+
+impl HardwareProfile {
+    /// Parses and validates a profile. `origin` names it in errors (a file name).
+    ///
+    /// Errors: [`PlanError::BadProfile`] naming the JSON path of a missing, unknown,
+    /// mistyped, negative, zero (where a rate is required) or non-finite value, a curve out of
+    /// order or above its peak, or a wrong `schema`.
+    pub fn from_json(text: &str, origin: &str) -> Result<Self, PlanError> {
+        let de = &mut serde_json::Deserializer::from_str(text);
+        let p: HardwareProfile = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.inner();
+            let msg = inner.to_string();
+            let at = format!("(line {}, column {})", inner.line(), inner.column());
+            if let Some(name) = between(&msg, "missing field `", "`") {
+                let field = if path == "." || path.is_empty() {
+                    name.to_string()
+                } else {
+                    format!("{path}.{name}")
+                };
+                bad(origin, field, format!("is missing {at}"))
+            } else if msg.starts_with("unknown field") {
+                let known = msg
+                    .split_once(", expected ")
+                    .map(|(_, k)| format!("; expected {}", strip_position(k)))
+                    .unwrap_or_default();
+                bad(origin, path, format!("is not a profile field {at}{known}"))
+            } else if msg.starts_with("number out of range") {
+                bad(origin, path, format!("is not a finite number {at}"))
+            } else if inner.is_syntax() || inner.is_eof() || path == "." || path.is_empty() {
+                bad(origin, "(document)", format!("is not valid JSON: {msg}"))
+            } else {
+                bad(origin, path, format!("has the wrong type: {msg}"))
+            }
+        })?;
+        p.validate(origin)?;
+        Ok(p)
+    }
+
+    /// Checks every number (see the module doc). `origin` names the profile in errors.
+    ///
+    /// Errors: [`PlanError::BadProfile`] naming the field.
+    pub fn validate(&self, origin: &str) -> Result<(), PlanError> {
+        if self.schema != PROFILE_SCHEMA {
+            return Err(bad(
+                origin,
+                "schema",
+                format!("is `{}`, expected `{PROFILE_SCHEMA}`", self.schema),
+            ));
+        }
+        if self.ranks_per_node == 0 {
+            return Err(bad(origin, "ranks_per_node", "must be at least 1, got 0"));
+        }
+        let positive = |field: &str, v: f64| -> Result<(), PlanError> {
+            if !v.is_finite() {
+                Err(bad(origin, field, format!("is not a finite number ({v})")))
+            } else if v <= 0.0 {
+                Err(bad(origin, field, format!("must be positive, got {v}")))
+            } else {
+                Ok(())
+            }
+        };
+        let non_negative = |field: &str, v: f64| -> Result<(), PlanError> {
+            if !v.is_finite() {
+                Err(bad(origin, field, format!("is not a finite number ({v})")))
+            } else if v < 0.0 {
+                Err(bad(origin, field, format!("must not be negative, got {v}")))
+            } else {
+                Ok(())
+            }
+        };
+        let mut any_curve = false;
+        for (dt, curve) in [
+            ("bf16", &self.gemm.bf16),
+            ("f16", &self.gemm.f16),
+            ("f32", &self.gemm.f32),
+            ("f64", &self.gemm.f64),
+        ] {
+            let Some(c) = curve else { continue };
+            any_curve = true;
+            let base = format!("gemm.{dt}");
+            positive(&format!("{base}.peak_flops_per_s"), c.peak_flops_per_s)?;
+            if c.points.is_empty() {
+                return Err(bad(
+                    origin,
+                    format!("{base}.points"),
+                    "needs at least one point",
+                ));
+            }
+            for (i, pt) in c.points.iter().enumerate() {
+                let at = format!("{base}.points[{i}]");
+                positive(&format!("{at}.flops"), pt.flops)?;
+                positive(&format!("{at}.flops_per_s"), pt.flops_per_s)?;
+                if i > 0 && pt.flops <= c.points[i - 1].flops {
+                    return Err(bad(
+                        origin,
+                        format!("{at}.flops"),
+                        format!(
+                            "must exceed the previous point's ({} <= {})",
+                            pt.flops,
+                            c.points[i - 1].flops
+                        ),
+                    ));
+                }
+                if pt.flops_per_s > c.peak_flops_per_s {
+                    return Err(bad(
+                        origin,
+                        format!("{at}.flops_per_s"),
+                        format!(
+                            "{} exceeds the peak {} of {base}.peak_flops_per_s (MFU would pass 100%)",
+                            pt.flops_per_s, c.peak_flops_per_s
+                        ),
+                    ));
+                }
+            }
+        }
+        if !any_curve {
+            return Err(bad(origin, "gemm", "needs a curve for at least one dtype"));
+        }
+        positive(
+            "memory_bandwidth_bytes_per_s",
+            self.memory_bandwidth_bytes_per_s,
+        )?;
+        positive("elementwise_flops_per_s", self.elementwise_flops_per_s)?;
+        for (level, l) in [
+            ("intra_node", &self.collectives.intra_node),
+            ("inter_node", &self.collectives.inter_node),
+        ] {
+            for (kind, c) in [
+                ("all_gather", &l.all_gather),
+                ("reduce_scatter", &l.reduce_scatter),
+                ("all_reduce", &l.all_reduce),
+            ] {
+                let base = format!("collectives.{level}.{kind}");
+                non_negative(&format!("{base}.latency_s"), c.latency_s)?;
+                non_negative(&format!("{base}.step_latency_s"), c.step_latency_s)?;
+                positive(
+                    &format!("{base}.bus_bandwidth_bytes_per_s"),
+                    c.bus_bandwidth_bytes_per_s,
+                )?;
+            }
+        }
+        positive("host.link_bytes_per_s", self.host.link_bytes_per_s)?;
+        positive(
+            "host.optimizer_bytes_per_s",
+            self.host.optimizer_bytes_per_s,
+        )?;
+        non_negative("overlap_slowdown", self.overlap_slowdown)?;
+        Ok(())
+    }
+
+    /// The profile's GEMM curve for `dtype`.
+    ///
+    /// Errors: [`PlanError::BadProfile`] naming `gemm.<dtype>` when it has none.
+    pub fn gemm_curve(&self, dtype: DType) -> Result<&GemmCurve, PlanError> {
+        self.gemm.get(dtype).ok_or_else(|| {
+            bad(
+                &self.name,
+                format!("gemm.{}", dtype.name()),
+                format!(
+                    "is missing: the plan computes in {}; add a curve for it (fsdp calibrate measures one)",
+                    dtype.name()
+                ),
+            )
+        })
+    }
+
+    /// Every numeric field's JSON path (curve points by index), in document order: what a
+    /// complete `sources` map covers.
+    pub fn numeric_paths(&self) -> Vec<String> {
+        let mut v = vec!["ranks_per_node".to_string()];
+        for (dt, curve) in [
+            ("bf16", &self.gemm.bf16),
+            ("f16", &self.gemm.f16),
+            ("f32", &self.gemm.f32),
+            ("f64", &self.gemm.f64),
+        ] {
+            if curve.is_some() {
+                v.push(format!("gemm.{dt}.peak_flops_per_s"));
+                v.push(format!("gemm.{dt}.points"));
+            }
+        }
+        v.push("memory_bandwidth_bytes_per_s".into());
+        v.push("elementwise_flops_per_s".into());
+        for level in ["intra_node", "inter_node"] {
+            for kind in ["all_gather", "reduce_scatter", "all_reduce"] {
+                for f in ["latency_s", "step_latency_s", "bus_bandwidth_bytes_per_s"] {
+                    v.push(format!("collectives.{level}.{kind}.{f}"));
+                }
+            }
+        }
+        v.push("host.link_bytes_per_s".into());
+        v.push("host.optimizer_bytes_per_s".into());
+        v.push("overlap_slowdown".into());
+        v
+    }
+}
+
+/// The text between `start` and the next `end` in `s`.
+fn between<'a>(s: &'a str, start: &str, end: &str) -> Option<&'a str> {
+    let i = s.find(start)? + start.len();
+    let j = s[i..].find(end)? + i;
+    Some(&s[i..j])
+}
+
+/// `s` without serde_json's trailing ` at line L column C`.
+fn strip_position(s: &str) -> &str {
+    s.rfind(" at line ").map_or(s, |i| &s[..i])
+}
+
+/// A built-in profile by name (`h100-sxm`, `h200`, `a100-80gb`).
+///
+/// Errors: [`PlanError::UnknownHardware`] listing the built-in names.
+pub fn builtin_profile(name: &str) -> Result<HardwareProfile, PlanError> {
+    let (n, text) =
+        BUILTIN
+            .iter()
+            .find(|(n, _)| *n == name)
+            .ok_or_else(|| PlanError::UnknownHardware {
+                name: name.to_string(),
+                known: BUILTIN_PROFILE_NAMES.join(", "),
+            })?;
+    HardwareProfile::from_json(text, &format!("built-in {n}"))
+}
