@@ -1,5 +1,6 @@
-//! The time model's inputs: hardware profiles.
+//! The time model's inputs: FLOP counts of every op and hardware profiles.
 
+pub mod flops;
 pub mod profile;
 
 pub use profile::{
