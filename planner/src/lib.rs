@@ -9,6 +9,10 @@
 //! engine must match byte for byte (the `memory` module); only activations are estimated
 //! (Korthikanti et al. 2022). Readers of model descriptions (`hf`) are the only code that does
 //! I/O, and they only produce a `ModelSpec`.
+//!
+//! The `time` module predicts how long a step of a plan takes on a hardware profile (FLOPs
+//! per op, collectives per the schedule, an event simulation of each rank's compute and
+//! communication threads); hardware profiles are parsed from JSON text the caller reads.
 
 #![warn(missing_docs)]
 
@@ -37,4 +41,7 @@ pub use schedule::{Schedule, ScheduleStep, UseRole};
 pub use spec::{
     Architecture, Gpt2Config, Llama3RopeScaling, LlamaConfig, LlamaNumerics, ModelSpec, ParamSpec,
     UnitSpec,
+};
+pub use time::{
+    builtin_profile, predict, HardwareProfile, StepPrediction, TimeInputs, BUILTIN_PROFILE_NAMES,
 };
