@@ -176,7 +176,10 @@ pub fn evaluate(model: &Decoder, weights: EvalWeights<'_>, o: &EvalOptions) -> R
         max_consecutive_skips: None,
     };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = o.threads_per_rank.unwrap_or((cores / w).max(1));
+    // At most cores / W per rank, as training (more only spin for cores the others hold).
+    let threads = crate::preflight::cap_threads(o.threads_per_rank, w, cores)
+        .0
+        .unwrap_or((cores / w).max(1));
     let topo = Topology::new(plan.shard_size as usize, w / plan.shard_size as usize)
         .map_err(|e| EngineError::Config(e.to_string()))?;
     let (sampler, plan, layout, init) = (&sampler, &plan, &layout, &*init);

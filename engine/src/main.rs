@@ -17,9 +17,12 @@ static ALLOC: CountingAllocator = CountingAllocator::new();
 /// pool for element-wise ops (`CANDLE_NUM_THREADS`, created once on first use) gets
 /// `--threads-per-rank` when given, else 1: its workers spin between the many small
 /// element-wise ops and take cycles from gemm (mini, W = 1 on 2 busy cores: whole-process wall
-/// time 0.88-0.98x, CPU time 0.88-0.96x with 1). Variables the user already set are left alone.
+/// time 0.88-0.98x, CPU time 0.88-0.96x with 1). A request is first capped as the run caps
+/// it ([`fsdp::preflight::cap_threads`]: at most cores / ranks), so no pool is sized from
+/// a request the run then lowers. Variables the user already set are left alone.
 fn size_compute_threads(world_size: usize, threads_per_rank: Option<usize>) {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cores = fsdp::preflight::cores();
+    let threads_per_rank = fsdp::preflight::cap_threads(threads_per_rank, world_size, cores).0;
     let gemm = threads_per_rank.unwrap_or((cores / world_size.max(1)).max(1));
     let elementwise = threads_per_rank.unwrap_or(1);
     for (var, n) in [
@@ -54,7 +57,13 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(a) => {
-            size_compute_threads(a.world_size, a.threads_per_rank);
+            // Ranks on this node: the rank threads, or the launcher's processes here.
+            let ranks = match a.backend {
+                fsdp::cli::train::BackendArg::Threads => a.world_size,
+                _ => fsdp::preflight::launcher_local_ranks(|k| std::env::var(k).ok())
+                    .map_or(1, |n| n as usize),
+            };
+            size_compute_threads(ranks, a.threads_per_rank);
             fsdp::cli::train::run(a, Some(&ALLOC))
         }
         Command::Eval(a) => {

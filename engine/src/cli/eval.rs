@@ -216,7 +216,17 @@ pub fn run(a: EvalArgs) -> Result<(), CliError> {
             .unwrap_or(8),
         eval_batches: a.eval_batches,
         param_dtype,
-        threads_per_rank: a.threads_per_rank,
+        threads_per_rank: {
+            let (t, warning) = crate::preflight::cap_threads(
+                a.threads_per_rank,
+                a.world_size,
+                crate::preflight::cores(),
+            );
+            if let Some(w) = warning {
+                crate::output::errln!("{w}");
+            }
+            t
+        },
     };
     let report = evaluate(&model, weights, &o).map_err(super::train::cli_error)?;
     let source = match (&a.ckpt, &a.model_dir, &ck) {

@@ -107,6 +107,93 @@ fn oversubscribed_threads_are_capped_with_a_warning() {
     assert!(started.elapsed().as_secs() < 60, "one step must not crawl");
 }
 
+/// The most threads the process `pid` holds until it exits (`/proc/PID/status`, polled).
+fn peak_threads(child: &mut std::process::Child) -> usize {
+    let status = format!("/proc/{}/status", child.id());
+    let mut peak = 0;
+    while child.try_wait().unwrap().is_none() {
+        if let Ok(s) = std::fs::read_to_string(&status) {
+            if let Some(n) = s
+                .lines()
+                .find_map(|l| l.strip_prefix("Threads:"))
+                .and_then(|v| v.trim().parse::<usize>().ok())
+            {
+                peak = peak.max(n);
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    peak
+}
+
+/// `fsdp eval --threads-per-rank` is capped as `train`'s (at most cores / ranks per rank, with
+/// the same warning): a request of 1000 once built two rank pools of 1000 threads each. The
+/// process holds the rank pools (2 x fair) plus at most 16 other threads (main, rank,
+/// communicator progress threads).
+#[test]
+fn eval_caps_an_oversubscribed_thread_request() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let fair = (cores / 2).max(1);
+    let t = tempfile::tempdir().unwrap();
+    let ck = t.path().join("ck");
+    let text = t.path().join("text.txt");
+    std::fs::write(
+        &text,
+        "All the world's a stage, and all the men and women merely players.\n".repeat(300),
+    )
+    .unwrap();
+    let (code, err) = fsdp(
+        &[
+            "train",
+            "--model",
+            "tiny",
+            "--seq-len",
+            "16",
+            "--steps",
+            "1",
+            "--data",
+            text.to_str().unwrap(),
+            "--ckpt-dir",
+            ck.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_fsdp"))
+        .args([
+            "eval",
+            "--ckpt",
+            ck.to_str().unwrap(),
+            "--data",
+            text.to_str().unwrap(),
+            "--world-size",
+            "2",
+            "--threads-per-rank",
+            "1000",
+            "--eval-batches",
+            "all",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let peak = peak_threads(&mut child);
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        peak <= 2 * fair + 16,
+        "{peak} threads on {cores} cores (fair share {fair} per rank)"
+    );
+    if cores < 2000 {
+        assert!(
+            err.contains("warning: --threads-per-rank 1000 x 2 rank(s) = 2,000 compute threads")
+                && err.contains(&format!("using {fair} per rank")),
+            "{err}"
+        );
+    }
+}
+
 /// `train` knows every preset `plan` knows: a Llama preset too large for this machine is
 /// refused by the memory pre-flight (before any allocation), not as an unknown name; an
 /// unknown name lists every preset.
