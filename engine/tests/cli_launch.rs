@@ -210,7 +210,7 @@ fn cli_launch_forwards_ctrl_c_to_every_rank() {
         assert_eq!(rank_lines(&out, r), vec!["ready", "got INT"], "{out}");
     }
     assert!(
-        err.contains("received signal 2; forwarding it to ranks [0, 1]"),
+        err.contains("received SIGINT; forwarding it to ranks [0, 1]"),
         "{err}"
     );
 }
