@@ -542,4 +542,35 @@ fn restart_flags_are_checked_before_anything_starts() {
         "{err}"
     );
     assert!(!err.contains("restart 1/"), "{err}");
+    // Restarts of a train command that saves nothing begin from step 0: said at the start.
+    let (code, err) = run(&[
+        "--nproc",
+        "1",
+        "--max-restarts",
+        "1",
+        "--master-port",
+        "29641",
+        "--",
+        "train",
+        "--model",
+        "tiny",
+        "--steps",
+        "1",
+        "--seq-len",
+        "16",
+        "--micro-batch",
+        "1",
+        "--eval-batches",
+        "1",
+        "--warmup",
+        "0",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        err.starts_with(
+            "fsdp launch: warning: --max-restarts 1 with a train command without --ckpt-dir: \
+             nothing is saved, so a restart trains again from step 0"
+        ),
+        "{err}"
+    );
 }

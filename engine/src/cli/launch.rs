@@ -76,25 +76,27 @@
 //! signalled together) and, on Linux, dies with the launcher (`PR_SET_PDEATHSIG`).
 //!
 //! # Under Slurm
-//! Run the launcher as the job's one task per node, with the resume flag in the command so
-//! that a requeued job continues where it stopped:
+//! One task runs the launcher on the node; the resume flag in the command makes a requeued job
+//! continue where it stopped:
 //!
 //! ```text
-//! #SBATCH --requeue
-//! #SBATCH --signal=TERM@120
+//! #SBATCH --nodes=1 --ntasks=1 --requeue --signal=TERM@120
 //! srun --kill-on-bad-exit=1 fsdp launch --nproc 8 --max-restarts 3 --grace 90 -- \
 //!     train --device cuda --backend nccl --ckpt-dir /shared/run1 --ckpt-every 500 --resume ...
 //! ```
 //!
-//! Before the time limit (`--signal=TERM@120`: 120 s before it) or at preemption, Slurm
-//! sends SIGTERM to the job step's tasks: the launcher forwards it, the ranks stop after the
-//! current step, write a final checkpoint and exit 143, and so does the launcher. Keep
-//! `--grace` under the time Slurm waits before SIGKILL (`KillWait`, 30 s by default; the
-//! preemption `GraceTime`). `--kill-on-bad-exit=1` ends the job step when a task exits
-//! non-zero (the launcher once its restarts are spent); `sbatch --requeue` lets a preempted
-//! or failed job run again with the same script, and `--resume` picks up the newest
-//! checkpoint (it starts fresh when there is none). `fsdp train --backend mpi` is started
-//! by `srun` or `mpirun` directly, not by `fsdp launch`.
+//! 120 s before the time limit (`--signal=TERM@120`), and when the job is preempted, Slurm
+//! sends SIGTERM to the processes of the job step: with the usual process tracking
+//! (proctrack/cgroup) to the ranks as well as to the launcher, which forwards it too, so a
+//! rank may see it twice within a moment. `fsdp train` stops after the current step, writes a
+//! final checkpoint and exits 143, and so does the launcher. Slurm kills what is left at the
+//! time limit, or `KillWait` seconds (30 by default) after a cancel, or after the partition's
+//! preemption `GraceTime`: the step in flight and the save must fit in that time, and
+//! `--grace` too. `--kill-on-bad-exit=1` ends the step when a task exits non-zero (here the
+//! launcher, once its restarts are spent); `--requeue` queues a preempted or failed job again
+//! with the same script, and `--resume` continues from the newest checkpoint (starting fresh
+//! when there is none). `fsdp train --backend mpi` is started by `srun` or `mpirun`
+//! directly, not by `fsdp launch`; there Slurm's requeue is the restart.
 //!
 //! Bad input (N = 0, `--min-nproc` outside 1..=N or without `--max-restarts`, no command
 //! after `--` without `--program`, a program that cannot be executed, `train --backend mpi`
