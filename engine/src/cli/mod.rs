@@ -77,7 +77,8 @@ pub enum Command {
     /// tokenizer into a token file for `fsdp train --data`.
     Data(data::DataArgs),
     /// Start N processes of one job on this node (torchrun's environment), prefix their output
-    /// with their rank, stop all when one fails.
+    /// with their rank, stop all when one fails, and restart the job (`--max-restarts`; at a
+    /// smaller world size when a device is lost, `--min-nproc`).
     Launch(launch::LaunchArgs),
 }
 
