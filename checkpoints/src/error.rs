@@ -191,6 +191,10 @@ pub enum CkptError {
         /// The value.
         value: f32,
     },
+    /// The state being saved could not be read (a device copy failed, a buffer is missing):
+    /// nothing was published.
+    #[error("cannot read the state being saved: {0}")]
+    StateRead(String),
     /// The planner rejected the model spec or the sizes.
     #[error(transparent)]
     Plan(#[from] PlanError),

@@ -16,10 +16,9 @@
 //! Readers are unaffected: the safetensors format leaves member order free, and its reader
 //! sorts tensors by offset itself.
 
-use crate::error::{bad_file, io_err, Result};
+use crate::error::{bad_file, Result};
 use serde_json::Value;
 use std::collections::BTreeMap;
-use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::Path;
 
 /// Rewrites `header` (the JSON bytes after the 8-byte length prefix of a safetensors file,
@@ -124,7 +123,10 @@ pub(crate) fn canonicalize_bytes(bytes: &mut [u8], path: &Path) -> Result<()> {
 /// # Errors
 /// [`crate::CkptError::Io`] on read or write failures, [`crate::CkptError::BadFile`] if the
 /// file is not safetensors.
+#[cfg(test)]
 pub(crate) fn canonicalize_file(path: &Path) -> Result<()> {
+    use crate::error::io_err;
+    use std::io::{Read, Seek, SeekFrom, Write};
     let mut f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)

@@ -77,12 +77,13 @@ pub use manifest::{
     OptimizerState, SegmentRecord, TrainState, UnitRecord, FORMAT_NAME, FORMAT_VERSION,
     MANIFEST_FILE, MODEL_FILES_DIR,
 };
-pub use rankfile::{ShardMeta, SliceMeta, SHARD_FORMAT};
+pub use rankfile::{checkpoint_bytes, RankFilePlan, ShardMeta, SliceMeta, SHARD_FORMAT};
 pub use save::{
     begin_save, list_checkpoints, parse_step_dir, save_checkpoint, step_dir_name,
     PendingCheckpoint, LATEST_FILE,
 };
 pub use state::{
-    find_nonfinite, FlatShard, FlatShardRef, FullTensor, NonFiniteValue, RankState, StateKind,
+    find_nonfinite, FlatShard, FlatShardRef, FullTensor, NonFiniteValue, RankState, ShardRefs,
+    ShardSource, StateKind,
 };
 pub use weights::{StoredDtype, TensorEntry, WeightBinding, WeightFiles, LOAD_CHUNK_BYTES};

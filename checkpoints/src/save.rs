@@ -3,7 +3,10 @@
 //! 1. [`begin_save`] removes stale temporary directories left by a killed save and creates
 //!    `ROOT/.tmp-step-{step:08}`.
 //! 2. Each rank of replicate index 0 writes and fsyncs its rank file into it
-//!    ([`PendingCheckpoint::write_rank`], thread-safe); the other replicas write nothing.
+//!    ([`PendingCheckpoint::write_rank_from`], thread-safe), streamed tensor by tensor through
+//!    one bounded buffer and hashed as written, with its record (size, SHA-256) beside it; the
+//!    other replicas write nothing. A failed save is abandoned with
+//!    [`PendingCheckpoint::abort`], which removes the temporary directory at once.
 //! 3. Rank 0 may add the model's own files (tokenizer, generation config) into its
 //!    `model-files/` subdirectory ([`PendingCheckpoint::write_model_file`]).
 //! 4. [`PendingCheckpoint::commit`] writes and fsyncs `manifest.json` (with every file's size and
@@ -22,7 +25,7 @@ use crate::manifest::{
     MANIFEST_FILE, MODEL_FILES_DIR,
 };
 use crate::rankfile::write_rank_file;
-use crate::state::FlatShardRef;
+use crate::state::{FlatShardRef, ShardRefs, ShardSource};
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -158,7 +161,8 @@ impl PendingCheckpoint {
     ///
     /// Safe to call concurrently from the rank threads.
     ///
-    /// Errors: `InvalidArgument`, `ShardLength`, `NonZeroPadding`, `Io`.
+    /// Errors: `InvalidArgument`, `ShardLength`, `NonZeroPadding`, `NonFinite` (the first
+    /// infinite or NaN value in unit, flat-parameter, state-kind and element order), `Io`.
     pub fn write_rank(
         &self,
         rank: u64,
@@ -168,13 +172,74 @@ impl PendingCheckpoint {
         if !self.layout.writes_model_state(rank) {
             return Ok(None);
         }
+        if shards.len() != self.layout.units.len()
+            || shards
+                .iter()
+                .zip(&self.layout.units)
+                .any(|(a, b)| a.len() != b.flat_params.len())
+        {
+            return Err(CkptError::InvalidArgument(format!(
+                "rank {rank}: shards given for {} units ({} flat params), the layout has {} units ({} flat params)",
+                shards.len(),
+                shards.iter().map(Vec::len).sum::<usize>(),
+                self.layout.units.len(),
+                self.layout.num_flat_params()
+            )));
+        }
+        if let Some(bad) = crate::state::find_nonfinite(&self.layout, rank, shards) {
+            return Err(CkptError::NonFinite {
+                rank,
+                name: bad.name,
+                kind: bad.kind.suffix(),
+                index: bad.index,
+                value: bad.value,
+            });
+        }
+        self.write_rank_from(rank, &ShardRefs(shards))
+    }
+
+    /// Writes (and fsyncs) the rank file of `rank` from `src`, streaming it tensor by tensor
+    /// through one bounded buffer ([`fsdp_planner::memory::save_buffer_bytes`]): no copy of
+    /// the rank's state is made. Each value is checked right before it is written; an infinite
+    /// or NaN value, a short buffer or a write error (a full disk, a file size limit) stops the
+    /// write and removes the partial file. Ranks of replicate index > 0 write nothing and
+    /// return `Ok(None)`.
+    ///
+    /// Beside the rank file goes its record (size and SHA-256 of the bytes written), which
+    /// [`PendingCheckpoint::commit`] reads instead of hashing the file again, and removes.
+    ///
+    /// Safe to call concurrently from the rank threads.
+    ///
+    /// Errors: `InvalidArgument`, `ShardLength`, `NonZeroPadding`, `NonFinite`, `StateRead`,
+    /// `Io`.
+    pub fn write_rank_from(&self, rank: u64, src: &dyn ShardSource) -> Result<Option<FileRecord>> {
+        self.layout.check_rank(rank)?;
+        if !self.layout.writes_model_state(rank) {
+            return Ok(None);
+        }
         let path = self.tmp.join(rank_file_name(rank));
-        let rec = write_rank_file(&path, &self.layout, rank, shards)?;
+        let rec = write_rank_file(&path, &self.layout, rank, src)?;
+        let side = record_path(&self.tmp, &rec.file);
+        let json = serde_json::to_vec(&rec).expect("a file record serializes");
+        fs::write(&side, json).map_err(io_err(&side, "write"))?;
         self.records
             .lock()
             .expect("no rank panicked while holding the record lock")
             .push(rec.clone());
         Ok(Some(rec))
+    }
+
+    /// Abandons the save: removes the temporary directory and everything written into it, so
+    /// that a failed save (a full disk) keeps no space; `latest` and every complete
+    /// checkpoint are untouched. Call it once every rank has stopped writing.
+    ///
+    /// Errors: `Io` when the directory exists and cannot be removed.
+    pub fn abort(&self) -> Result<()> {
+        match fs::remove_dir_all(&self.tmp) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(io_err(&self.tmp, "remove")(e)),
+        }
     }
 
     /// Writes (and fsyncs) `bytes` as the carried model file `name` (e.g. `tokenizer.json`)
@@ -208,14 +273,28 @@ impl PendingCheckpoint {
             }
             let path = self.tmp.join(rank_file_name(i));
             if path.is_file() {
-                let (bytes, sha256) = crate::rankfile::sync_and_hash(&path)?;
-                records.push(FileRecord {
-                    file: rank_file_name(i),
-                    rank: i,
-                    shard_index: i,
-                    bytes,
-                    sha256,
+                records.push(match written_record(&self.tmp, i, &path)? {
+                    Some(rec) => rec,
+                    None => {
+                        let (bytes, sha256) = crate::rankfile::sync_and_hash(&path)?;
+                        FileRecord {
+                            file: rank_file_name(i),
+                            rank: i,
+                            shard_index: i,
+                            bytes,
+                            sha256,
+                        }
+                    }
                 });
+            }
+        }
+        // The records beside the rank files are not part of the checkpoint.
+        for i in 0..self.layout.shard_size {
+            let side = record_path(&self.tmp, &rank_file_name(i));
+            if let Err(e) = fs::remove_file(&side) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    return Err(io_err(&side, "remove")(e));
+                }
             }
         }
         let mut have: Vec<u64> = records.iter().map(|r| r.shard_index).collect();
@@ -255,6 +334,37 @@ impl PendingCheckpoint {
         prune(&self.root, keep_last, self.step)?;
         Ok(dest)
     }
+}
+
+/// The record a rank wrote beside its rank file `file` in `dir`.
+fn record_path(dir: &Path, file: &str) -> PathBuf {
+    dir.join(format!("{file}.record"))
+}
+
+/// The record rank `i` wrote beside its rank file `path` (size and SHA-256 of the bytes it
+/// wrote), when there is one and the file still has that size; `None` otherwise (the file is
+/// then hashed as read back).
+///
+/// Errors: `Io` for a record that exists and cannot be read.
+fn written_record(dir: &Path, i: u64, path: &Path) -> Result<Option<FileRecord>> {
+    let side = record_path(dir, &rank_file_name(i));
+    let bytes = match fs::read(&side) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io_err(&side, "read")(e)),
+    };
+    let Ok(rec) = serde_json::from_slice::<FileRecord>(&bytes) else {
+        return Ok(None);
+    };
+    let on_disk = fs::metadata(path).map_err(io_err(path, "stat"))?.len();
+    let matches = rec.file == rank_file_name(i) && rec.shard_index == i && rec.bytes == on_disk;
+    if !matches {
+        return Ok(None);
+    }
+    fs::File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(io_err(path, "fsync"))?;
+    Ok(Some(rec))
 }
 
 /// The size and SHA-256 of every file in `dir/model-files/` (none when it does not exist),

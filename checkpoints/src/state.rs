@@ -165,3 +165,109 @@ pub fn find_nonfinite(
     }
     None
 }
+
+/// A rank's shards as a save reads them: buffer by buffer, piece by piece, without a copy of
+/// the whole state. The engine implements it over its own flat buffers (host vectors directly,
+/// device tensors through a bounded host copy); owned and borrowed shards implement it too.
+///
+/// Buffers are addressed as in a save: `(unit, flat parameter inside the unit, kind)` of the
+/// layout being saved, each `shard_numel` elements with padding included.
+pub trait ShardSource {
+    /// Elements of buffer `kind` of flat parameter `flat` of unit `unit`; `None` when the
+    /// source has no such buffer (the moments of a frozen flat parameter, or a flat parameter
+    /// the source lacks).
+    fn shard_len(&self, unit: usize, flat: usize, kind: StateKind) -> Option<usize>;
+
+    /// Calls `f` with consecutive host slices that together are elements `range` of that
+    /// buffer, in order (one slice for a host buffer; bounded pieces for a device buffer).
+    /// Stops at the first error `f` returns and returns it.
+    ///
+    /// Errors: `StateRead` when the buffer is absent or cannot be read; `f`'s errors.
+    fn visit(
+        &self,
+        unit: usize,
+        flat: usize,
+        kind: StateKind,
+        range: std::ops::Range<usize>,
+        f: &mut dyn FnMut(&[f32]) -> crate::Result<()>,
+    ) -> crate::Result<()>;
+}
+
+/// The buffer `kind` of `[unit][flat]` of borrowed shards, if present.
+fn slice_of<'a>(
+    shards: &[Vec<FlatShardRef<'a>>],
+    unit: usize,
+    flat: usize,
+    kind: StateKind,
+) -> Option<&'a [f32]> {
+    shards.get(unit)?.get(flat)?.get(kind)
+}
+
+/// Visits `range` of `buf` as one slice.
+fn visit_slice(
+    buf: Option<&[f32]>,
+    what: (usize, usize, StateKind),
+    range: std::ops::Range<usize>,
+    f: &mut dyn FnMut(&[f32]) -> crate::Result<()>,
+) -> crate::Result<()> {
+    let (unit, flat, kind) = what;
+    let len = buf.map_or(0, <[f32]>::len);
+    match buf.and_then(|b| b.get(range.clone())) {
+        Some(part) => f(part),
+        None => Err(crate::CkptError::StateRead(format!(
+            "unit {unit} flat param {flat} {}: elements {}..{} of a buffer of {len}",
+            kind.suffix(),
+            range.start,
+            range.end
+        ))),
+    }
+}
+
+/// Borrowed shards `[unit][flat]` (the arguments of
+/// [`crate::PendingCheckpoint::write_rank`]) as a [`ShardSource`].
+#[derive(Debug, Clone, Copy)]
+pub struct ShardRefs<'a, 'b>(pub &'a [Vec<FlatShardRef<'b>>]);
+
+impl ShardSource for ShardRefs<'_, '_> {
+    fn shard_len(&self, unit: usize, flat: usize, kind: StateKind) -> Option<usize> {
+        slice_of(self.0, unit, flat, kind).map(<[f32]>::len)
+    }
+
+    fn visit(
+        &self,
+        unit: usize,
+        flat: usize,
+        kind: StateKind,
+        range: std::ops::Range<usize>,
+        f: &mut dyn FnMut(&[f32]) -> crate::Result<()>,
+    ) -> crate::Result<()> {
+        visit_slice(
+            slice_of(self.0, unit, flat, kind),
+            (unit, flat, kind),
+            range,
+            f,
+        )
+    }
+}
+
+impl ShardSource for RankState {
+    fn shard_len(&self, unit: usize, flat: usize, kind: StateKind) -> Option<usize> {
+        self.flats.get(unit)?.get(flat)?.get(kind).map(<[f32]>::len)
+    }
+
+    fn visit(
+        &self,
+        unit: usize,
+        flat: usize,
+        kind: StateKind,
+        range: std::ops::Range<usize>,
+        f: &mut dyn FnMut(&[f32]) -> crate::Result<()>,
+    ) -> crate::Result<()> {
+        let buf = self
+            .flats
+            .get(unit)
+            .and_then(|u| u.get(flat))
+            .and_then(|s| s.get(kind));
+        visit_slice(buf, (unit, flat, kind), range, f)
+    }
+}

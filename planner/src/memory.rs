@@ -902,6 +902,23 @@ pub fn memory_plan(
     }
 }
 
+/// Upper bound of the buffer a checkpoint save streams a rank file through (bytes): 4 MiB.
+pub const SAVE_BUFFER_BYTES: u64 = 4 << 20;
+
+/// Bytes of the one buffer a checkpoint save streams a rank file through (and a device shard
+/// is copied to the host through): [`SAVE_BUFFER_BYTES`], or less when the largest flat
+/// parameter's shard is smaller (`4 * max_f s_f`). The writer of `fsdp-checkpoints` allocates
+/// exactly this, so the plan's `save` phase holds it to the byte.
+pub fn save_buffer_bytes(units: &[UnitLayout]) -> u64 {
+    let largest = units
+        .iter()
+        .flat_map(|u| &u.flat_params)
+        .map(|f| f.shard_numel().0)
+        .max()
+        .unwrap_or(0);
+    SAVE_BUFFER_BYTES.min(4 * largest).max(4)
+}
+
 /// Bytes of the reusable host staging buffers of an offloaded rank: one for parameters, the
 /// largest flat parameter's shard in `param_dtype` (cast from the f32 master on the host, then
 /// copied to the device), and one for gradients, the largest trainable flat parameter's shard
