@@ -9,7 +9,7 @@ use crate::train::TrainOptions;
 use fsdp_checkpoints::{Checkpoint, CheckpointLayout, CkptError, Verify};
 use std::path::{Path, PathBuf};
 
-use super::convert::{ckpt_to_engine, engine_to_ckpt};
+use super::convert::ckpt_to_engine;
 
 /// Where a run's checkpoints go and whether it resumes: the checkpoint flags of `fsdp train`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -26,6 +26,8 @@ pub struct CheckpointConfig {
     /// Resume although the data's tokens were not made by the tokenizer of the data the
     /// checkpoint trained on (`--allow-tokenizer-mismatch`): a note instead of a refusal.
     pub allow_tokenizer_mismatch: bool,
+    /// What a failed save does (`--on-save-error`): stop the run (default) or go on.
+    pub on_save_error: super::save::OnSaveError,
 }
 
 /// Which checkpoint a resume starts from.
@@ -249,24 +251,28 @@ pub fn check_init_from(
 /// for rank threads and MPI processes alike), so every rank fails together and nothing partial
 /// is ever published.
 pub struct CheckpointHooks {
-    root: Option<PathBuf>,
-    every: u64,
-    keep_last: usize,
-    last_step: u64,
-    layout: CheckpointLayout,
+    pub(super) root: Option<PathBuf>,
+    pub(super) every: u64,
+    pub(super) keep_last: usize,
+    pub(super) last_step: u64,
+    pub(super) layout: CheckpointLayout,
     resume_from: Option<Checkpoint>,
-    train: fsdp_checkpoints::TrainState,
+    pub(super) train: fsdp_checkpoints::TrainState,
     /// Step directories newer than the resumed checkpoint and where rank 0 moves them before
     /// the first save (`--resume-from`); emptied once done.
     set_aside: std::sync::Mutex<Vec<(PathBuf, PathBuf)>>,
-    on_save: Option<SaveCallback>,
+    pub(super) on_save: Option<SaveCallback>,
     /// The model's own files written into every checkpoint ([`super::model_files`]).
-    model_files: Vec<(String, Vec<u8>)>,
+    pub(super) model_files: Vec<(String, Vec<u8>)>,
+    /// What a failed save does.
+    pub(super) on_save_error: super::save::OnSaveError,
+    /// The errors of the ranks of this process in the current save: `(step, rank, error)`.
+    pub(super) save_errors: std::sync::Mutex<Vec<(u64, u64, String)>>,
     /// Where this run starts in the training stream (the resumed checkpoint's step and
     /// consumed sequences, or the start).
-    origin: crate::data::StreamOrigin,
+    pub(super) origin: crate::data::StreamOrigin,
     /// Sequences one optimizer step of this run consumes (`B * grad_accum * W`).
-    sequences_per_step: u64,
+    pub(super) sequences_per_step: u64,
 }
 
 /// What a completed checkpoint save reports (rank 0): [`CheckpointHooks::on_save`].
@@ -476,6 +482,8 @@ impl CheckpointHooks {
             model_files: carried.files,
             origin,
             sequences_per_step: sequences_per_step(o),
+            on_save_error: a.on_save_error,
+            save_errors: std::sync::Mutex::new(Vec::new()),
         })
     }
 
@@ -780,7 +788,7 @@ impl CheckpointHooks {
 }
 
 /// Total bytes of the files directly in `dir` (0 for what cannot be read).
-fn dir_bytes(dir: &Path) -> u64 {
+pub(super) fn dir_bytes(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
         .map(|rd| {
             rd.flatten()
@@ -796,7 +804,7 @@ impl CheckpointHooks {
     /// Rank 0, before the first save of a `--resume-from` run: moves the newer step
     /// directories aside (kept, renamed) so that the new checkpoints, `latest` and pruning
     /// never mix with them.
-    fn move_aside(&self) -> Result<(), String> {
+    pub(super) fn move_aside(&self) -> Result<(), String> {
         let mut pending = self
             .set_aside
             .lock()
@@ -872,134 +880,10 @@ impl crate::train::TrainHooks for CheckpointHooks {
         if !due {
             return Ok(());
         }
-        let rank = rank as u64;
-        let t0 = std::time::Instant::now();
-        let fail = |what: &str, e: String| {
-            crate::error::EngineError::Checkpoint(format!(
-                "checkpoint of step {step} in {}: {what}: {e}",
-                root.display()
-            ))
-        };
-        // Phase 1: every rank exports its state; rank 0 starts the save. Ranks agree on the
-        // outcome through a status all-gather (threads or processes alike).
-        let exported = engine
-            .export_state()
-            .map_err(|e| e.to_string())
-            .and_then(|s| engine_to_ckpt(&self.layout, &s).map_err(|e| e.to_string()));
-        let begun = if rank == 0 {
-            self.move_aside()
-                .and_then(|()| {
-                    fsdp_checkpoints::begin_save(root, &self.layout, step)
-                        .map_err(|e| e.to_string())
-                })
-                .map(Some)
-        } else {
-            Ok(None)
-        };
-        let mut local_err = exported.as_ref().err().or(begun.as_ref().err()).cloned();
-        // A state holding an infinite or NaN value is never saved. The status says which
-        // value (as -(1 + 3 * global parameter index + state kind)), so every rank can name
-        // the parameter, not only the one that holds it.
-        let bad = exported
-            .as_ref()
-            .ok()
-            .and_then(|st| fsdp_checkpoints::find_nonfinite(&self.layout, rank, &st.as_refs()));
-        let status = match &bad {
-            Some(b) => {
-                let before: usize = self.layout.spec.units[..b.unit]
-                    .iter()
-                    .map(|u| u.params.len())
-                    .sum();
-                let kind = fsdp_checkpoints::StateKind::ALL
-                    .iter()
-                    .position(|&k| k == b.kind)
-                    .unwrap_or(0);
-                -(1.0 + (3 * (before + b.param_index) + kind) as f64)
-            }
-            None => local_err.is_none() as u8 as f64,
-        };
-        let ok = engine.barrier_with_status(status)?;
-        if let Some((r, &code)) = ok.iter().enumerate().find(|(_, &x)| x < 0.0) {
-            let code = (-code - 1.0) as usize;
-            let (p, kind) = (code / 3, fsdp_checkpoints::StateKind::ALL[code % 3]);
-            let name = self
-                .layout
-                .spec
-                .units
-                .iter()
-                .flat_map(|u| &u.params)
-                .nth(p)
-                .map_or_else(|| format!("#{p}"), |x| x.name.clone());
-            return Err(crate::error::EngineError::Checkpoint(format!(
-                "checkpoint of step {step} in {}: refused: the {} of parameter {name} on rank {r} is not finite, and a checkpoint is never written from a non-finite state; the newest complete checkpoint is unchanged",
-                root.display(),
-                kind.suffix()
-            )));
+        match self.save_sync(rank as u64, step, engine, root)? {
+            Ok(()) => Ok(()),
+            Err(failed) => self.failed_save(rank as u64, step, root, failed),
         }
-        if let Some(r) = ok.iter().position(|&x| x == 0.0) {
-            return Err(fail(
-                "begin",
-                local_err.unwrap_or_else(|| format!("rank {r} failed")),
-            ));
-        }
-        // Phase 2: the ranks of replicate index 0 write their files concurrently.
-        if self.layout.writes_model_state(rank) {
-            let st = exported.as_ref().expect("checked above");
-            let written = fsdp_checkpoints::PendingCheckpoint::attach(root, &self.layout, step)
-                .and_then(|p| p.write_rank(rank, &st.as_refs()));
-            local_err = written.err().map(|e| e.to_string());
-        }
-        let ok = engine.barrier_with_status(local_err.is_none() as u8 as f64)?;
-        if let Some(r) = ok.iter().position(|&x| x == 0.0) {
-            // Nothing is published; the next save removes the temporary directory.
-            return Err(fail(
-                "write",
-                local_err.unwrap_or_else(|| format!("rank {r} failed to write its file")),
-            ));
-        }
-        // Phase 3: rank 0 writes the manifest, renames into place, updates `latest`.
-        if let Ok(Some(p)) = begun {
-            let mut t = self.train.clone();
-            t.step = step;
-            // The global count of sequences consumed: a resume at any world size,
-            // micro-batch or accumulation continues at the next one.
-            t.data_position = self.origin.sequences
-                + step.saturating_sub(self.origin.step) * self.sequences_per_step;
-            t.extra
-                .insert(DATA_POSITION_UNIT_KEY.into(), "sequences".into());
-            t.optimizer.step = engine.steps_taken() - engine.skipped_steps();
-            if let Some(sc) = engine.loss_scaler() {
-                t.extra.insert("loss_scale".into(), sc.scale.to_string());
-                t.extra
-                    .insert("loss_scale_clean_steps".into(), sc.clean_steps.to_string());
-            }
-            let committed = self
-                .model_files
-                .iter()
-                .try_for_each(|(name, bytes)| p.write_model_file(name, bytes))
-                .and_then(|()| p.commit(&t, self.keep_last));
-            match committed {
-                Ok(dir) => {
-                    if let Some(f) = &self.on_save {
-                        f(&SaveReport {
-                            step,
-                            bytes: dir_bytes(&dir),
-                            path: dir,
-                            seconds: t0.elapsed().as_secs_f64(),
-                        });
-                    }
-                }
-                Err(e) => local_err = Some(e.to_string()),
-            }
-        }
-        let ok = engine.barrier_with_status(local_err.is_none() as u8 as f64)?;
-        if ok.contains(&0.0) {
-            return Err(fail(
-                "commit",
-                local_err.unwrap_or_else(|| "rank 0 failed to commit".into()),
-            ));
-        }
-        Ok(())
     }
 }
 

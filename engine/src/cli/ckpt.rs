@@ -486,7 +486,7 @@ impl TrainCkptArgs {
             every: self.ckpt_every,
             keep_last: self.keep_last,
             resume: self.resume_mode()?,
-            allow_tokenizer_mismatch: false,
+            ..CheckpointConfig::default()
         })
     }
 }

@@ -118,6 +118,16 @@ pub enum NonFiniteArg {
     Error,
 }
 
+/// `--on-save-error`: what a failed checkpoint save does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnSaveErrorArg {
+    /// End the run (exit 1) naming the error, the bytes the checkpoint needs and the bytes free.
+    Stop,
+    /// Print the same as a warning and train on; the next due save tries again (a failed
+    /// final save still exits 1).
+    Continue,
+}
+
 /// The preset `fsdp train` trains when neither `--model`, `--hf-config` nor an `--init-from`
 /// model directory names a model.
 pub const DEFAULT_MODEL: &str = "tiny";
@@ -274,6 +284,14 @@ pub struct TrainArgs {
     /// rank R PATH.rankR.
     #[arg(long, value_name = "PATH")]
     pub log_file: Option<PathBuf>,
+    /// What a failed checkpoint save does (a full disk, a file size limit, a permission
+    /// lost): `stop` ends the run with exit 1 naming the error, the bytes the checkpoint needs
+    /// and the bytes free on its file system; `continue` prints that as a warning and trains
+    /// on, trying again at the next due save (a failed final save still exits 1). Either way
+    /// the failed save's temporary directory is removed at once and `latest` keeps naming the
+    /// previous checkpoint. Needs --ckpt-dir.
+    #[arg(long, value_enum, value_name = "stop|continue", default_value_t = OnSaveErrorArg::Stop, requires = "ckpt_dir")]
+    pub on_save_error: OnSaveErrorArg,
     /// Checkpoints: --ckpt-dir, --ckpt-every, --keep-last, --resume, --init-from.
     #[command(flatten)]
     pub ckpt: super::ckpt::TrainCkptArgs,
@@ -574,6 +592,18 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
     }
     let mut ckpt = args.ckpt.config()?;
     ckpt.allow_tokenizer_mismatch = args.allow_tokenizer_mismatch;
+    ckpt.on_save_error = match args.on_save_error {
+        OnSaveErrorArg::Stop => crate::checkpoint::OnSaveError::Stop,
+        OnSaveErrorArg::Continue => crate::checkpoint::OnSaveError::Continue,
+    };
+    if ckpt.dir.is_some() {
+        // A file size limit (`ulimit -f`) makes a checkpoint write fail with EFBIG, a save
+        // error handled by --on-save-error, instead of killing the run with SIGXFSZ.
+        // SAFETY: setting a signal's disposition to "ignore" installs no handler code.
+        unsafe {
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+        }
+    }
     let mut hooks = CheckpointHooks::new(&ckpt, &run, &mut |line| errln!("{line}"))?;
     // `--init-from DIR --resume` with a checkpoint to resume: the weights (and optimizer
     // state) are the checkpoint's, DIR names the model only.
