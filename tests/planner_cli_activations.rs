@@ -20,6 +20,7 @@ fn args(device: PlanDeviceArg, activations: ActivationsArg) -> PlanArgs {
         shard_size: None,
         activation_checkpointing: None,
         offload: None,
+        ckpt_async: false,
         param_dtype: fsdp::cli::train::DTypeArg::Bf16,
         reduce_dtype: fsdp::cli::train::DTypeArg::F32,
         optimizer: OptimizerArg::Adamw,

@@ -71,7 +71,7 @@ pub use hfdir::{
     SINGLE_WEIGHTS_FILE,
 };
 pub use layout::{layout_fingerprint, model_fingerprint, tensor_name, CheckpointLayout};
-pub use load::{reshard, resolve_checkpoint_dir, Checkpoint, Verify};
+pub use load::{reshard, resolve_checkpoint_dir, Checkpoint, ShardReader, Verify};
 pub use manifest::{
     check_model_file_name, rank_file_name, FileRecord, FlatRecord, Manifest, ModelFileRecord,
     OptimizerState, SegmentRecord, TrainState, UnitRecord, FORMAT_NAME, FORMAT_VERSION,

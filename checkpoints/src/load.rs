@@ -73,7 +73,10 @@ pub struct Checkpoint {
     manifest: Manifest,
     layout: CheckpointLayout,
     verify: Verify,
+    /// Rank files mapped once for the offline readers (consolidation, full tensors).
     files: Vec<OnceLock<RankFile>>,
+    /// Rank files whose SHA-256 was checked against the manifest.
+    verified: Vec<OnceLock<()>>,
     /// parameter name -> (unit, flat, segment) in the source layout.
     index: HashMap<String, (usize, usize, usize)>,
 }
@@ -153,6 +156,7 @@ impl Checkpoint {
             }
         }
         let files = manifest.files.iter().map(|_| OnceLock::new()).collect();
+        let verified = manifest.files.iter().map(|_| OnceLock::new()).collect();
         Ok(Checkpoint {
             dir,
             manifest_path,
@@ -160,6 +164,7 @@ impl Checkpoint {
             layout,
             verify,
             files,
+            verified,
             index,
         })
     }
@@ -225,7 +230,8 @@ impl Checkpoint {
     }
 
     /// Opens and checks every rank file (size, SHA-256, header, shard metadata, every expected
-    /// tensor's dtype and length) and every carried model file (size, SHA-256).
+    /// tensor's dtype and length) and every carried model file (size, SHA-256). Each file is
+    /// mapped only while it is checked: nothing stays mapped afterwards.
     ///
     /// Errors: `MissingFile`, `SizeMismatch`, `ChecksumMismatch`, `BadFile`,
     /// `UnsupportedVersion`, `Io`.
@@ -234,7 +240,7 @@ impl Checkpoint {
             self.read_model_file(&rec.file)?;
         }
         for i in 0..self.files.len() {
-            let f = self.rank_file_checked(i as u64, true)?;
+            let f = self.open_rank_file(i as u64, true)?;
             for (u, k, fl) in self.layout.flat_params() {
                 let n = fl.shard_real_numel(i as u64).0;
                 if n == 0 {
@@ -250,19 +256,41 @@ impl Checkpoint {
         Ok(())
     }
 
-    fn rank_file_checked(&self, shard_index: u64, force_verify: bool) -> Result<&RankFile> {
-        let cell = &self.files[shard_index as usize];
-        if let Some(f) = cell.get() {
-            return Ok(f);
-        }
+    /// Maps rank file `shard_index`, verifying its SHA-256 when `force_verify`, or when the
+    /// checkpoint was opened with [`Verify::Checksums`] and the file was not verified yet.
+    fn open_rank_file(&self, shard_index: u64, force_verify: bool) -> Result<RankFile> {
+        let i = shard_index as usize;
+        let verify =
+            force_verify || (self.verify == Verify::Checksums && self.verified[i].get().is_none());
         let f = RankFile::open(
             &self.dir,
-            &self.manifest.files[shard_index as usize],
+            &self.manifest.files[i],
             self.manifest.world_size,
-            force_verify || self.verify == Verify::Checksums,
+            verify,
         )?;
-        let _ = cell.set(f);
-        Ok(cell.get().expect("just set"))
+        if verify {
+            let _ = self.verified[i].set(());
+        }
+        Ok(f)
+    }
+
+    /// A reader of rank shards for the `target` layout (any world size, shard size or
+    /// alignment: resharding), after checking that `target` is a layout of this checkpoint's
+    /// model. The reader maps the rank files it reads and unmaps them when it is dropped, so
+    /// that a resumed run keeps no mapping of the checkpoint once its state is loaded.
+    ///
+    /// Errors: `ModelMismatch`.
+    pub fn reader<'c>(&'c self, target: &'c CheckpointLayout) -> Result<ShardReader<'c>> {
+        self.check_model(&target.spec)?;
+        Ok(ShardReader {
+            ck: self,
+            target,
+            files: self
+                .files
+                .iter()
+                .map(|_| std::cell::OnceCell::new())
+                .collect(),
+        })
     }
 
     /// Checks that `spec` describes the same model as the checkpoint: the same parameter
@@ -277,6 +305,7 @@ impl Checkpoint {
     /// into `dest` (`p1 - p0` elements), from every source shard that holds a part of it.
     fn read_param_range(
         &self,
+        files: &dyn RankFiles,
         name: &str,
         kind: StateKind,
         p0: u64,
@@ -316,7 +345,7 @@ impl Checkpoint {
             if a >= b {
                 continue;
             }
-            let file = self.rank_file_checked(i, false)?;
+            let file = files.rank_file(i)?;
             let bytes = file.tensor_bytes(&tensor_name(u, k, kind.suffix()), meta.stored_numel)?;
             let t0 = (sl.tensor_offset + (a - sl.param_offset)) as usize;
             decode_f32(
@@ -344,27 +373,15 @@ impl Checkpoint {
     /// [`Checkpoint::verify_all`].
     pub fn load_rank(&self, target: &CheckpointLayout, rank: u64) -> Result<RankState> {
         target.check_rank(rank)?;
-        self.check_model(&target.spec)?;
-        let s = target.shard_index(rank);
+        let reader = self.reader(target)?;
         let mut flats = Vec::with_capacity(target.units.len());
-        for ul in &target.units {
+        for (u, ul) in target.units.iter().enumerate() {
             let mut unit = Vec::with_capacity(ul.flat_params.len());
-            for f in &ul.flat_params {
+            for (k, f) in ul.flat_params.iter().enumerate() {
                 let n = f.shard_numel().as_usize();
-                let slices = f.shard_slices(s);
                 let read = |kind: StateKind| -> Result<Vec<f32>> {
                     let mut buf = vec![0f32; n];
-                    for sl in &slices {
-                        let name = &f.segments[sl.segment].name;
-                        let d = sl.shard_offset.as_usize();
-                        self.read_param_range(
-                            name,
-                            kind,
-                            sl.param_offset.0,
-                            sl.param_offset.0 + sl.numel.0,
-                            &mut buf[d..d + sl.numel.as_usize()],
-                        )?;
-                    }
+                    reader.read_shard(rank, u, k, kind, 0, &mut buf)?;
                     Ok(buf)
                 };
                 let param = read(StateKind::Param)?;
@@ -408,7 +425,7 @@ impl Checkpoint {
         })?;
         let seg = &self.layout.units[u].flat_params[k].segments[si];
         let mut data = vec![0f32; seg.numel.as_usize()];
-        self.read_param_range(target, kind, 0, seg.numel.0, &mut data)?;
+        self.read_param_range(self, target, kind, 0, seg.numel.0, &mut data)?;
         Ok(FullTensor {
             name: name.to_string(),
             shape: seg.shape.clone(),
@@ -443,6 +460,105 @@ impl Checkpoint {
             .collect();
         out.sort_by_key(|t| order.get(t.name.as_str()).copied().unwrap_or(usize::MAX));
         Ok(out)
+    }
+}
+
+/// Where [`Checkpoint::read_param_range`] gets a mapped rank file.
+trait RankFiles {
+    /// Rank file `shard_index`, mapped (and verified as the checkpoint asks).
+    fn rank_file(&self, shard_index: u64) -> Result<&RankFile>;
+}
+
+impl RankFiles for Checkpoint {
+    /// Mapped once and kept for the checkpoint's life (offline readers).
+    fn rank_file(&self, shard_index: u64) -> Result<&RankFile> {
+        let cell = &self.files[shard_index as usize];
+        if let Some(f) = cell.get() {
+            return Ok(f);
+        }
+        let _ = cell.set(self.open_rank_file(shard_index, false)?);
+        Ok(cell.get().expect("just set"))
+    }
+}
+
+/// Reads the shards of any rank of a target layout from a [`Checkpoint`] ([`Checkpoint::reader`])
+/// through memory maps of its own, released when the reader is dropped.
+pub struct ShardReader<'c> {
+    ck: &'c Checkpoint,
+    target: &'c CheckpointLayout,
+    files: Vec<std::cell::OnceCell<RankFile>>,
+}
+
+impl RankFiles for ShardReader<'_> {
+    fn rank_file(&self, shard_index: u64) -> Result<&RankFile> {
+        let cell = &self.files[shard_index as usize];
+        if let Some(f) = cell.get() {
+            return Ok(f);
+        }
+        let _ = cell.set(self.ck.open_rank_file(shard_index, false)?);
+        Ok(cell.get().expect("just set"))
+    }
+}
+
+impl ShardReader<'_> {
+    /// Fills `dest` with elements `offset..offset + dest.len()` of buffer `kind` of the shard
+    /// of flat parameter `flat` of unit `unit` that `rank` holds under the target layout:
+    /// real elements from every source shard that holds a part of them, padding as zeros.
+    /// Only the byte ranges needed are read.
+    ///
+    /// Errors: `InvalidArgument` for a rank, flat parameter or range out of the target layout,
+    /// or moments of a frozen one; the file errors of [`Checkpoint::verify_all`].
+    pub fn read_shard(
+        &self,
+        rank: u64,
+        unit: usize,
+        flat: usize,
+        kind: StateKind,
+        offset: usize,
+        dest: &mut [f32],
+    ) -> Result<()> {
+        let target = self.target;
+        target.check_rank(rank)?;
+        let f = target
+            .units
+            .get(unit)
+            .and_then(|u| u.flat_params.get(flat))
+            .ok_or_else(|| {
+                CkptError::InvalidArgument(format!(
+                    "unit {unit} flat param {flat} is not in the target layout"
+                ))
+            })?;
+        let n = f.shard_numel().as_usize();
+        let end = offset + dest.len();
+        if end > n || (kind != StateKind::Param && !f.trainable) {
+            return Err(CkptError::InvalidArgument(format!(
+                "unit {unit} flat param {flat} (trainable {}): elements {offset}..{end} of its \
+                 {} shard of {n}",
+                f.trainable,
+                kind.suffix()
+            )));
+        }
+        dest.fill(0.0);
+        for sl in f.shard_slices(target.shard_index(rank)) {
+            let (a, b) = (
+                sl.shard_offset.as_usize(),
+                (sl.shard_offset + sl.numel).as_usize(),
+            );
+            let (lo, hi) = (a.max(offset), b.min(end));
+            if lo >= hi {
+                continue;
+            }
+            let p0 = sl.param_offset.0 + (lo - a) as u64;
+            self.ck.read_param_range(
+                self,
+                &f.segments[sl.segment].name,
+                kind,
+                p0,
+                p0 + (hi - lo) as u64,
+                &mut dest[lo - offset..hi - offset],
+            )?;
+        }
+        Ok(())
     }
 }
 

@@ -51,6 +51,7 @@ fn phase_index(p: Phase) -> usize {
         Phase::Forward => 0,
         Phase::Backward => 1,
         Phase::OptimizerStep => 2,
+        Phase::Save => 3,
     }
 }
 
@@ -72,7 +73,7 @@ pub struct PhasePeak {
 pub struct MemoryLedger {
     live: CategoryBytes,
     phase: Option<Phase>,
-    peaks: [Option<PhasePeak>; 3],
+    peaks: [Option<PhasePeak>; 4],
 }
 
 impl MemoryLedger {
@@ -134,7 +135,7 @@ impl MemoryLedger {
 
     /// Forgets the recorded peaks (live bytes stay).
     pub fn reset_peaks(&mut self) {
-        self.peaks = [None; 3];
+        self.peaks = [None; 4];
         if self.phase.is_some() {
             self.observe();
         }

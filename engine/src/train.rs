@@ -16,7 +16,7 @@ use crate::optim::{AdamWConfig, LrSchedule, Optimizer};
 use crate::run::PreparedRun;
 use crate::runtime::{
     Clip, EngineConfig, InitSync, MicroBatch, NonFinitePolicy, NormType, Placement, RankEngine,
-    RankState, StagedModel,
+    StagedModel,
 };
 use candle_core::Device;
 use fsdp_comm::{run_threads, CommError, Communicator, Topology, DEFAULT_TIMEOUT};
@@ -148,10 +148,10 @@ pub const DEFAULT_MAX_SKIPPED: u64 = 50;
 /// Hooks the checkpoint layer plugs into the training loop. Every method is called on every
 /// rank at the same point (so implementations may use collectives through the engine).
 pub trait TrainHooks: Sync {
-    /// Before the first step: a state to import on `rank` and the 0-based step to continue
-    /// from (`None`: start fresh at step 0). The data position is
+    /// Before the first step: imports the state to resume into `rank`'s `engine` and returns
+    /// the 0-based step to continue from (`None`: start fresh at step 0). The data position is
     /// [`TrainHooks::stream_origin`].
-    fn resume(&self, _rank: usize) -> Result<Option<(RankState, u64)>> {
+    fn resume(&self, _rank: usize, _engine: &mut RankEngine<'_, Decoder>) -> Result<Option<u64>> {
         Ok(None)
     }
 
@@ -866,8 +866,7 @@ fn run_rank(ctx: &RankContext<'_>, comm: &dyn Communicator) -> Result<RankOutcom
     let mut e = RankEngine::new_from(model, plan, comm, ecfg, init, o.placement.clone())?;
     let rank = e.rank();
     let mut start = 0u64;
-    if let Some((st, next)) = hooks.resume(rank)? {
-        e.import_state(&st)?;
+    if let Some(next) = hooks.resume(rank, &mut e)? {
         start = next;
     }
     if start != sampler.origin().step {

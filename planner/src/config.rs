@@ -335,6 +335,14 @@ pub struct PlanConfig {
     /// the serialized config (and the fingerprint) when `None` or `Some(Offload::None)`.
     #[serde(default, skip_serializing_if = "offload_is_default")]
     pub offload: Option<Offload>,
+    /// Checkpoints are saved asynchronously (`fsdp plan/train --ckpt-async`): each rank
+    /// keeps a host staging copy of its master and optimizer-state shards and a writer's
+    /// buffer ([`crate::memory::async_checkpoint_bytes`], host memory at every point). A
+    /// setting of the run's saves, not of its sharding: left out of the serialized config
+    /// when false and out of the fingerprint always, so a checkpoint records the same plan
+    /// fingerprint whether it was saved synchronously or not.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ckpt_async: bool,
 }
 
 fn offload_is_default(o: &Option<Offload>) -> bool {
@@ -362,6 +370,7 @@ impl PlanConfig {
             activations: ActivationModel::Fused,
             activation_checkpointing: None,
             offload: None,
+            ckpt_async: false,
         }
     }
 

@@ -199,15 +199,20 @@ pub enum Phase {
     Backward,
     /// The optimizer step on the shards.
     OptimizerStep,
+    /// A checkpoint save after the optimizer step: the rank's shards streamed to its rank
+    /// file through one bounded buffer ([`save_buffer_bytes`]), or copied into the
+    /// asynchronous save's host staging ([`PlanConfig::ckpt_async`]).
+    Save,
 }
 
 impl Phase {
-    /// `forward`, `backward`, `optimizer_step`.
+    /// `forward`, `backward`, `optimizer_step`, `save`.
     pub fn name(self) -> &'static str {
         match self {
             Phase::Forward => "forward",
             Phase::Backward => "backward",
             Phase::OptimizerStep => "optimizer_step",
+            Phase::Save => "save",
         }
     }
 }
@@ -264,7 +269,9 @@ pub struct PhaseMemory {
 /// The memory plan of one rank (all ranks of a plan are identical; see the module doc).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemoryPlan {
-    /// Forward, backward, optimizer step, in that order.
+    /// Forward, backward, optimizer step, save, in that order. The save is no schedule
+    /// position of the step (the timeline has none): its bytes are the model states held
+    /// after the optimizer step plus the save's buffer.
     pub phases: Vec<PhaseMemory>,
     /// Overall peak bytes (activations included).
     pub peak: Bytes,
@@ -282,7 +289,8 @@ pub struct MemoryPlan {
     /// Every schedule position of one step.
     pub timeline: Vec<TimelinePoint>,
     /// Host bytes per rank beside the device (offload: master and gradient shards, optimizer
-    /// state, the staging buffer; the same at every point). 0 without offload, and then left
+    /// state, the staging buffer; an asynchronous checkpoint's staging copy and write buffer,
+    /// [`async_checkpoint_bytes`]; the same at every point). 0 without either, and then left
     /// out of the JSON.
     #[serde(default, skip_serializing_if = "is_zero_bytes")]
     pub host_peak: Bytes,
@@ -680,7 +688,7 @@ pub fn memory_plan(
         ..Default::default()
     };
     let offload = cfg.offload_mode();
-    let (persistent, host) = match offload {
+    let (persistent, mut host) = match offload {
         Offload::None => (states, CategoryBytes::default()),
         o => {
             let device = CategoryBytes {
@@ -696,6 +704,11 @@ pub fn memory_plan(
             (device, host)
         }
     };
+    // An asynchronous checkpoint keeps a host copy of the shards and its writer's buffer
+    // from the first save on, while the next steps train.
+    if cfg.ckpt_async {
+        host.staging += Bytes(async_checkpoint_bytes(units, cfg));
+    }
     // The shard is the parameter (no gathered copy) with one shard of f32 master weights on
     // the device; offloaded, the device's parameters are always a gathered copy.
     let no_copy = shard_size == 1 && cfg.param_dtype == DType::F32 && !offload.is_some();
@@ -862,7 +875,7 @@ pub fn memory_plan(
         t.host = host;
     }
 
-    let phases: Vec<PhaseMemory> = [Phase::Forward, Phase::Backward, Phase::OptimizerStep]
+    let mut phases: Vec<PhaseMemory> = [Phase::Forward, Phase::Backward, Phase::OptimizerStep]
         .into_iter()
         .map(|ph| {
             let mut best: Option<&TimelinePoint> = None;
@@ -887,6 +900,21 @@ pub fn memory_plan(
             }
         })
         .collect();
+    // A save after the optimizer step: the model states (the units are resharded) plus the
+    // one buffer a rank file streams through, or a device shard is copied to the host
+    // through (for an asynchronous save). On a GPU that buffer is host memory, counted here
+    // with the device's bytes: it only adds to a phase far below the step's peak.
+    let mut save = persistent;
+    save.staging = Bytes(save_buffer_bytes(units));
+    phases.push(PhaseMemory {
+        phase: Phase::Save,
+        at_peak: save,
+        max: save,
+        peak_total: save.total(),
+        peak_unit: "checkpoint".into(),
+        peak_micro_batch: cfg.grad_accum - 1,
+        host_max: host,
+    });
     let top = phases.iter().fold(
         &phases[0],
         |a, p| if p.peak_total > a.peak_total { p } else { a },
@@ -917,6 +945,21 @@ pub fn save_buffer_bytes(units: &[UnitLayout]) -> u64 {
         .max()
         .unwrap_or(0);
     SAVE_BUFFER_BYTES.min(4 * largest).max(4)
+}
+
+/// Host bytes per rank of an asynchronous checkpoint ([`PlanConfig::ckpt_async`]): the
+/// staging copy of the rank's f32 master shards (`4 * sum_A s_f`) and optimizer state
+/// (`sum_T s_f` times the optimizer's state bytes per element), which the background writer
+/// saves while the next steps train, plus the writer's buffer ([`save_buffer_bytes`]).
+/// Held from the first save to the end of the run.
+pub fn async_checkpoint_bytes(units: &[UnitLayout], cfg: &PlanConfig) -> u64 {
+    let flats = || units.iter().flat_map(|u| &u.flat_params);
+    let all: u64 = flats().map(|f| f.shard_numel().0).sum();
+    let trainable: u64 = flats()
+        .filter(|f| f.trainable)
+        .map(|f| f.shard_numel().0)
+        .sum();
+    4 * all + cfg.optimizer.state_bytes_per_element() * trainable + save_buffer_bytes(units)
 }
 
 /// Bytes of the reusable host staging buffers of an offloaded rank: one for parameters, the

@@ -391,6 +391,8 @@ fn plan_with(
     // fingerprint.
     let fp_config = PlanConfig {
         activation_checkpointing: None,
+        // How checkpoints are saved is no part of the sharding.
+        ckpt_async: false,
         offload: cfg.offload.filter(|o| o.is_some()),
         // Shard-optimizer reduces once per step whatever `grad_sync` says: both spellings are
         // the same plan.

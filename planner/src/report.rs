@@ -231,32 +231,40 @@ pub fn render_table(plan: &ShardPlan, fit: Option<&FitReport>) -> String {
     );
     let _ = writeln!(
         o,
-        "{:<28} {:>14} {:>14} {:>14}",
-        "category", "forward", "backward", "optimizer_step"
+        "{:<28} {:>14} {:>14} {:>14} {:>14}",
+        "category", "forward", "backward", "optimizer_step", "save"
     );
-    let ph = [Phase::Forward, Phase::Backward, Phase::OptimizerStep].map(|p| m.phase(p));
+    let ph = [
+        Phase::Forward,
+        Phase::Backward,
+        Phase::OptimizerStep,
+        Phase::Save,
+    ]
+    .map(|p| m.phase(p));
     for cat in Category::ALL {
         let _ = writeln!(
             o,
-            "{:<28} {:>14} {:>14} {:>14}",
+            "{:<28} {:>14} {:>14} {:>14} {:>14}",
             cat.name(),
             ph[0].at_peak.get(cat).to_string(),
             ph[1].at_peak.get(cat).to_string(),
-            ph[2].at_peak.get(cat).to_string()
+            ph[2].at_peak.get(cat).to_string(),
+            ph[3].at_peak.get(cat).to_string()
         );
     }
     let _ = writeln!(
         o,
-        "{:<28} {:>14} {:>14} {:>14}",
+        "{:<28} {:>14} {:>14} {:>14} {:>14}",
         "total",
         ph[0].peak_total.to_string(),
         ph[1].peak_total.to_string(),
-        ph[2].peak_total.to_string()
+        ph[2].peak_total.to_string(),
+        ph[3].peak_total.to_string()
     );
     let _ = writeln!(
         o,
-        "{:<28} {:>14} {:>14} {:>14}",
-        "  at unit", ph[0].peak_unit, ph[1].peak_unit, ph[2].peak_unit
+        "{:<28} {:>14} {:>14} {:>14} {:>14}",
+        "  at unit", ph[0].peak_unit, ph[1].peak_unit, ph[2].peak_unit, ph[3].peak_unit
     );
     let _ = writeln!(
         o,
@@ -279,6 +287,25 @@ pub fn render_table(plan: &ShardPlan, fit: Option<&FitReport>) -> String {
             "host       {} per rank in host memory, the same all step ({})",
             m.host_peak,
             parts.join(", ")
+        );
+    }
+    let buffer = crate::memory::save_buffer_bytes(&plan.units);
+    if plan.config.ckpt_async {
+        let _ = writeln!(
+            o,
+            "save       asynchronous (--ckpt-async): {} per rank in host memory from the first save \
+             on, a staging copy of the master and optimizer-state shards and the writer's {} \
+             buffer (in host staging above); the copy streams through a {} buffer",
+            Bytes(crate::memory::async_checkpoint_bytes(&plan.units, &plan.config)),
+            Bytes(buffer),
+            Bytes(buffer)
+        );
+    } else {
+        let _ = writeln!(
+            o,
+            "save       each rank file streams from the shards through one {} buffer (staging in \
+             the save column)",
+            Bytes(buffer)
         );
     }
     let _ = writeln!(
@@ -690,8 +717,18 @@ pub fn render_svg(plan: &ShardPlan) -> String {
             s,
             r#"<text x="{left}" y="{y0:.1}" font-size="13" font-weight="bold">{}</text>"#,
             esc(&format!(
-                "host memory per rank (--offload {}): {}, the same all step",
-                plan.config.offload_mode(),
+                "host memory per rank ({}): {}, the same all step",
+                [
+                    plan.config
+                        .offload_mode()
+                        .is_some()
+                        .then(|| format!("--offload {}", plan.config.offload_mode())),
+                    plan.config.ckpt_async.then(|| "--ckpt-async".to_string()),
+                ]
+                .into_iter()
+                .flatten()
+                .collect::<Vec<_>>()
+                .join(", "),
                 host_peak
             ))
         );

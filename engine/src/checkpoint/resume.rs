@@ -9,8 +9,6 @@ use crate::train::TrainOptions;
 use fsdp_checkpoints::{Checkpoint, CheckpointLayout, CkptError, Verify};
 use std::path::{Path, PathBuf};
 
-use super::convert::ckpt_to_engine;
-
 /// Where a run's checkpoints go and whether it resumes: the checkpoint flags of `fsdp train`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CheckpointConfig {
@@ -494,6 +492,26 @@ impl CheckpointHooks {
     }
 }
 
+/// Refuses an engine whose optimizer state is not AdamW's (`exp_avg`, `exp_avg_sq`): the only
+/// optimizer state checkpoint format 1 stores.
+///
+/// Errors: [`crate::error::EngineError::Checkpoint`] naming the optimizer's buffers.
+pub(super) fn check_adamw(
+    engine: &crate::runtime::RankEngine<'_, crate::model::decoder::Decoder>,
+    dir: &Path,
+) -> crate::error::Result<()> {
+    let names = engine.optimizer_state_names();
+    if names != ["exp_avg", "exp_avg_sq"] {
+        return Err(crate::error::EngineError::Checkpoint(format!(
+            "checkpoint {}: the optimizer's state {names:?} is not AdamW's (exp_avg, \
+             exp_avg_sq); checkpoint format {} stores AdamW state only",
+            dir.display(),
+            fsdp_checkpoints::FORMAT_VERSION
+        )));
+    }
+    Ok(())
+}
+
 /// A name beside `dir` for setting it aside: `step-N.<what>`, then `step-N.<what>.2`, ... up
 /// to the first that does not exist.
 fn aside_name(dir: &Path, what: &str) -> PathBuf {
@@ -831,19 +849,16 @@ impl crate::train::TrainHooks for CheckpointHooks {
     fn resume(
         &self,
         rank: usize,
-    ) -> crate::error::Result<Option<(crate::runtime::RankState, u64)>> {
+        engine: &mut crate::runtime::RankEngine<'_, crate::model::decoder::Decoder>,
+    ) -> crate::error::Result<Option<u64>> {
         let Some(ck) = &self.resume_from else {
             return Ok(None);
         };
-        let st = ck
-            .load_rank(&self.layout, rank as u64)
-            .map_err(crate::error::EngineError::from)?;
         let t = &ck.manifest().train;
-        let mut state = ckpt_to_engine(&self.layout, rank as u64, st, t.step);
         // Steps skipped by f16 loss scaling made no AdamW update: the manifest's optimizer
         // step counts updates, `step` counts training steps.
-        state.skipped_steps = t.step.saturating_sub(t.optimizer.step);
-        state.loss_scaler = match (
+        let skipped = t.step.saturating_sub(t.optimizer.step);
+        let scaler = match (
             t.extra.get("loss_scale").map(|v| v.parse::<f64>()),
             t.extra
                 .get("loss_scale_clean_steps")
@@ -860,7 +875,21 @@ impl crate::train::TrainHooks for CheckpointHooks {
                 )))
             }
         };
-        Ok(Some((state, t.step)))
+        check_adamw(engine, ck.dir())?;
+        // The reader maps the checkpoint's rank files only while this rank's state streams
+        // into its buffers: dropped at the end of this call, nothing of the file stays mapped.
+        let reader = ck.reader(&self.layout)?;
+        engine.import_shards(t.step, skipped, scaler, &mut |u, k, b, at, dest| {
+            let kind = match b {
+                crate::runtime::ShardBuf::Param => fsdp_checkpoints::StateKind::Param,
+                crate::runtime::ShardBuf::State(0) => fsdp_checkpoints::StateKind::ExpAvg,
+                crate::runtime::ShardBuf::State(_) => fsdp_checkpoints::StateKind::ExpAvgSq,
+            };
+            reader
+                .read_shard(rank as u64, u, k, kind, at, dest)
+                .map_err(crate::error::EngineError::from)
+        })?;
+        Ok(Some(t.step))
     }
 
     fn after_step(

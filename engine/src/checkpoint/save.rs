@@ -10,12 +10,57 @@
 //! of the final state would be kept). The error names the failure, the checkpoint's bytes
 //! (its rank files, computed from the layout) and the bytes free on that file system.
 
-use super::convert::engine_to_ckpt;
 use super::resume::{CheckpointHooks, SaveReport};
 use crate::error::{EngineError, Result};
 use crate::model::decoder::Decoder;
-use crate::runtime::RankEngine;
+use crate::runtime::{RankEngine, ShardBuf};
+use fsdp_checkpoints::{CkptError, ShardSource, StateKind};
 use std::path::Path;
+
+/// The engine buffer a checkpoint tensor kind is stored from (AdamW's state order).
+fn buf_of(kind: StateKind) -> ShardBuf {
+    match kind {
+        StateKind::Param => ShardBuf::Param,
+        StateKind::ExpAvg => ShardBuf::State(0),
+        StateKind::ExpAvgSq => ShardBuf::State(1),
+    }
+}
+
+/// This rank's own engine buffers as the source of its rank file: host buffers are written
+/// in place, device buffers through copies of at most the plan's save buffer.
+pub(super) struct EngineShards<'e, 'a> {
+    pub(super) engine: &'e RankEngine<'a, Decoder>,
+}
+
+impl ShardSource for EngineShards<'_, '_> {
+    fn shard_len(&self, unit: usize, flat: usize, kind: StateKind) -> Option<usize> {
+        self.engine.shard_len(unit, flat, buf_of(kind))
+    }
+
+    fn visit(
+        &self,
+        unit: usize,
+        flat: usize,
+        kind: StateKind,
+        range: std::ops::Range<usize>,
+        f: &mut dyn FnMut(&[f32]) -> fsdp_checkpoints::Result<()>,
+    ) -> fsdp_checkpoints::Result<()> {
+        let mut failed = None;
+        self.engine
+            .visit_shard(unit, flat, buf_of(kind), range, &mut |x| {
+                if failed.is_none() {
+                    failed = f(x).err();
+                }
+            })
+            .map_err(|e| CkptError::StateRead(e.to_string()))?;
+        failed.map_or(Ok(()), Err)
+    }
+}
+
+/// The status of a rank whose state cannot be read for a save (a device copy failed, an
+/// optimizer whose state the format does not store): the run stops, whatever
+/// `--on-save-error` says, since no retry can help.
+const UNREADABLE: f64 = 0.5;
 
 /// What a run does when a checkpoint save fails (`fsdp train --on-save-error`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -102,12 +147,11 @@ impl CheckpointHooks {
         root: &Path,
     ) -> Result<std::result::Result<(), FailedSave>> {
         let t0 = std::time::Instant::now();
-        // Phase 1: every rank exports its state; rank 0 starts the save. Ranks agree on the
-        // outcome through a status all-gather (threads or processes alike).
-        let exported = engine
-            .export_state()
-            .map_err(|e| format!("cannot read the state of rank {rank}: {e}"))
-            .and_then(|s| engine_to_ckpt(&self.layout, &s).map_err(|e| e.to_string()));
+        // Phase 1: every rank checks its state in place; rank 0 starts the save. Ranks agree
+        // on the outcome through a status all-gather (threads or processes alike).
+        let checked = super::resume::check_adamw(engine, root)
+            .and_then(|()| engine.first_nonfinite_shard())
+            .map_err(|e| format!("cannot read the state of rank {rank}: {e}"));
         let begun = if rank == 0 {
             self.move_aside()
                 .and_then(|()| {
@@ -118,28 +162,24 @@ impl CheckpointHooks {
         } else {
             Ok(None)
         };
-        let mut local_err = exported.as_ref().err().or(begun.as_ref().err()).cloned();
+        let mut local_err = begun.as_ref().err().cloned();
         // A state holding an infinite or NaN value is never saved. The status says which
         // value (as -(1 + 3 * global parameter index + state kind)), so every rank can name
         // the parameter, not only the one that holds it.
-        let bad = exported
+        let bad = checked
             .as_ref()
             .ok()
-            .and_then(|st| fsdp_checkpoints::find_nonfinite(&self.layout, rank, &st.as_refs()));
-        let status = match &bad {
-            Some(b) => {
-                let before: usize = self.layout.spec.units[..b.unit]
-                    .iter()
-                    .map(|u| u.params.len())
-                    .sum();
-                let kind = fsdp_checkpoints::StateKind::ALL
-                    .iter()
-                    .position(|&k| k == b.kind)
-                    .unwrap_or(0);
-                -(1.0 + (3 * (before + b.param_index) + kind) as f64)
-            }
-            None => local_err.is_none() as u8 as f64,
+            .and_then(|b| b.as_ref())
+            .map(|b| self.param_of(rank, b.unit, b.flat, b.index, b.buf));
+        // 1: ready; 0: the file system failed; 0.5: the state cannot be read.
+        let status = match (bad, &checked) {
+            (Some((param, kind)), _) => -(1.0 + (3 * param + kind) as f64),
+            (None, Err(_)) => UNREADABLE,
+            (None, Ok(_)) => local_err.is_none() as u8 as f64,
         };
+        if let Err(e) = &checked {
+            self.note_error(step, rank, e);
+        }
         if let Some(e) = &local_err {
             self.note_error(step, rank, e);
         }
@@ -164,6 +204,24 @@ impl CheckpointHooks {
                 kind.suffix()
             )));
         }
+        if let Some(r) = ok.iter().position(|&x| x == UNREADABLE) {
+            if let Ok(Some(p)) = &begun {
+                let _ = p.abort();
+            }
+            let mut unreadable = ok.clone();
+            unreadable
+                .iter_mut()
+                .for_each(|x| *x = (*x != UNREADABLE) as u8 as f64);
+            return Err(EngineError::Checkpoint(format!(
+                "checkpoint of step {step} in {}: refused: {}; nothing was written",
+                root.display(),
+                self.agreed_error(
+                    step,
+                    &unreadable,
+                    checked.err().filter(|_| r == rank as usize)
+                )
+            )));
+        }
         if ok.contains(&0.0) {
             if let Ok(Some(p)) = &begun {
                 let _ = p.abort();
@@ -173,16 +231,14 @@ impl CheckpointHooks {
                 error: self.agreed_error(step, &ok, local_err),
             }));
         }
-        // Phase 2: the ranks of replicate index 0 write their files concurrently.
+        // Phase 2: the ranks of replicate index 0 stream their files from their own buffers,
+        // concurrently.
         if self.layout.writes_model_state(rank) {
-            let st = exported
-                .as_ref()
-                .expect("every rank exported (checked above)");
+            let src = EngineShards { engine: &*engine };
             let written = fsdp_checkpoints::PendingCheckpoint::attach(root, &self.layout, step)
-                .and_then(|p| p.write_rank_from(rank, st));
+                .and_then(|p| p.write_rank_from(rank, &src));
             local_err = written.err().map(|e| e.to_string());
         }
-        drop(exported);
         if let Some(e) = &local_err {
             self.note_error(step, rank, e);
         }
@@ -239,6 +295,27 @@ impl CheckpointHooks {
             }));
         }
         Ok(Ok(()))
+    }
+
+    /// The global parameter index (over all units, declaration order) and the state-kind
+    /// index (param 0, exp_avg 1, exp_avg_sq 2) of element `i` of buffer `b` of flat
+    /// parameter `k` of unit `u` on `rank`.
+    fn param_of(&self, rank: u64, u: usize, k: usize, i: usize, b: ShardBuf) -> (usize, usize) {
+        let before: usize = self.layout.spec.units[..u]
+            .iter()
+            .map(|x| x.params.len())
+            .sum();
+        let f = &self.layout.units[u].flat_params[k];
+        let seg = f
+            .shard_slices(self.layout.shard_index(rank))
+            .iter()
+            .find(|s| (s.shard_offset.0..s.shard_offset.0 + s.numel.0).contains(&(i as u64)))
+            .map_or(0, |s| f.segments[s.segment].param_index);
+        let kind = match b {
+            ShardBuf::Param => 0,
+            ShardBuf::State(j) => 1 + j.min(1),
+        };
+        (before + seg, kind)
     }
 
     /// The training state the manifest of the save of `step` records.

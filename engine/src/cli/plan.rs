@@ -171,6 +171,11 @@ pub struct PlanArgs {
     /// What lives in host memory (`none`/`optimizer`/`params`).
     #[arg(long, value_enum, value_name = "none|optimizer|params", help = OFFLOAD_HELP)]
     pub offload: Option<OffloadArg>,
+    /// Plan asynchronous checkpoint saves (as `fsdp train --ckpt-async`): each rank's host
+    /// staging copy of its master and optimizer-state shards and the writer's buffer, in host
+    /// memory at every point. The fingerprint does not change.
+    #[arg(long)]
+    pub ckpt_async: bool,
     /// dtype of unsharded params in forward/backward (as `fsdp train`).
     #[arg(long, value_enum, default_value_t = super::train::DTypeArg::F32)]
     pub param_dtype: super::train::DTypeArg,
@@ -305,6 +310,7 @@ pub fn config_from_args(a: &PlanArgs) -> Result<PlanConfig, CliError> {
         activations,
         activation_checkpointing: a.activation_checkpointing.map(CheckpointingArg::enabled),
         offload: a.offload.map(OffloadArg::offload),
+        ckpt_async: a.ckpt_async,
     };
     cfg.validate().map_err(usage)?;
     Ok(cfg)

@@ -137,8 +137,12 @@ pub struct StopOnSignal<'a> {
 }
 
 impl TrainHooks for StopOnSignal<'_> {
-    fn resume(&self, rank: usize) -> crate::error::Result<Option<(RankState, u64)>> {
-        self.inner.resume(rank)
+    fn resume(
+        &self,
+        rank: usize,
+        engine: &mut crate::runtime::RankEngine<'_, crate::model::decoder::Decoder>,
+    ) -> crate::error::Result<Option<u64>> {
+        self.inner.resume(rank, engine)
     }
 
     fn stream_origin(&self) -> crate::data::StreamOrigin {

@@ -13,7 +13,8 @@ pub mod unit;
 
 pub use engine::{
     Accumulated, Clip, EngineConfig, FlatShardState, InitSync, LossScaler, NonFiniteParam,
-    NonFinitePolicy, NonFiniteReport, NormType, RankEngine, RankState, StepStats,
+    NonFinitePolicy, NonFiniteReport, NonFiniteShard, NormType, RankEngine, RankState, ShardFill,
+    StepStats,
 };
 pub use staged::{MicroBatch, StagedModel};
-pub use unit::{FlatShard, FsdpUnit, Placement, UnitState};
+pub use unit::{FlatShard, FsdpUnit, Placement, ShardBuf, UnitState};

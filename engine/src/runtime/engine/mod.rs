@@ -56,7 +56,7 @@ pub use accumulate::Accumulated;
 pub use clip::LossScaler;
 pub use config::{Clip, EngineConfig, InitSync, NonFinitePolicy, NormType};
 pub use nonfinite::{NonFiniteParam, NonFiniteReport};
-pub use state::{FlatShardState, RankState};
+pub use state::{FlatShardState, NonFiniteShard, RankState, ShardFill};
 
 use crate::error::{EngineError, Result};
 use crate::init::{FullValues, ParamSource};

@@ -6,6 +6,7 @@ use super::{LossScaler, RankEngine};
 use crate::error::{EngineError, Result};
 use crate::optim::Optimizer;
 use crate::runtime::staged::StagedModel;
+use crate::runtime::unit::{FlatShard, ShardBuf};
 use fsdp_comm::{Buf, BufMut, Group};
 use serde::{Deserialize, Serialize};
 
@@ -50,6 +51,26 @@ pub struct RankState {
     /// Every flat parameter of every unit, in unit order.
     pub flats: Vec<FlatShardState>,
 }
+
+/// An infinite or NaN value in a rank's shards ([`RankEngine::first_nonfinite_shard`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NonFiniteShard {
+    /// Unit index.
+    pub unit: usize,
+    /// Flat parameter inside the unit.
+    pub flat: usize,
+    /// The buffer holding it.
+    pub buf: ShardBuf,
+    /// Element of the shard (padding included in the count).
+    pub index: usize,
+    /// The value.
+    pub value: f32,
+}
+
+/// What [`RankEngine::import_shards`] fills buffers from: `(unit, flat parameter, buffer,
+/// first element, destination)` writes elements `first..first + destination.len()` of that
+/// buffer into the destination.
+pub type ShardFill<'a> = dyn FnMut(usize, usize, ShardBuf, usize, &mut [f32]) -> Result<()> + 'a;
 
 pub(super) fn state_names(opt: &Optimizer) -> &'static [&'static str] {
     match opt.state_buffers() {
@@ -193,6 +214,118 @@ impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
         self.skipped = st.skipped_steps.min(st.optimizer_step);
         if self.scaler.is_some() {
             if let Some(sc) = st.loss_scaler {
+                self.scaler = Some(sc);
+            }
+        }
+        Ok(())
+    }
+
+    /// Elements a checkpoint streams through host memory at a time: the plan's save buffer
+    /// ([`fsdp_planner::memory::save_buffer_bytes`]) in f32 elements.
+    pub fn save_chunk(&self) -> usize {
+        (fsdp_planner::memory::save_buffer_bytes(&self.plan.units) / 4) as usize
+    }
+
+    /// The names of the optimizer state buffers, [`ShardBuf::State`] order (AdamW:
+    /// `exp_avg`, `exp_avg_sq`).
+    pub fn optimizer_state_names(&self) -> &'static [&'static str] {
+        state_names(&self.cfg.optimizer)
+    }
+
+    /// Flat parameter `flat` of unit `unit` on this rank.
+    fn flat_shard(&self, unit: usize, flat: usize) -> Result<&FlatShard> {
+        self.units
+            .get(unit)
+            .and_then(|u| u.flats.get(flat))
+            .ok_or_else(|| EngineError::State(format!("no unit {unit} flat param {flat}")))
+    }
+
+    /// Elements of buffer `b` of flat parameter `flat` of unit `unit` (`None`: no such
+    /// buffer).
+    pub fn shard_len(&self, unit: usize, flat: usize, b: ShardBuf) -> Option<usize> {
+        self.flat_shard(unit, flat).ok()?.buf_len(b)
+    }
+
+    /// Calls `f` with consecutive host slices that together are elements `range` of buffer
+    /// `b` of flat parameter `flat` of unit `unit`: host buffers in place, device buffers
+    /// through copies of at most [`RankEngine::save_chunk`] elements
+    /// ([`FlatShard::visit`]). What a checkpoint save streams from, without a copy of the
+    /// state.
+    ///
+    /// Errors: [`EngineError::State`] for a buffer or range that does not exist; device copy
+    /// failures.
+    pub fn visit_shard(
+        &self,
+        unit: usize,
+        flat: usize,
+        b: ShardBuf,
+        range: std::ops::Range<usize>,
+        f: &mut dyn FnMut(&[f32]),
+    ) -> Result<()> {
+        let chunk = self.save_chunk();
+        self.flat_shard(unit, flat)?.visit(b, range, chunk, f)
+    }
+
+    /// The first infinite or NaN value among the real elements of this rank's master and
+    /// optimizer-state shards, in unit, flat-parameter and buffer order; found in place
+    /// ([`FlatShard::first_nonfinite`]).
+    ///
+    /// Errors: device failures.
+    pub fn first_nonfinite_shard(&self) -> Result<Option<NonFiniteShard>> {
+        let chunk = self.save_chunk();
+        for (u, unit) in self.units.iter().enumerate() {
+            for (k, fs) in unit.flats.iter().enumerate() {
+                let bufs = std::iter::once(ShardBuf::Param)
+                    .chain((0..fs.state.len()).map(ShardBuf::State));
+                for b in bufs {
+                    if let Some((index, value)) = fs.first_nonfinite(b, chunk)? {
+                        return Ok(Some(NonFiniteShard {
+                            unit: u,
+                            flat: k,
+                            buf: b,
+                            index,
+                            value,
+                        }));
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// Imports a state buffer by buffer, with no copy of the whole state: every flat
+    /// parameter's master and (trainable ones) optimizer-state buffers are filled by
+    /// `fill(unit, flat, buffer, position, dest)`, which writes elements
+    /// `position..position + dest.len()` of that buffer into `dest` (host buffers in one
+    /// call, device buffers through one host buffer of [`RankEngine::save_chunk`] elements);
+    /// then the step counts and the loss scaler are set as [`RankEngine::import_state`] does.
+    /// A failed `fill` leaves the engine partly overwritten: the caller stops the run.
+    ///
+    /// Errors: `fill`'s errors; device copy failures.
+    pub fn import_shards(
+        &mut self,
+        optimizer_step: u64,
+        skipped_steps: u64,
+        loss_scaler: Option<LossScaler>,
+        fill: &mut ShardFill<'_>,
+    ) -> Result<()> {
+        // Unsharded copies (shard-optimizer keeps them between steps) would be stale.
+        self.reshard_all()?;
+        let chunk = self.save_chunk();
+        for (u, unit) in self.units.iter_mut().enumerate() {
+            for (k, fs) in unit.flats.iter_mut().enumerate() {
+                let bufs: Vec<ShardBuf> = std::iter::once(ShardBuf::Param)
+                    .chain((0..fs.state.len()).map(ShardBuf::State))
+                    .collect();
+                for b in bufs {
+                    fs.fill(b, chunk, &mut |at, dest| fill(u, k, b, at, dest))?;
+                }
+            }
+        }
+        self.step = optimizer_step;
+        self.skipped = skipped_steps.min(optimizer_step);
+        if self.scaler.is_some() {
+            if let Some(sc) = loss_scaler {
                 self.scaler = Some(sc);
             }
         }

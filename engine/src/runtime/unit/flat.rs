@@ -385,6 +385,218 @@ impl FlatShard {
     }
 }
 
+/// A buffer of a shard as a checkpoint reads and writes it: the fp32 master, or optimizer
+/// state buffer `i` (AdamW: 0 = `exp_avg`, 1 = `exp_avg_sq`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShardBuf {
+    /// The fp32 master shard.
+    Param,
+    /// Optimizer state buffer `i`.
+    State(usize),
+}
+
+/// Calls `f` with host copies of elements `range` of `t` (a contiguous f32 device tensor,
+/// flattened), at most `chunk` elements at a time.
+fn visit_dev(
+    t: &Tensor,
+    k: &TensorKernels,
+    range: std::ops::Range<usize>,
+    chunk: usize,
+    f: &mut dyn FnMut(&[f32]),
+) -> Result<()> {
+    let t = t.flatten_all()?;
+    let mut a = range.start;
+    while a < range.end {
+        let n = chunk.max(1).min(range.end - a);
+        f(&k.to_f32(&t.narrow(0, a, n)?)?);
+        a += n;
+    }
+    Ok(())
+}
+
+/// Fills elements `offset..offset + len` of `t` (a contiguous f32 device tensor, flattened:
+/// a view of the same storage) through `fill(position, dest)`, at most `chunk` elements at a
+/// time through one host buffer.
+fn fill_dev(
+    t: &Tensor,
+    k: &TensorKernels,
+    offset: usize,
+    len: usize,
+    chunk: usize,
+    at: usize,
+    fill: &mut dyn FnMut(usize, &mut [f32]) -> Result<()>,
+) -> Result<()> {
+    let t = t.flatten_all()?;
+    let mut buf = vec![0f32; chunk.max(1).min(len)];
+    let mut a = 0;
+    while a < len {
+        let n = buf.len().min(len - a);
+        fill(at + a, &mut buf[..n])?;
+        k.copy_into(&t, offset + a, &k.from_f32(&buf[..n], DType::F32)?)?;
+        a += n;
+    }
+    Ok(())
+}
+
+/// Calls `f` with `n` zeros, at most `chunk` at a time.
+fn visit_zeros(n: usize, chunk: usize, f: &mut dyn FnMut(&[f32])) {
+    let zeros = vec![0f32; chunk.max(1).min(n)];
+    let mut left = n;
+    while left > 0 {
+        let m = zeros.len().min(left);
+        f(&zeros[..m]);
+        left -= m;
+    }
+}
+
+impl FlatShard {
+    /// Elements of buffer `b` (`s_f`); `None` for an optimizer state buffer the shard lacks.
+    pub fn buf_len(&self, b: ShardBuf) -> Option<usize> {
+        match b {
+            ShardBuf::Param => Some(self.shard_numel()),
+            ShardBuf::State(i) => self.state.get(i).map(F32Buf::len),
+        }
+    }
+
+    /// Calls `f` with consecutive host slices that together are elements `range` of buffer
+    /// `b`, in order: a host buffer in place (no copy), a device buffer through copies of at
+    /// most `chunk` elements; under a shard group of one (a master kept per segment) the
+    /// gaps between segments are zeros, as the flat shard holds them.
+    ///
+    /// Errors: [`EngineError::State`] for a buffer the shard lacks or a range past its end; a
+    /// device copy failure.
+    pub fn visit(
+        &self,
+        b: ShardBuf,
+        range: std::ops::Range<usize>,
+        chunk: usize,
+        f: &mut dyn FnMut(&[f32]),
+    ) -> Result<()> {
+        let len = self.buf_len(b).unwrap_or(0);
+        if range.start > range.end || range.end > len || self.buf_len(b).is_none() {
+            return Err(EngineError::State(format!(
+                "unit {} flat param: elements {}..{} of {b:?}, a buffer of {len}",
+                self.layout.unit, range.start, range.end
+            )));
+        }
+        let flat = match b {
+            ShardBuf::Param => match &self.master {
+                Master::Flat(v) => v,
+                Master::Parts(parts) => {
+                    let mut pos = range.start;
+                    for (seg, t) in self.layout.segments.iter().zip(parts) {
+                        let r = seg_range(seg);
+                        let (lo, hi) = (r.start.max(pos), r.end.min(range.end));
+                        if lo >= hi {
+                            continue;
+                        }
+                        visit_zeros(lo - pos, chunk, f);
+                        let sub = lo - r.start..hi - r.start;
+                        match &self.dev {
+                            None => with_f32(t, |x| f(&x[sub]))?,
+                            Some(k) => visit_dev(t, k, sub, chunk, f)?,
+                        }
+                        pos = hi;
+                    }
+                    visit_zeros(range.end - pos, chunk, f);
+                    return Ok(());
+                }
+            },
+            ShardBuf::State(i) => &self.state[i],
+        };
+        match flat {
+            F32Buf::Host(v) => f(&v[range]),
+            F32Buf::Dev(t, k) => visit_dev(t, k, range, chunk, f)?,
+        }
+        Ok(())
+    }
+
+    /// Overwrites every element of buffer `b` with what `fill(position, dest)` writes into
+    /// `dest` (elements `position..position + dest.len()` of the buffer): a host buffer in
+    /// place in one call, a device buffer through one host buffer of at most `chunk` elements;
+    /// under a shard group of one only the segments are asked for (the gaps are zeros). An
+    /// offloaded master refreshes the device's `param_dtype` shard afterwards.
+    ///
+    /// Errors: [`EngineError::State`] for a buffer the shard lacks; `fill`'s errors; a device
+    /// copy failure.
+    pub fn fill(
+        &mut self,
+        b: ShardBuf,
+        chunk: usize,
+        fill: &mut dyn FnMut(usize, &mut [f32]) -> Result<()>,
+    ) -> Result<()> {
+        let n = self.shard_numel();
+        let flat = match b {
+            ShardBuf::Param => match &mut self.master {
+                Master::Flat(v) => v,
+                Master::Parts(parts) => {
+                    for (seg, t) in self.layout.segments.iter().zip(parts.iter()) {
+                        let r = seg_range(seg);
+                        match &self.dev {
+                            None => {
+                                let mut out = Ok(());
+                                mut_f32(t, |x| out = fill(r.start, x))?;
+                                out?;
+                            }
+                            Some(k) => fill_dev(t, k, 0, r.len(), chunk, r.start, fill)?,
+                        }
+                    }
+                    return Ok(());
+                }
+            },
+            ShardBuf::State(i) => {
+                let len = self.state.len();
+                self.state
+                    .get_mut(i)
+                    .ok_or_else(|| EngineError::State(format!("optimizer state {i} of {len}")))?
+            }
+        };
+        match flat {
+            F32Buf::Host(v) => fill(0, v)?,
+            F32Buf::Dev(t, k) => fill_dev(t, k, 0, n, chunk, 0, fill)?,
+        }
+        if b == ShardBuf::Param {
+            self.refresh_device_shard()?;
+        }
+        Ok(())
+    }
+
+    /// The first infinite or NaN value among the real elements (padding excluded) of buffer
+    /// `b`, as (element of the shard, value): found in place (a device buffer is reduced on
+    /// the device, and read back in pieces of at most `chunk` elements only when it holds one).
+    ///
+    /// Errors: as [`FlatShard::visit`].
+    pub fn first_nonfinite(&self, b: ShardBuf, chunk: usize) -> Result<Option<(usize, f32)>> {
+        let quick = match (b, &self.master) {
+            (ShardBuf::Param, Master::Flat(v)) => Some(v.max_abs(&self.spans)?),
+            (ShardBuf::Param, Master::Parts(_)) => None,
+            (ShardBuf::State(i), _) => match self.state.get(i) {
+                Some(v) => Some(v.max_abs(&self.spans)?),
+                None => return Ok(None),
+            },
+        };
+        if quick.is_some_and(f32::is_finite) {
+            return Ok(None);
+        }
+        for sp in &self.spans {
+            let mut at = sp.start;
+            let mut found = None;
+            self.visit(b, sp.start..sp.start + sp.len, chunk, &mut |x| {
+                if found.is_none() {
+                    if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+                        found = Some((at + i, x[i]));
+                    }
+                }
+                at += x.len();
+            })?;
+            if found.is_some() {
+                return Ok(found);
+            }
+        }
+        Ok(None)
+    }
+}
+
 /// Casts the host master shard `p` into `o`'s device `param_dtype` shard (under `--offload
 /// optimizer`; nothing under `params`).
 fn refresh(o: &Offloaded, p: &[f32], dev: Option<&TensorKernels>) -> Result<()> {
@@ -481,4 +693,149 @@ pub fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     let all = cpu.as_slice::<f32>()?;
     let start = layout.start_offset();
     Ok(f(&all[start..start + t.elem_count()]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{FsdpUnit, UnitInit};
+    use super::*;
+    use crate::memory::MemoryLedger;
+    use candle_core::Device;
+    use fsdp_planner::{layout_units, Architecture, ModelSpec, ParamSpec, UnitSpec};
+
+    /// A `[2, 3]` weight and a `[3]` bias, segments aligned to 4 elements: the bias starts at
+    /// element 8 (a gap of 2), the flat parameter is padded to 12 (S = 1) or 16 (S = 2).
+    fn spec() -> ModelSpec {
+        ModelSpec {
+            name: "m".into(),
+            units: vec![UnitSpec {
+                name: "blk".into(),
+                params: vec![ParamSpec::new("w", &[2, 3]), ParamSpec::new("b", &[3])],
+            }],
+            arch: Architecture::Generic,
+        }
+    }
+
+    /// Every kind of master and state buffer: host or CPU-device, a master per segment (S =
+    /// 1) or one flat shard (S = 2, shard 1).
+    fn units() -> Vec<(String, bool, FsdpUnit)> {
+        let spec = spec();
+        let dev = Arc::new(TensorKernels::new(&Device::Cpu).unwrap());
+        let mut out = Vec::new();
+        for s in [1u64, 2] {
+            let layouts = layout_units(&spec, s, 4).unwrap();
+            for on_dev in [false, true] {
+                let shard_index = s - 1;
+                let init = UnitInit {
+                    index: 0,
+                    spec: &spec.units[0],
+                    layout: &layouts[0],
+                    shards: layouts[0]
+                        .flat_params
+                        .iter()
+                        .map(|f| vec![0.0; f.shard_numel().0 as usize])
+                        .collect(),
+                    shard_index,
+                    state_buffers: 2,
+                    param_dtype: DType::F32,
+                    dev: on_dev.then_some(&dev),
+                    offload: None,
+                };
+                let u = FsdpUnit::new(init, &mut MemoryLedger::new()).unwrap();
+                out.push((format!("S={s} device {on_dev}"), on_dev, u));
+            }
+        }
+        out
+    }
+
+    /// Element `i` of the shard as a checkpoint holds it: `base + i` on real elements, 0 on
+    /// padding and gaps.
+    fn expected(f: &FlatShard, base: f32) -> Vec<f32> {
+        let mut v = vec![0f32; f.shard_numel()];
+        for sl in f.layout.shard_slices(f.shard_index) {
+            let d = sl.shard_offset.0 as usize;
+            for (i, x) in v[d..d + sl.numel.0 as usize].iter_mut().enumerate() {
+                *x = base + (d + i) as f32;
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn visit_and_fill_move_every_buffer_in_pieces_of_any_size() {
+        for (name, on_dev, mut u) in units() {
+            let f = &mut u.flats[0];
+            let n = f.shard_numel();
+            assert!(n > 4, "{name}: {n}");
+            for chunk in [1, 2, 3, 5, n, 4096] {
+                for (b, base) in [
+                    (ShardBuf::Param, 100.0),
+                    (ShardBuf::State(0), 200.0),
+                    (ShardBuf::State(1), 300.0),
+                ] {
+                    let want = expected(f, base + chunk as f32);
+                    let mut asked = Vec::new();
+                    f.fill(b, chunk, &mut |at, dest| {
+                        // A device buffer goes through pieces of at most `chunk` elements.
+                        assert!(!on_dev || dest.len() <= chunk, "{name}");
+                        asked.push(at..at + dest.len());
+                        dest.copy_from_slice(&want[at..at + dest.len()]);
+                        Ok(())
+                    })
+                    .unwrap();
+                    let held = match b {
+                        ShardBuf::Param => f.param_vec().unwrap(),
+                        ShardBuf::State(i) => f.state_vecs().unwrap()[i].clone(),
+                    };
+                    assert_eq!(held, want, "{name} {b:?} chunk {chunk}: filled");
+                    for lo in 0..n {
+                        for hi in lo..=n {
+                            let mut got = Vec::new();
+                            f.visit(b, lo..hi, chunk, &mut |x| {
+                                assert!(!on_dev || x.len() <= chunk, "{name}");
+                                got.extend_from_slice(x);
+                            })
+                            .unwrap();
+                            assert_eq!(got, want[lo..hi], "{name} {b:?} chunk {chunk} {lo}..{hi}");
+                        }
+                    }
+                }
+            }
+            assert!(f.visit(ShardBuf::Param, 0..n + 1, 4, &mut |_| {}).is_err());
+            assert!(f.visit(ShardBuf::State(2), 0..1, 4, &mut |_| {}).is_err());
+        }
+    }
+
+    #[test]
+    fn the_first_nonfinite_value_is_found_in_place() {
+        for (name, _, mut u) in units() {
+            let f = &mut u.flats[0];
+            let want = expected(f, 1.0);
+            for b in [ShardBuf::Param, ShardBuf::State(1)] {
+                f.fill(b, 3, &mut |at, d| {
+                    d.copy_from_slice(&want[at..at + d.len()]);
+                    Ok(())
+                })
+                .unwrap();
+                assert_eq!(f.first_nonfinite(b, 3).unwrap(), None, "{name}");
+                // The last real element, then also an earlier one.
+                let real: Vec<usize> = (0..want.len()).filter(|&i| want[i] != 0.0).collect();
+                for (i, v) in [(real[real.len() - 1], f32::INFINITY), (real[1], f32::NAN)] {
+                    let mut cur = Vec::new();
+                    f.visit(b, 0..want.len(), 3, &mut |x| cur.extend_from_slice(x))
+                        .unwrap();
+                    cur[i] = v;
+                    f.fill(b, 3, &mut |at, d| {
+                        d.copy_from_slice(&cur[at..at + d.len()]);
+                        Ok(())
+                    })
+                    .unwrap();
+                    let (at, found) = f.first_nonfinite(b, 3).unwrap().expect("found");
+                    let first = (0..cur.len()).find(|&j| !cur[j].is_finite()).unwrap();
+                    assert_eq!(at, first, "{name} {b:?}");
+                    assert_eq!(found.to_bits(), cur[first].to_bits(), "{name} {b:?}");
+                }
+            }
+        }
+    }
 }

@@ -60,7 +60,7 @@ mod grads;
 mod park;
 
 pub(crate) use flat::F32Buf;
-pub use flat::{mut_f32, with_f32, FlatShard};
+pub use flat::{mut_f32, with_f32, FlatShard, ShardBuf};
 pub(crate) use grads::owned_bytes;
 
 use crate::error::{EngineError, Result};
