@@ -68,11 +68,21 @@ pub fn preflight_threads(
     let total = per_rank.saturating_mul(w as u64);
     let needed = with_margin(total);
     if needed > available {
+        let staging = if opts.ckpt_async {
+            " + the --ckpt-async staging copy of the shards"
+        } else {
+            ""
+        };
+        let drop_async = if opts.ckpt_async {
+            ", or save checkpoints synchronously (without --ckpt-async)"
+        } else {
+            ""
+        };
         return Err(RunError::Refused(format!(
-            "not enough memory: {w} rank thread(s) x peak {} per rank (plan + token ids; --micro-batch {}, \
+            "not enough memory: {w} rank thread(s) x peak {} per rank (plan{staging} + token ids; --micro-batch {}, \
              --seq-len {}, --grad-accum {}) = {} + {MEMORY_MARGIN_PERCENT}% margin = {} > {} \
              available (MemAvailable); use a smaller --world-size, --micro-batch, --seq-len or \
-             --grad-accum",
+             --grad-accum{drop_async}",
             mib(per_rank),
             opts.micro_batch,
             opts.seq_len,
@@ -85,7 +95,7 @@ pub fn preflight_threads(
     Ok(())
 }
 
-/// The host side of an offloaded run beside a GPU: `local_ranks` ranks of this node each keep
+/// The host side of a run beside a GPU (offload, `--ckpt-async` staging): `local_ranks` ranks of this node each keep
 /// `host_bytes` (the plan's [`fsdp_planner::MemoryPlan::host_peak`]: master, gradient and
 /// optimizer-state shards and the staging buffers) in this host's memory, which must hold
 /// them with the margin. `available`: this host's `MemAvailable` (`None`: unknown, no check).
@@ -103,12 +113,16 @@ pub fn preflight_offload_host(
     let total = host_bytes.saturating_mul(local_ranks.max(1));
     let needed = with_margin(total);
     if needed > available {
+        let what = match (opts.offload.filter(|o| o.is_some()), opts.ckpt_async) {
+            (Some(o), false) => format!("--offload {o}"),
+            (Some(o), true) => format!("--offload {o} and the --ckpt-async staging"),
+            (None, _) => "the --ckpt-async staging".to_string(),
+        };
         return Err(RunError::Refused(format!(
-            "not enough host memory for --offload {}: {} rank(s) on this node x {} of offloaded \
+            "not enough host memory for {what}: {} rank(s) on this node x {} of offloaded \
              state per rank = {} + {MEMORY_MARGIN_PERCENT}% margin = {} > {} available \
-             (MemAvailable); use more nodes, --offload optimizer instead of params, or a smaller \
-             model",
-            opts.offload.unwrap_or_default(),
+             (MemAvailable); use more nodes, --offload optimizer instead of params, a smaller \
+             model, or synchronous checkpoints",
             local_ranks.max(1),
             mib(host_bytes),
             mib(total),

@@ -103,6 +103,10 @@ pub struct TrainOptions {
     /// Stop after this many skipped steps in a row (`fsdp train --max-skipped`; `None`: no
     /// limit).
     pub max_skipped: Option<u64>,
+    /// Checkpoints are saved asynchronously (`fsdp train --ckpt-async`): each rank copies its
+    /// shards into host staging buffers and a background writer saves them while the next
+    /// steps train; the plan counts the staging in host memory.
+    pub ckpt_async: bool,
 }
 
 impl Default for TrainOptions {
@@ -136,6 +140,7 @@ impl Default for TrainOptions {
             placement: Placement::Host,
             nonfinite: NonFinitePolicy::Auto,
             max_skipped: Some(DEFAULT_MAX_SKIPPED),
+            ckpt_async: false,
         }
     }
 }
@@ -411,6 +416,7 @@ pub fn plan_config(o: &TrainOptions) -> PlanConfig {
     c.offload = o.offload;
     c.param_dtype = o.param_dtype;
     c.reduce_dtype = o.reduce_dtype;
+    c.ckpt_async = o.ckpt_async;
     // On CUDA the model computes through the composite ops (`OpsPath::Auto`), which keep
     // other activations than the fused CPU ops.
     if o.placement.device().is_cuda() {

@@ -219,6 +219,36 @@ fn a_save_past_the_file_size_limit_stops_or_continues_and_keeps_latest() {
     );
 }
 
+/// An asynchronous save fails the same way: its writer thread hits the limit, every rank
+/// agrees at the next step boundary (here the final save, which is waited for), the temporary
+/// directory is removed and `latest` still names step 2.
+#[test]
+fn an_async_save_past_the_file_size_limit_fails_like_a_synchronous_one() {
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path().join("ck");
+    let (code, _, err) = fsdp(&train_args(&root, 2));
+    assert_eq!(code, 0, "{err}");
+    let needed = rank_file_bytes(&root.join("step-00000002"));
+    let mut resume = train_args(&root, 5);
+    resume.extend(["--resume".into(), "--ckpt-async".into()]);
+    let (code, out, err) = fsdp_limited(&resume, 1 << 20);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("checkpoint of step 4") && err.contains("failed to write"),
+        "{err}"
+    );
+    assert!(err.contains("File too large"), "{err}");
+    assert_eq!(
+        number_after(&err, "its rank files need "),
+        Some(needed),
+        "{err}"
+    );
+    // The failed save of step 4 is found at step 5's boundary at the latest.
+    assert!(losses(&out).iter().all(|l| l.0 <= 5), "{out}");
+    assert!(leftovers(&root).is_empty(), "{:?}", leftovers(&root));
+    assert_eq!(latest(&root), "step-00000002");
+}
+
 /// `unshare -rm` creates a user and mount namespace here (where it cannot, the test says why
 /// and passes, unless `FSDP_REQUIRE_UNSHARE=1`).
 fn namespaces() -> bool {

@@ -15,4 +15,4 @@ pub use resume::{
     check_init_from, choose_resume, hf_config_text, passed_over, step_dirs, CheckpointConfig,
     CheckpointHooks, ResumeFrom, SaveCallback, SaveReport, StepDir, HF_CONFIG_KEY,
 };
-pub use save::{free_bytes, OnSaveError};
+pub use save::{free_bytes, OnSaveError, SaveStats};

@@ -271,6 +271,12 @@ pub struct CheckpointHooks {
     pub(super) origin: crate::data::StreamOrigin,
     /// Sequences one optimizer step of this run consumes (`B * grad_accum * W`).
     pub(super) sequences_per_step: u64,
+    /// Saves are asynchronous (`--ckpt-async`, the plan's `ckpt_async`).
+    pub(super) ckpt_async: bool,
+    /// Per rank (of the world; only this process's are used): its asynchronous save.
+    pub(super) async_ranks: Vec<std::sync::Mutex<super::save::AsyncRank>>,
+    /// What the saves cost, as rank 0 measured.
+    pub(super) save_stats: std::sync::Mutex<super::save::SaveStats>,
 }
 
 /// What a completed checkpoint save reports (rank 0): [`CheckpointHooks::on_save`].
@@ -482,6 +488,14 @@ impl CheckpointHooks {
             sequences_per_step: sequences_per_step(o),
             on_save_error: a.on_save_error,
             save_errors: std::sync::Mutex::new(Vec::new()),
+            ckpt_async: plan.config.ckpt_async,
+            async_ranks: (0..plan.world_size())
+                .map(|_| std::sync::Mutex::new(super::save::AsyncRank::default()))
+                .collect(),
+            save_stats: std::sync::Mutex::new(super::save::SaveStats {
+                asynchronous: plan.config.ckpt_async,
+                ..Default::default()
+            }),
         })
     }
 
@@ -489,6 +503,12 @@ impl CheckpointHooks {
     /// DIR in S s`, or a `{"event": "checkpoint", ...}` line with `--json`).
     pub fn on_save(&mut self, f: SaveCallback) {
         self.on_save = Some(f);
+    }
+
+    /// What the run's saves cost so far, as rank 0 measured: saves completed and the seconds
+    /// the training thread was blocked by them (the summary's step time lost to saves).
+    pub fn save_stats(&self) -> super::save::SaveStats {
+        self.save_stats.lock().map(|s| *s).unwrap_or_default()
     }
 }
 
@@ -903,16 +923,7 @@ impl crate::train::TrainHooks for CheckpointHooks {
             return Ok(());
         };
         // A run stopping early (a signal) saves the step it stops after.
-        let due = stop
-            || step == self.last_step
-            || (self.every > 0 && step.checked_rem(self.every) == Some(0));
-        if !due {
-            return Ok(());
-        }
-        match self.save_sync(rank as u64, step, engine, root)? {
-            Ok(()) => Ok(()),
-            Err(failed) => self.failed_save(rank as u64, step, root, failed),
-        }
+        self.save_at(rank as u64, step, engine, root, stop)
     }
 }
 

@@ -14,8 +14,118 @@ use super::resume::{CheckpointHooks, SaveReport};
 use crate::error::{EngineError, Result};
 use crate::model::decoder::Decoder;
 use crate::runtime::{RankEngine, ShardBuf};
-use fsdp_checkpoints::{CkptError, ShardSource, StateKind};
+use fsdp_checkpoints::{CkptError, PendingCheckpoint, ShardSource, StateKind};
 use std::path::Path;
+use std::time::Instant;
+
+/// The status of a rank whose asynchronous writer is still writing.
+const BUSY: f64 = 2.0;
+
+/// What the saves of a run cost it, as rank 0 measured (`fsdp train` prints it in the
+/// summary).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct SaveStats {
+    /// Saves completed (committed).
+    pub saves: u64,
+    /// Seconds the training thread was blocked by saves: a synchronous save whole; for an
+    /// asynchronous one its start, the copy into host staging, the wait for a previous save
+    /// still writing, the commit and the status barriers at the steps it was in flight.
+    pub blocked_seconds: f64,
+    /// Of `blocked_seconds`, the seconds of the run's last save (always waited for, also
+    /// when asynchronous).
+    pub final_blocked_seconds: f64,
+    /// Whether saves were asynchronous (`--ckpt-async`).
+    pub asynchronous: bool,
+}
+
+/// A rank's asynchronous save: its host staging buffers (kept from one save to the next) and
+/// the save in flight.
+#[derive(Debug, Default)]
+pub(super) struct AsyncRank {
+    staging: Option<fsdp_checkpoints::RankState>,
+    in_flight: Option<InFlight>,
+}
+
+/// An asynchronous save being written.
+#[derive(Debug)]
+struct InFlight {
+    /// The step saved.
+    step: u64,
+    /// The writer thread (ranks of replicate index 0): gives the staging buffers back with
+    /// the outcome.
+    writer: Option<
+        std::thread::JoinHandle<(fsdp_checkpoints::RankState, std::result::Result<(), String>)>,
+    >,
+    /// Rank 0: the save to commit.
+    begun: Option<PendingCheckpoint>,
+    /// The training state of the step saved (the manifest's).
+    train: fsdp_checkpoints::TrainState,
+    /// When the save started.
+    t0: Instant,
+}
+
+/// Host staging buffers for `rank`'s shards under `layout`: the master (and the moments of
+/// trainable flat parameters) of every flat parameter, `shard_numel` elements each.
+fn staging_for(
+    layout: &fsdp_checkpoints::CheckpointLayout,
+    rank: u64,
+) -> fsdp_checkpoints::RankState {
+    let flats = layout
+        .units
+        .iter()
+        .map(|u| {
+            u.flat_params
+                .iter()
+                .map(|f| {
+                    let n = f.shard_numel().as_usize();
+                    fsdp_checkpoints::FlatShard {
+                        param: vec![0.0; n],
+                        exp_avg: f.trainable.then(|| vec![0.0; n]),
+                        exp_avg_sq: f.trainable.then(|| vec![0.0; n]),
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    fsdp_checkpoints::RankState { rank, flats }
+}
+
+/// Copies the engine's master and moments into `staging` (host buffers straight, device ones
+/// through copies of at most the plan's save buffer).
+///
+/// Errors: [`EngineError::Checkpoint`] for a buffer whose length differs; device failures.
+fn copy_into_staging(
+    engine: &RankEngine<'_, Decoder>,
+    staging: &mut fsdp_checkpoints::RankState,
+) -> Result<()> {
+    for (u, unit) in staging.flats.iter_mut().enumerate() {
+        for (k, f) in unit.iter_mut().enumerate() {
+            let bufs = [
+                (StateKind::Param, Some(&mut f.param)),
+                (StateKind::ExpAvg, f.exp_avg.as_mut()),
+                (StateKind::ExpAvgSq, f.exp_avg_sq.as_mut()),
+            ];
+            for (kind, dst) in bufs {
+                let Some(dst) = dst else { continue };
+                if engine.shard_len(u, k, buf_of(kind)) != Some(dst.len()) {
+                    return Err(EngineError::Checkpoint(format!(
+                        "unit {u} flat param {k}: the engine's {} shard has {:?} elements, the \
+                         checkpoint layout's {}",
+                        kind.suffix(),
+                        engine.shard_len(u, k, buf_of(kind)),
+                        dst.len()
+                    )));
+                }
+                let mut at = 0;
+                engine.visit_shard(u, k, buf_of(kind), 0..dst.len(), &mut |x| {
+                    dst[at..at + x.len()].copy_from_slice(x);
+                    at += x.len();
+                })?;
+            }
+        }
+    }
+    Ok(())
+}
 
 /// The engine buffer a checkpoint tensor kind is stored from (AdamW's state order).
 fn buf_of(kind: StateKind) -> ShardBuf {
@@ -131,14 +241,16 @@ impl CheckpointHooks {
             .unwrap_or_else(|| format!("rank {r} failed (its own output names the error)"))
     }
 
-    /// Saves the checkpoint of `step` with every rank: export, start (rank 0), write (ranks of
-    /// replicate index 0), commit (rank 0), a status barrier after each phase.
+    /// Saves the checkpoint of `step` with every rank, blocking: start (every rank checks its
+    /// state in place, rank 0 creates the temporary directory), write (the ranks of replicate
+    /// index 0 stream their files from their own buffers), commit (rank 0), a status barrier
+    /// after each phase.
     ///
     /// Returns `Ok(Err(_))` for a save that failed on some rank's file-system work (every rank
     /// gets the same outcome; the temporary directory is already removed).
     ///
     /// Errors: [`EngineError::Checkpoint`] for a state holding an infinite or NaN value (never
-    /// saved); collective failures.
+    /// saved) or one that cannot be read; collective failures.
     pub(super) fn save_sync(
         &self,
         rank: u64,
@@ -146,9 +258,53 @@ impl CheckpointHooks {
         engine: &mut RankEngine<'_, Decoder>,
         root: &Path,
     ) -> Result<std::result::Result<(), FailedSave>> {
-        let t0 = std::time::Instant::now();
-        // Phase 1: every rank checks its state in place; rank 0 starts the save. Ranks agree
-        // on the outcome through a status all-gather (threads or processes alike).
+        let t0 = Instant::now();
+        let begun = match self.start_phase(rank, step, engine, root)? {
+            Ok(b) => b,
+            Err(f) => return Ok(Err(f)),
+        };
+        // The ranks of replicate index 0 stream their files from their own buffers,
+        // concurrently.
+        let mut local_err = None;
+        if self.layout.writes_model_state(rank) {
+            let src = EngineShards { engine: &*engine };
+            let written = fsdp_checkpoints::PendingCheckpoint::attach(root, &self.layout, step)
+                .and_then(|p| p.write_rank_from(rank, &src));
+            local_err = written.err().map(|e| e.to_string());
+        }
+        if let Some(e) = &local_err {
+            self.note_error(step, rank, e);
+        }
+        let ok = engine.barrier_with_status(local_err.is_none() as u8 as f64)?;
+        if ok.contains(&0.0) {
+            // Every rank has stopped writing: nothing of this save is kept.
+            if let Some(p) = &begun {
+                let _ = p.abort();
+            }
+            return Ok(Err(FailedSave {
+                phase: "write",
+                error: self.agreed_error(step, &ok, local_err),
+            }));
+        }
+        let train = self.train_state(step, engine);
+        self.commit_phase(rank, step, engine, begun, &train, t0)
+    }
+
+    /// The first phase of a save: every rank checks its state in place (AdamW's, no infinite
+    /// or NaN value), rank 0 moves set-aside directories and creates the temporary directory;
+    /// a status barrier. Returns rank 0's pending checkpoint (`None` on other ranks), or the
+    /// failed save (the temporary directory already removed).
+    ///
+    /// Errors: [`EngineError::Checkpoint`] for a state holding an infinite or NaN value, or
+    /// one that cannot be read (no retry helps either); collective failures.
+    fn start_phase(
+        &self,
+        rank: u64,
+        step: u64,
+        engine: &mut RankEngine<'_, Decoder>,
+        root: &Path,
+    ) -> Result<std::result::Result<Option<PendingCheckpoint>, FailedSave>> {
+        // Ranks agree on the outcome through a status all-gather (threads or processes alike).
         let checked = super::resume::check_adamw(engine, root)
             .and_then(|()| engine.first_nonfinite_shard())
             .map_err(|e| format!("cannot read the state of rank {rank}: {e}"));
@@ -162,7 +318,7 @@ impl CheckpointHooks {
         } else {
             Ok(None)
         };
-        let mut local_err = begun.as_ref().err().cloned();
+        let local_err = begun.as_ref().err().cloned();
         // A state holding an infinite or NaN value is never saved. The status says which
         // value (as -(1 + 3 * global parameter index + state kind)), so every rank can name
         // the parameter, not only the one that holds it.
@@ -184,12 +340,15 @@ impl CheckpointHooks {
             self.note_error(step, rank, e);
         }
         let ok = engine.barrier_with_status(status)?;
-        if let Some((r, &code)) = ok.iter().enumerate().find(|(_, &x)| x < 0.0) {
+        let abort = || {
             if let Ok(Some(p)) = &begun {
                 let _ = p.abort();
             }
+        };
+        if let Some((r, &code)) = ok.iter().enumerate().find(|(_, &x)| x < 0.0) {
+            abort();
             let code = (-code - 1.0) as usize;
-            let (p, kind) = (code / 3, fsdp_checkpoints::StateKind::ALL[code % 3]);
+            let (p, kind) = (code / 3, StateKind::ALL[code % 3]);
             let name = self
                 .layout
                 .spec
@@ -205,9 +364,7 @@ impl CheckpointHooks {
             )));
         }
         if let Some(r) = ok.iter().position(|&x| x == UNREADABLE) {
-            if let Ok(Some(p)) = &begun {
-                let _ = p.abort();
-            }
+            abort();
             let mut unreadable = ok.clone();
             unreadable
                 .iter_mut()
@@ -223,47 +380,43 @@ impl CheckpointHooks {
             )));
         }
         if ok.contains(&0.0) {
-            if let Ok(Some(p)) = &begun {
-                let _ = p.abort();
-            }
+            abort();
             return Ok(Err(FailedSave {
                 phase: "start",
                 error: self.agreed_error(step, &ok, local_err),
             }));
         }
-        // Phase 2: the ranks of replicate index 0 stream their files from their own buffers,
-        // concurrently.
-        if self.layout.writes_model_state(rank) {
-            let src = EngineShards { engine: &*engine };
-            let written = fsdp_checkpoints::PendingCheckpoint::attach(root, &self.layout, step)
-                .and_then(|p| p.write_rank_from(rank, &src));
-            local_err = written.err().map(|e| e.to_string());
-        }
-        if let Some(e) = &local_err {
-            self.note_error(step, rank, e);
-        }
-        let ok = engine.barrier_with_status(local_err.is_none() as u8 as f64)?;
-        if ok.contains(&0.0) {
-            // Every rank has stopped writing: nothing of this save is kept.
-            if let Ok(Some(p)) = &begun {
-                let _ = p.abort();
-            }
-            return Ok(Err(FailedSave {
-                phase: "write",
-                error: self.agreed_error(step, &ok, local_err),
-            }));
-        }
-        // Phase 3: rank 0 writes the manifest, renames into place, updates `latest`.
-        if let Ok(Some(p)) = begun {
+        Ok(Ok(begun.unwrap_or(None)))
+    }
+
+    /// The last phase of a save whose rank files are all written: rank 0 writes the carried
+    /// model files and the manifest (`train`), renames the directory into place, updates
+    /// `latest` and prunes; a status barrier. On success rank 0 reports the save (its
+    /// seconds since `t0`).
+    ///
+    /// Errors: collective failures.
+    fn commit_phase(
+        &self,
+        rank: u64,
+        step: u64,
+        engine: &mut RankEngine<'_, Decoder>,
+        begun: Option<PendingCheckpoint>,
+        train: &fsdp_checkpoints::TrainState,
+        t0: Instant,
+    ) -> Result<std::result::Result<(), FailedSave>> {
+        let mut local_err = None;
+        if let Some(p) = begun {
             let tmp = p.tmp_dir().to_path_buf();
-            let t = self.train_state(step, engine);
             let committed = self
                 .model_files
                 .iter()
                 .try_for_each(|(name, bytes)| p.write_model_file(name, bytes))
-                .and_then(|()| p.commit(&t, self.keep_last));
+                .and_then(|()| p.commit(train, self.keep_last));
             match committed {
                 Ok(dir) => {
+                    if let Ok(mut s) = self.save_stats.lock() {
+                        s.saves += 1;
+                    }
                     if let Some(f) = &self.on_save {
                         f(&SaveReport {
                             step,
@@ -295,6 +448,208 @@ impl CheckpointHooks {
             }));
         }
         Ok(Ok(()))
+    }
+
+    /// Starts the asynchronous save of `step` (`--ckpt-async`): the start phase as a
+    /// synchronous save, then each rank of replicate index 0 copies its master and moments
+    /// into its host staging buffers (allocated at the first save, reused after) and a
+    /// background thread writes its rank file from them with the same protocol while the next
+    /// steps train. The save completes at a later step boundary ([`CheckpointHooks::settle`]).
+    ///
+    /// Errors: as [`CheckpointHooks::save_sync`]'s start phase; a state that cannot be copied.
+    fn start_async(
+        &self,
+        rank: u64,
+        step: u64,
+        engine: &mut RankEngine<'_, Decoder>,
+        root: &Path,
+    ) -> Result<std::result::Result<(), FailedSave>> {
+        let t0 = Instant::now();
+        let begun = match self.start_phase(rank, step, engine, root)? {
+            Ok(b) => b,
+            Err(f) => return Ok(Err(f)),
+        };
+        let mut slot = self.async_slot(rank)?;
+        let writer = if self.layout.writes_model_state(rank) {
+            let mut staging = match slot.staging.take() {
+                Some(s) => s,
+                None => staging_for(&self.layout, rank),
+            };
+            copy_into_staging(engine, &mut staging)?;
+            let (root, layout) = (root.to_path_buf(), self.layout.clone());
+            let handle = std::thread::Builder::new()
+                .name(format!("rank{rank}-ckpt-writer"))
+                .spawn(move || {
+                    let written = fsdp_checkpoints::PendingCheckpoint::attach(&root, &layout, step)
+                        .and_then(|p| p.write_rank_from(rank, &staging))
+                        .map(|_| ())
+                        .map_err(|e| e.to_string());
+                    (staging, written)
+                })
+                .map_err(|e| {
+                    EngineError::Checkpoint(format!(
+                        "checkpoint of step {step}: cannot start the writer thread of rank {rank}: {e}"
+                    ))
+                })?;
+            Some(handle)
+        } else {
+            None
+        };
+        slot.in_flight = Some(InFlight {
+            step,
+            writer,
+            begun,
+            train: self.train_state(step, engine),
+            t0,
+        });
+        Ok(Ok(()))
+    }
+
+    /// This rank's asynchronous save state.
+    fn async_slot(&self, rank: u64) -> Result<std::sync::MutexGuard<'_, AsyncRank>> {
+        self.async_ranks
+            .get(rank as usize)
+            .ok_or_else(|| EngineError::Checkpoint(format!("rank {rank} out of range")))?
+            .lock()
+            .map_err(|_| EngineError::Checkpoint("a checkpoint writer panicked".into()))
+    }
+
+    /// At a step boundary with an asynchronous save in flight: every rank says whether its
+    /// writer is done, failed or still writing (a status barrier; with `wait`, after waiting
+    /// for it). When every rank is done, rank 0 commits the save (manifest, rename, `latest`)
+    /// on this, the training thread; when one failed, every rank waits for its own writer and
+    /// rank 0 removes the temporary directory, then `--on-save-error` decides. Nothing when no
+    /// save is in flight.
+    ///
+    /// Errors: as [`CheckpointHooks::failed_save`]; collective failures.
+    pub(super) fn settle(
+        &self,
+        rank: u64,
+        engine: &mut RankEngine<'_, Decoder>,
+        root: &Path,
+        wait: bool,
+    ) -> Result<()> {
+        let mut slot = self.async_slot(rank)?;
+        let Some(fl) = slot.in_flight.as_mut() else {
+            return Ok(());
+        };
+        let step = fl.step;
+        let mut local_err = None;
+        let join = |fl: &mut InFlight, slot_staging: &mut Option<fsdp_checkpoints::RankState>| {
+            if let Some(h) = fl.writer.take() {
+                match h.join() {
+                    Ok((staging, written)) => {
+                        *slot_staging = Some(staging);
+                        written.err()
+                    }
+                    Err(_) => Some("the checkpoint writer thread panicked".to_string()),
+                }
+            } else {
+                None
+            }
+        };
+        let status = {
+            let AsyncRank { staging, in_flight } = &mut *slot;
+            let fl = in_flight.as_mut().expect("checked above");
+            if wait || fl.writer.as_ref().is_none_or(|h| h.is_finished()) {
+                local_err = join(fl, staging);
+                local_err.is_none() as u8 as f64
+            } else {
+                BUSY
+            }
+        };
+        if let Some(e) = &local_err {
+            self.note_error(step, rank, e);
+        }
+        let ok = engine.barrier_with_status(status)?;
+        let (failed, busy) = (ok.contains(&0.0), ok.contains(&BUSY));
+        if busy && !failed {
+            return Ok(());
+        }
+        let AsyncRank { staging, in_flight } = &mut *slot;
+        let mut fl = in_flight.take().expect("checked above");
+        // Every rank settles: a writer still running is waited for.
+        if let Some(e) = join(&mut fl, staging) {
+            self.note_error(step, rank, &e);
+            local_err = Some(e);
+        }
+        drop(slot);
+        if failed {
+            if busy {
+                // Rank 0 removes the directory only once every writer has stopped.
+                engine.barrier_with_status(1.0)?;
+            }
+            if let Some(p) = &fl.begun {
+                let _ = p.abort();
+            }
+            let failed = FailedSave {
+                phase: "write",
+                error: self.agreed_error(step, &ok, local_err),
+            };
+            return self.failed_save(rank, step, root, failed);
+        }
+        match self.commit_phase(rank, step, engine, fl.begun, &fl.train, fl.t0)? {
+            Ok(()) => Ok(()),
+            Err(f) => self.failed_save(rank, step, root, f),
+        }
+    }
+
+    /// The save work of the step boundary after optimizer step `step`: an asynchronous save in
+    /// flight is settled (waited for when another save is due or the run ends), then the due
+    /// save is made, synchronously or asynchronously (the run's last save is waited for).
+    /// The time the training thread spends here, while a save is in flight or due, is the
+    /// step time lost to saves ([`CheckpointHooks::save_stats`]).
+    ///
+    /// Errors: as [`CheckpointHooks::failed_save`] and the start phase; collective failures.
+    pub(super) fn save_at(
+        &self,
+        rank: u64,
+        step: u64,
+        engine: &mut RankEngine<'_, Decoder>,
+        root: &Path,
+        stop: bool,
+    ) -> Result<()> {
+        // `stop`: the run stops after this step (a signal): saved, and waited for.
+        let last = stop || step == self.last_step;
+        let due = last || (self.every > 0 && step.checked_rem(self.every) == Some(0));
+        let in_flight = self.ckpt_async && self.async_slot(rank)?.in_flight.is_some();
+        if !due && !in_flight {
+            return Ok(());
+        }
+        let t = Instant::now();
+        let result = (|| {
+            if in_flight {
+                // At most one save in flight: a due save waits for the previous one.
+                self.settle(rank, engine, root, due)?;
+            }
+            if !due {
+                return Ok(());
+            }
+            if !self.ckpt_async {
+                return match self.save_sync(rank, step, engine, root)? {
+                    Ok(()) => Ok(()),
+                    Err(failed) => self.failed_save(rank, step, root, failed),
+                };
+            }
+            if let Err(failed) = self.start_async(rank, step, engine, root)? {
+                return self.failed_save(rank, step, root, failed);
+            }
+            if last {
+                // The run's last save is waited for before the run ends.
+                self.settle(rank, engine, root, true)?;
+            }
+            Ok(())
+        })();
+        if rank == 0 {
+            if let Ok(mut s) = self.save_stats.lock() {
+                let blocked = t.elapsed().as_secs_f64();
+                s.blocked_seconds += blocked;
+                if step == self.last_step {
+                    s.final_blocked_seconds = blocked;
+                }
+            }
+        }
+        result
     }
 
     /// The global parameter index (over all units, declaration order) and the state-kind

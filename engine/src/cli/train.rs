@@ -292,6 +292,14 @@ pub struct TrainArgs {
     /// previous checkpoint. Needs --ckpt-dir.
     #[arg(long, value_enum, value_name = "stop|continue", default_value_t = OnSaveErrorArg::Stop, requires = "ckpt_dir")]
     pub on_save_error: OnSaveErrorArg,
+    /// Save checkpoints asynchronously: at a save each rank copies its master and optimizer
+    /// shards into host staging buffers (kept for the run; `fsdp plan --ckpt-async` shows
+    /// their bytes, the memory pre-flight counts them) and a background writer saves them with
+    /// the same atomic protocol while the next steps train. At most one save is in flight (a
+    /// next due save waits for it); the last one is waited for before the run ends. The
+    /// summary reports the step time lost to saves either way. Needs --ckpt-dir.
+    #[arg(long, requires = "ckpt_dir")]
+    pub ckpt_async: bool,
     /// Checkpoints: --ckpt-dir, --ckpt-every, --keep-last, --resume, --init-from.
     #[command(flatten)]
     pub ckpt: super::ckpt::TrainCkptArgs,
@@ -382,6 +390,7 @@ impl TrainArgs {
                 Some(NonFiniteArg::Error) => crate::runtime::NonFinitePolicy::Error,
             },
             max_skipped: Some(self.max_skipped),
+            ckpt_async: self.ckpt_async,
             init_from: self.ckpt.init_from.clone(),
             placement: match self.device {
                 DeviceArg::Cpu => Placement::Host,
@@ -777,12 +786,19 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
             b.finish();
         }
     }
+    let stats = args.ckpt.ckpt_dir.is_some().then(|| hooks.save_stats());
     if json {
-        let s = serde_json::to_string(&summary_json(&report, auto.as_ref()))
-            .map_err(|e| CliError::Failed(e.to_string()))?;
+        let mut v = summary_json(&report, auto.as_ref());
+        if let Some(st) = stats {
+            v["checkpoint_saves"] = serde_json::json!(st);
+        }
+        let s = serde_json::to_string(&v).map_err(|e| CliError::Failed(e.to_string()))?;
         outln!("{s}");
     } else if !report.steps.is_empty() {
         print_summary(&report, args.memory_report);
+        if let Some(st) = stats {
+            outln!("{}", save_line(&st));
+        }
     }
     let Some((after, sig)) = stopped else {
         if let Some(sig) = super::stop::received() {
@@ -913,6 +929,29 @@ fn open_log_file(path: &std::path::Path, rank: Option<usize>) -> Result<(), CliE
     Ok(())
 }
 
+/// The summary line of the run's checkpoint saves: how many, and the step time lost to them.
+fn save_line(s: &crate::checkpoint::SaveStats) -> String {
+    let per = s.blocked_seconds / s.saves.max(1) as f64;
+    let steady = if s.asynchronous && s.saves > 1 {
+        format!(
+            "; {:.3} s per save before the last, which is waited for",
+            (s.blocked_seconds - s.final_blocked_seconds) / (s.saves - 1) as f64
+        )
+    } else {
+        String::new()
+    };
+    format!(
+        "checkpoints: {} {} saves, training blocked {:.2} s by them ({per:.3} s per save{steady})",
+        s.saves,
+        if s.asynchronous {
+            "asynchronous"
+        } else {
+            "synchronous"
+        },
+        s.blocked_seconds
+    )
+}
+
 fn summary_json(r: &TrainReport, auto: Option<&AutoResolution>) -> serde_json::Value {
     serde_json::json!({
         "strategy_requested": if auto.is_some() { "auto".to_string() } else { r.strategy.clone() },
@@ -996,7 +1035,7 @@ fn print_summary(r: &TrainReport, memory_report: bool) {
     );
     for (rank, peak) in r.measured_peak_per_rank.iter().enumerate() {
         let host = match r.host_peak_per_rank.get(rank) {
-            Some(&h) if r.plan_host_peak_per_rank > 0 => format!(
+            Some(&h) if h > 0 => format!(
                 "; offloaded to host memory {} of plan {}",
                 mib(h),
                 mib(r.plan_host_peak_per_rank)
