@@ -2,6 +2,13 @@
 //! crash-safe protocol of `fsdp_checkpoints::save` with a status barrier after each, and what
 //! a failed save does (`--on-save-error`).
 //!
+//! A synchronous save streams each rank file from the engine's own buffers. An asynchronous
+//! one (`--ckpt-async`, after PyTorch DCP's `async_save`) copies them into host staging that a
+//! writer thread saves while the next steps train; at every step boundary while it is in
+//! flight the ranks exchange their writers' status on the training thread (no collective ever
+//! runs on a writer thread), and rank 0 commits once every rank file is written and fsynced.
+//! One save is in flight at most, and the run's last save is waited for.
+//!
 //! A save fails when a phase's file-system work fails on any rank (a full disk, a file size
 //! limit, a permission lost): rank 0 then removes the temporary directory at once (so the
 //! failed save keeps no space), `latest` keeps naming the previous checkpoint, and every rank
