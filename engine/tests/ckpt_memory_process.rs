@@ -62,11 +62,16 @@ impl TrainHooks for Watched {
         self.inner.resume(rank, engine)
     }
 
+    fn stream_origin(&self) -> fsdp::data::StreamOrigin {
+        self.inner.stream_origin()
+    }
+
     fn after_step(
         &self,
         rank: usize,
         step: u64,
         engine: &mut RankEngine<'_, Decoder>,
+        stop: bool,
     ) -> fsdp::error::Result<()> {
         let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
         let root = self.root.display().to_string();
@@ -75,7 +80,7 @@ impl TrainHooks for Watched {
                 .filter(|l| l.contains(&root))
                 .map(|l| format!("step {step}: {l}")),
         );
-        self.inner.after_step(rank, step, engine)
+        self.inner.after_step(rank, step, engine, stop)
     }
 }
 

@@ -437,7 +437,7 @@ impl CheckpointHooks {
                     // Before the rename the directory is still temporary: remove it.
                     if let Err(r) = std::fs::remove_dir_all(&tmp) {
                         if r.kind() != std::io::ErrorKind::NotFound {
-                            eprintln!("warning: cannot remove {}: {r}", tmp.display());
+                            crate::output::errln!("warning: cannot remove {}: {r}", tmp.display());
                         }
                     }
                     local_err = Some(e.to_string());
@@ -690,8 +690,8 @@ impl CheckpointHooks {
         t.step = step;
         // The global count of sequences consumed: a resume at any world size,
         // micro-batch or accumulation continues at the next one.
-        t.data_position = self.origin.sequences
-            + step.saturating_sub(self.origin.step) * self.sequences_per_step;
+        t.data_position =
+            self.origin.sequences + step.saturating_sub(self.origin.step) * self.sequences_per_step;
         t.extra.insert(
             super::resume::DATA_POSITION_UNIT_KEY.into(),
             "sequences".into(),
@@ -760,7 +760,7 @@ impl CheckpointHooks {
             }
             OnSaveError::Continue => {
                 if rank == 0 {
-                    eprintln!(
+                    crate::output::errln!(
                         "warning: {msg}; training continues (--on-save-error continue), the next \
                          save is due at step {}",
                         self.next_save(step)

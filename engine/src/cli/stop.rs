@@ -20,7 +20,7 @@
 //! milliseconds, and that must not cost the final checkpoint.
 
 use crate::model::decoder::Decoder;
-use crate::runtime::{RankEngine, RankState};
+use crate::runtime::RankEngine;
 use crate::train::TrainHooks;
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 

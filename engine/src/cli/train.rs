@@ -765,11 +765,11 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         }
     };
     let resume_dir = hooks.resume_step().map(|(_, d)| d.to_path_buf());
-    let hooks = super::stop::StopOnSignal { inner: &hooks };
+    let stop_hooks = super::stop::StopOnSignal { inner: &hooks };
     let report = match (&mpi, &nccl) {
-        (Some(m), _) => m.train(&run, alloc, &hooks, &progress),
-        (None, Some(n)) => n.train(&run, alloc, &hooks, &progress),
-        (None, None) => train_prepared(&run, alloc, &hooks, &progress, None),
+        (Some(m), _) => m.train(&run, alloc, &stop_hooks, &progress),
+        (None, Some(n)) => n.train(&run, alloc, &stop_hooks, &progress),
+        (None, None) => train_prepared(&run, alloc, &stop_hooks, &progress, None),
     }
     .map_err(cli_error)?;
     let stopped = report.stopped.map(|s| (s.after_step, s.code as i32));
