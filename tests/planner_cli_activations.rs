@@ -36,6 +36,9 @@ fn args(device: PlanDeviceArg, activations: ActivationsArg) -> PlanArgs {
         device_memory: None,
         format: Format::Json,
         output: None,
+        time: false,
+        hardware: None,
+        trace: None,
     }
 }
 

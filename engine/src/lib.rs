@@ -18,6 +18,7 @@ pub mod preflight;
 pub mod process;
 pub mod run;
 pub mod runtime;
+pub mod trace;
 pub mod train;
 
 pub use error::EngineError;

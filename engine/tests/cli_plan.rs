@@ -169,7 +169,7 @@ fn cli_plan_table_json_and_svg() {
     ]);
     assert_eq!(o.status.code(), Some(0));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(v["schema"], "fsdp-plan/1");
+    assert_eq!(v["schema"], "fsdp-plan/2");
     assert_eq!(v["model"]["numel"], 124_439_808u64);
     assert_eq!(v["strategy"]["shard_size"], 4);
     assert_eq!(v["ranks"].as_array().unwrap().len(), 4);

@@ -249,6 +249,53 @@ pub fn auto_candidates(w: u64) -> Vec<Strategy> {
 /// (micro-batch, sequence length or accumulation 0; auto without a budget; a sequence longer
 /// than GPT-2's position table), `InvalidSpec`, `TiedAcrossUnits`.
 pub fn plan(spec: &ModelSpec, cfg: &PlanConfig) -> Result<ShardPlan, PlanError> {
+    check_plan_input(spec, cfg)?;
+    if cfg.strategy != Strategy::Auto {
+        return plan_with(spec, cfg, cfg.strategy, None);
+    }
+    let budget = cfg.device_memory.expect("validated: auto has a budget");
+    let candidates = auto_search_candidates(cfg);
+    let name = |s: Strategy, c: &PlanConfig| candidate_name(cfg, s, c);
+    let mut rejected = Vec::new();
+    let mut last = None;
+    for (s, c) in candidates {
+        let p = plan_with(spec, &c, s, None)?;
+        let name = name(s, &c);
+        let peak = p.memory.peak;
+        if peak <= budget {
+            let free = budget - peak;
+            let why = if c.offload != cfg.offload {
+                format!(
+                    "{name} is the fastest way it fits, with offload: device peak {peak} of {budget} ({free} free), {} in host memory per rank; faster ones do not fit: {}",
+                    p.memory.host_peak,
+                    rejected.join(", ")
+                )
+            } else if rejected.is_empty() {
+                format!("{name} is the fastest strategy and fits: peak {peak} of {budget} ({free} free)")
+            } else {
+                format!(
+                    "{name} is the fastest strategy that fits: peak {peak} of {budget} ({free} free); faster ones do not fit: {}",
+                    rejected.join(", ")
+                )
+            };
+            return plan_with(spec, &c, s, Some(why));
+        }
+        rejected.push(format!("{name} needs {peak}"));
+        last = Some((p, c));
+    }
+    let (p, c) = last.expect("at least one candidate");
+    let why = format!(
+        "nothing fits in {budget}: {}; keeping {} (the least memory), over by {}",
+        rejected.join(", "),
+        name(p.strategy, &c),
+        p.memory.peak - budget
+    );
+    plan_with(spec, &c, p.strategy, Some(why))
+}
+
+/// The configuration checks of [`plan`]: `cfg.validate()` and a sequence within GPT-2's
+/// position table.
+fn check_plan_input(spec: &ModelSpec, cfg: &PlanConfig) -> Result<(), PlanError> {
     cfg.validate()?;
     if let Architecture::Gpt2(c) = &spec.arch {
         if cfg.seq_len > c.n_positions {
@@ -258,10 +305,76 @@ pub fn plan(spec: &ModelSpec, cfg: &PlanConfig) -> Result<ShardPlan, PlanError> 
             )));
         }
     }
+    Ok(())
+}
+
+/// How many runners-up an `auto_reason` of [`plan_fastest`] names.
+const RUNNERS_UP_NAMED: usize = 3;
+
+/// Plans `spec` like [`plan`], except that `Strategy::Auto` ranks every candidate that fits
+/// `device_memory` by the step time [`crate::time::predict`] gives on `profile` and keeps the
+/// fastest (ties keep [`plan`]'s fixed order), instead of taking the first that fits in that
+/// order. Offloaded candidates compete with the rest: the time model charges their host-link
+/// copies and host optimizer. `auto_reason` names the predicted step, the runners-up and what
+/// does not fit. When nothing fits, or the strategy is not `Auto`, the result is [`plan`]'s.
+///
+/// Errors: those of [`plan`], and those of [`crate::time::predict`] (a generic architecture,
+/// a profile without a GEMM curve for `param_dtype`).
+pub fn plan_fastest(
+    spec: &ModelSpec,
+    cfg: &PlanConfig,
+    profile: &crate::time::HardwareProfile,
+    inputs: &crate::time::TimeInputs,
+) -> Result<ShardPlan, PlanError> {
+    check_plan_input(spec, cfg)?;
     if cfg.strategy != Strategy::Auto {
         return plan_with(spec, cfg, cfg.strategy, None);
     }
     let budget = cfg.device_memory.expect("validated: auto has a budget");
+    let mut fitting = Vec::new();
+    let mut rejected = Vec::new();
+    for (s, c) in auto_search_candidates(cfg) {
+        let p = plan_with(spec, &c, s, None)?;
+        let name = candidate_name(cfg, s, &c);
+        if p.memory.peak <= budget {
+            let step_s = crate::time::predict(&p, profile, inputs)?.step_s;
+            fitting.push((step_s, name, s, c, p.memory.peak));
+        } else {
+            rejected.push(format!("{name} needs {}", p.memory.peak));
+        }
+    }
+    if fitting.is_empty() {
+        return plan(spec, cfg);
+    }
+    // Stable: equal predictions keep the fixed order.
+    fitting.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (step_s, name, s, c, peak) = &fitting[0];
+    let fmt = crate::time::format_seconds;
+    let mut why = format!(
+        "{name} has the shortest predicted step on {} of the {} plans that fit: {}/step, peak {peak} of {budget} ({} free)",
+        profile.name,
+        fitting.len(),
+        fmt(*step_s),
+        budget - *peak
+    );
+    if fitting.len() > 1 {
+        let next: Vec<String> = fitting[1..]
+            .iter()
+            .take(RUNNERS_UP_NAMED)
+            .map(|(t, n, ..)| format!("{n} {}", fmt(*t)))
+            .collect();
+        why.push_str(&format!("; next: {}", next.join(", ")));
+    }
+    if !rejected.is_empty() {
+        why.push_str(&format!("; do not fit: {}", rejected.join(", ")));
+    }
+    plan_with(spec, c, *s, Some(why))
+}
+
+/// Every candidate `Strategy::Auto` considers for `cfg`, fastest first by the fixed order of
+/// [`plan`]: each strategy of [`auto_candidates`] under each activation-checkpointing setting,
+/// then (unless `cfg` sets an offload) the offloaded candidates as the last resort.
+fn auto_search_candidates(cfg: &PlanConfig) -> Vec<(Strategy, PlanConfig)> {
     let mut strategies = auto_candidates(cfg.world_size);
     // Offloaded, a device's parameters are always gathered copies: at one rank full shard
     // (which frees them after use) then holds less than no-shard (which keeps them).
@@ -306,52 +419,20 @@ pub fn plan(spec: &ModelSpec, cfg: &PlanConfig) -> Result<ShardPlan, PlanError> 
             }
         }
     }
-    // A candidate's name: the strategy, the checkpointing and the offload the search added.
-    let name = |s: Strategy, c: &PlanConfig| -> String {
-        let mut n = s.to_string();
-        if c.activation_checkpointing == Some(true) && cfg.activation_checkpointing.is_none() {
-            n.push_str(" with activation checkpointing");
-        }
-        if let (Some(o), None) = (c.offload, cfg.offload) {
-            n.push_str(&format!(" with --offload {o}"));
-        }
-        n
-    };
-    let mut rejected = Vec::new();
-    let mut last = None;
-    for (s, c) in candidates {
-        let p = plan_with(spec, &c, s, None)?;
-        let name = name(s, &c);
-        let peak = p.memory.peak;
-        if peak <= budget {
-            let free = budget - peak;
-            let why = if c.offload != cfg.offload {
-                format!(
-                    "{name} is the fastest way it fits, with offload: device peak {peak} of {budget} ({free} free), {} in host memory per rank; faster ones do not fit: {}",
-                    p.memory.host_peak,
-                    rejected.join(", ")
-                )
-            } else if rejected.is_empty() {
-                format!("{name} is the fastest strategy and fits: peak {peak} of {budget} ({free} free)")
-            } else {
-                format!(
-                    "{name} is the fastest strategy that fits: peak {peak} of {budget} ({free} free); faster ones do not fit: {}",
-                    rejected.join(", ")
-                )
-            };
-            return plan_with(spec, &c, s, Some(why));
-        }
-        rejected.push(format!("{name} needs {peak}"));
-        last = Some((p, c));
+    candidates
+}
+
+/// A candidate's name in `auto_reason`: the strategy, and the checkpointing and offload the
+/// search added to `cfg`.
+fn candidate_name(cfg: &PlanConfig, s: Strategy, c: &PlanConfig) -> String {
+    let mut n = s.to_string();
+    if c.activation_checkpointing == Some(true) && cfg.activation_checkpointing.is_none() {
+        n.push_str(" with activation checkpointing");
     }
-    let (p, c) = last.expect("at least one candidate");
-    let why = format!(
-        "nothing fits in {budget}: {}; keeping {} (the least memory), over by {}",
-        rejected.join(", "),
-        name(p.strategy, &c),
-        p.memory.peak - budget
-    );
-    plan_with(spec, &c, p.strategy, Some(why))
+    if let (Some(o), None) = (c.offload, cfg.offload) {
+        n.push_str(&format!(" with --offload {o}"));
+    }
+    n
 }
 
 fn plan_with(

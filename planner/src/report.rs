@@ -1,4 +1,4 @@
-//! Rendering a `ShardPlan`: a human table, JSON (schema `fsdp-plan/1`, see `planner/SCHEMA.md`)
+//! Rendering a `ShardPlan`: a human table, JSON (schema `fsdp-plan/2`, see `planner/SCHEMA.md`)
 //! and an SVG memory timeline; plus the fit report against a device-memory budget.
 
 use crate::config::Strategy;
@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt::Write;
 
 /// The JSON schema identifier written as `"schema"`.
-pub const SCHEMA: &str = "fsdp-plan/1";
+pub const SCHEMA: &str = "fsdp-plan/2";
 
 /// Worlds up to this size list every rank's placement in JSON; larger ones write `null`
 /// (placement is `rank % S`, `rank / S`).

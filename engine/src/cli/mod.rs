@@ -13,6 +13,7 @@ pub mod launch;
 pub mod plan;
 pub mod progress;
 pub mod stop;
+pub mod timing;
 pub mod train;
 
 /// Errors surfaced by the CLI, with the exit code each maps to.

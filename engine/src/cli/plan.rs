@@ -14,7 +14,7 @@ use std::path::PathBuf;
 pub enum Format {
     /// Human-readable table.
     Table,
-    /// JSON, schema `fsdp-plan/1` (planner/SCHEMA.md).
+    /// JSON, schema `fsdp-plan/2` (planner/SCHEMA.md).
     Json,
     /// SVG memory timeline of one step.
     Svg,
@@ -223,6 +223,18 @@ pub struct PlanArgs {
     /// Write the output to FILE instead of standard output.
     #[arg(short = 'o', long, value_name = "FILE")]
     pub output: Option<PathBuf>,
+    /// Predict one step's time on --hardware (required with it): step time, tokens/s, exposed
+    /// communication, MFU, per-phase times and the bottleneck (table: after the plan; JSON: a
+    /// `time` object).
+    #[arg(long)]
+    pub time: bool,
+    /// The hardware profile of --time and of auto's ranking (see `HARDWARE_HELP`).
+    #[arg(long, value_name = "NAME|FILE", help = super::timing::HARDWARE_HELP)]
+    pub hardware: Option<String>,
+    /// With --time: write the predicted step as Chrome trace event JSON (opens in Perfetto or
+    /// chrome://tracing), a compute and a communication track.
+    #[arg(long, value_name = "FILE.json")]
+    pub trace: Option<PathBuf>,
 }
 
 /// Parses a `--device-memory` value (shared by `fsdp plan` and `fsdp train`): bytes per
@@ -363,6 +375,28 @@ pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
     if let Some(o) = &args.output {
         crate::checkpoint::offline::check_output_file("-o", o)?;
     }
+    // The step-time prediction's flags, checked before any work.
+    if args.time && args.hardware.is_none() {
+        return Err(CliError::Usage(format!(
+            "--time needs --hardware NAME|FILE: a built-in profile ({}) or a profile file \
+             (fsdp calibrate -o FILE measures this machine)",
+            fsdp_planner::time::BUILTIN_PROFILE_NAMES.join(", ")
+        )));
+    }
+    if let Some(t) = &args.trace {
+        if !args.time {
+            return Err(CliError::Usage(
+                "--trace writes the predicted step: add --time --hardware NAME|FILE".into(),
+            ));
+        }
+        crate::trace::check_trace_path("--trace", t)?;
+    }
+    let hardware = args
+        .hardware
+        .as_deref()
+        .map(super::timing::load_hardware)
+        .transpose()?;
+    let time_inputs = fsdp_planner::time::TimeInputs::default();
     // The model `fsdp train` would run (one read of a --hf-config): a Llama-family model with
     // a sliding window (Mistral) trains only within it, so the default sequence stays inside
     // and a longer one is refused as `fsdp train` refuses it.
@@ -394,15 +428,37 @@ pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
         crate::train::check_seq_len(d, t).map_err(|e| CliError::Usage(e.to_string()))?;
     }
     let cfg = config_from_args(&args)?;
-    let p = plan(&spec, &cfg).map_err(usage)?;
+    // With a profile, auto ranks the plans that fit by predicted step time.
+    let p = match &hardware {
+        Some(h) => fsdp_planner::plan_fastest(&spec, &cfg, h, &time_inputs),
+        None => plan(&spec, &cfg),
+    }
+    .map_err(usage)?;
+    let prediction = match (&hardware, args.time) {
+        (Some(h), true) => Some(fsdp_planner::time::predict(&p, h, &time_inputs).map_err(usage)?),
+        _ => None,
+    };
+    if let (Some(path), Some(pred)) = (&args.trace, &prediction) {
+        crate::trace::write_trace(path, &crate::trace::predicted_trace(pred))
+            .map_err(CliError::Failed)?;
+    }
     let text = match args.format {
         Format::Table => {
             let fit = report::fit_report(&spec, &p).map_err(usage)?;
-            report::render_table(&p, fit.as_ref())
+            let mut t = report::render_table(&p, fit.as_ref());
+            if let Some(pred) = &prediction {
+                t.push('\n');
+                t.push_str(&super::timing::render_prediction(pred));
+            }
+            t
         }
         Format::Json => {
             let fit = report::fit_report(&spec, &p).map_err(usage)?;
-            let mut s = serde_json::to_string_pretty(&report::render_json(&p, fit.as_ref()))
+            let mut doc = report::render_json(&p, fit.as_ref());
+            if let Some(pred) = &prediction {
+                doc["time"] = super::timing::prediction_json(pred)?;
+            }
+            let mut s = serde_json::to_string_pretty(&doc)
                 .map_err(|e| CliError::Failed(format!("serializing the plan: {e}")))?;
             s.push('\n');
             s

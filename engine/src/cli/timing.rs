@@ -1,0 +1,235 @@
+//! The step-time prediction on the command line: `--hardware NAME|FILE` (shared by `fsdp
+//! plan` and `fsdp train`) and the text and JSON of a [`StepPrediction`].
+
+use super::CliError;
+use fsdp_planner::time::{
+    builtin_profile, format_seconds, HardwareProfile, StepPrediction, BUILTIN_PROFILE_NAMES,
+};
+use std::fmt::Write as _;
+use std::path::Path;
+
+/// Help text of `--hardware` (the same for `fsdp plan` and `fsdp train`).
+pub const HARDWARE_HELP: &str = "The hardware profile the step-time model uses: a built-in name (h100-sxm, h200, a100-80gb: vendor figures, each with its source in planner/profiles/) or the path of an fsdp-hardware/1 JSON file (`fsdp calibrate` measures this machine into one). MFU is printed only with a profile: its peak is the denominator";
+
+/// Resolves `--hardware ARG`: a built-in profile name, else an existing file read as an
+/// `fsdp-hardware/1` profile.
+///
+/// Errors: [`CliError::Usage`] (exit 2): an unknown name (listing the built-in names), an
+/// unreadable file, or a profile with a missing, negative or non-finite field (naming its JSON
+/// path).
+pub fn load_hardware(arg: &str) -> Result<HardwareProfile, CliError> {
+    let usage = |e: fsdp_planner::PlanError| CliError::Usage(format!("--hardware: {e}"));
+    let path = Path::new(arg);
+    // A built-in name wins over a file of that name; a missing path gets the list of names.
+    if BUILTIN_PROFILE_NAMES.contains(&arg) || !path.exists() {
+        return builtin_profile(arg).map_err(usage);
+    }
+    if !path.is_file() {
+        return Err(CliError::Usage(format!(
+            "--hardware {arg}: is not a file; give a built-in name ({}) or a profile JSON file",
+            BUILTIN_PROFILE_NAMES.join(", ")
+        )));
+    }
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| CliError::Usage(format!("--hardware {arg}: cannot read it: {e}")))?;
+    HardwareProfile::from_json(&text, arg).map_err(usage)
+}
+
+/// A share as a percentage with one decimal.
+fn pct(x: f64) -> String {
+    format!("{:.1}%", 100.0 * x)
+}
+
+/// Tokens per second, rounded, with thousands separators.
+fn tokens(x: f64) -> String {
+    fsdp_types::group_thousands(x.round() as u64)
+}
+
+/// The text block of a prediction (`fsdp plan --time`): step time, tokens/s, exposed
+/// communication, MFU with its formula and peak, per-phase times and the bottleneck.
+pub fn render_prediction(p: &StepPrediction) -> String {
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "predicted step on {} (W={}; one rank simulated, every rank alike):",
+        p.hardware, p.world_size
+    );
+    let _ = writeln!(
+        o,
+        "  step time        {:>10}   {} tokens/s over all ranks ({} tokens per step)",
+        format_seconds(p.step_s),
+        tokens(p.tokens_per_s),
+        p.tokens_per_step
+    );
+    let _ = writeln!(
+        o,
+        "  compute          {:>10}   forward, recompute and backward (slowed while a collective runs)",
+        format_seconds(p.compute_s)
+    );
+    let _ = writeln!(
+        o,
+        "  exposed comm     {:>10}   compute thread blocked; communication thread busy {}",
+        format_seconds(p.exposed_comm_s),
+        format_seconds(p.comm_busy_s)
+    );
+    let _ = writeln!(
+        o,
+        "  optimizer        {:>10}   gradient division, norm, clip, optimizer pass",
+        format_seconds(p.optimizer_s)
+    );
+    let _ = writeln!(
+        o,
+        "  copies           {:>10}   casts, gradient copies and additions",
+        format_seconds(p.copy_s)
+    );
+    if p.host_copy_s > 0.0 {
+        let _ = writeln!(
+            o,
+            "  host link        {:>10}   offload copies",
+            format_seconds(p.host_copy_s)
+        );
+    }
+    let _ = writeln!(
+        o,
+        "  MFU              {:>10}   model FLOPs {:.3e}/step by {}; peak {:.1} TFLOP/s per rank from the profile",
+        pct(p.mfu),
+        p.model_flops_per_step,
+        p.flop_formula,
+        p.peak_flops_per_s / 1e12
+    );
+    let _ = writeln!(
+        o,
+        "  HFU              {:>10}   counted FLOPs {:.3e}/step (recompute and computed attention included)",
+        pct(p.hfu),
+        p.hardware_flops_per_step
+    );
+    let phases: Vec<String> = p
+        .phases
+        .iter()
+        .map(|ph| {
+            format!(
+                "{} {} (exposed comm {})",
+                ph.phase.name(),
+                format_seconds(ph.wall_s),
+                format_seconds(ph.exposed_comm_s)
+            )
+        })
+        .collect();
+    let _ = writeln!(o, "  phases: {}", phases.join(", "));
+    let _ = writeln!(o, "  bottleneck: {}", p.bottleneck);
+    o
+}
+
+/// The `time` object of `fsdp plan --format json` (schema `fsdp-plan/2`, planner/SCHEMA.md):
+/// the prediction without its spans (those go to `--trace`).
+pub fn prediction_json(p: &StepPrediction) -> Result<serde_json::Value, CliError> {
+    let mut v = serde_json::to_value(p)
+        .map_err(|e| CliError::Failed(format!("serializing the prediction: {e}")))?;
+    if let Some(m) = v.as_object_mut() {
+        m.remove("spans");
+    }
+    Ok(v)
+}
+
+/// A run's measured step time against the prediction for the same plan (`fsdp train
+/// --hardware`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepComparison {
+    /// The profile's name.
+    pub hardware: String,
+    /// Predicted seconds per step.
+    pub predicted_s: f64,
+    /// Measured seconds per step: the median step time of the run excluding its first step
+    /// (which pays one-time allocations); the only step when the run had one.
+    pub measured_s: f64,
+    /// How many steps the median is over.
+    pub measured_steps: usize,
+    /// Whether the first step was excluded.
+    pub first_excluded: bool,
+    /// `measured / predicted - 1`: positive when the run was slower than predicted.
+    pub error: f64,
+    /// Measured tokens per second over all ranks, at the median step time.
+    pub tokens_per_s: f64,
+    /// Measured MFU: the prediction's model FLOPs per step / (measured step x W x the
+    /// profile's peak).
+    pub mfu: f64,
+    /// The FLOP formula of `mfu`.
+    pub flop_formula: String,
+    /// The profile's peak FLOP/s per rank the MFU divides by.
+    pub peak_flops_per_s: f64,
+}
+
+/// The median of `v` (the mean of the middle two for an even count); `None` when empty.
+fn median(v: &[f64]) -> Option<f64> {
+    let mut s: Vec<f64> = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(s[n / 2]),
+        _ => Some(0.5 * (s[n / 2 - 1] + s[n / 2])),
+    }
+}
+
+/// Compares the measured step times (`step_seconds`, in step order) with `pred`; `None` when
+/// no step ran.
+pub fn compare(pred: &StepPrediction, step_seconds: &[f64]) -> Option<StepComparison> {
+    let first_excluded = step_seconds.len() > 1;
+    let counted = if first_excluded {
+        &step_seconds[1..]
+    } else {
+        step_seconds
+    };
+    let measured_s = median(counted)?;
+    let w = pred.world_size as f64;
+    Some(StepComparison {
+        hardware: pred.hardware.clone(),
+        predicted_s: pred.step_s,
+        measured_s,
+        measured_steps: counted.len(),
+        first_excluded,
+        error: measured_s / pred.step_s - 1.0,
+        tokens_per_s: pred.tokens_per_step as f64 / measured_s,
+        mfu: pred.model_flops_per_step / (measured_s * w * pred.peak_flops_per_s),
+        flop_formula: pred.flop_formula.clone(),
+        peak_flops_per_s: pred.peak_flops_per_s,
+    })
+}
+
+/// The summary lines of a comparison: `predicted 1.23 s/step, measured 1.31 s (+6.5%)`, the
+/// measured tokens/s and MFU with its formula and peak.
+pub fn render_comparison(c: &StepComparison) -> String {
+    let which = if c.first_excluded {
+        format!("median of {} steps, the first excluded", c.measured_steps)
+    } else {
+        "the only step".to_string()
+    };
+    format!(
+        "step time on {}: predicted {}/step, measured {} ({:+.1}%; {which})\n\
+         measured {} tokens/s | MFU {} (model FLOPs by {}; peak {:.1} TFLOP/s per rank from the profile)\n",
+        c.hardware,
+        format_seconds(c.predicted_s),
+        format_seconds(c.measured_s),
+        100.0 * c.error,
+        tokens(c.tokens_per_s),
+        pct(c.mfu),
+        c.flop_formula,
+        c.peak_flops_per_s / 1e12
+    )
+}
+
+/// The JSON summary fields of a comparison.
+pub fn comparison_json(c: &StepComparison) -> serde_json::Value {
+    serde_json::json!({
+        "hardware": c.hardware,
+        "predicted_step_s": c.predicted_s,
+        "measured_step_s": c.measured_s,
+        "measured_steps": c.measured_steps,
+        "first_step_excluded": c.first_excluded,
+        "step_time_error": c.error,
+        "measured_tokens_per_s": c.tokens_per_s,
+        "mfu": c.mfu,
+        "flop_formula": c.flop_formula,
+        "peak_flops_per_s": c.peak_flops_per_s,
+    })
+}
