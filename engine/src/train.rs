@@ -107,6 +107,9 @@ pub struct TrainOptions {
     /// shards into host staging buffers and a background writer saves them while the next
     /// steps train; the plan counts the staging in host memory.
     pub ckpt_async: bool,
+    /// Write a Chrome trace of the training steps here (`fsdp train --trace`; see
+    /// [`crate::trace`]). In a job of several processes rank R > 0 writes `PATH.rankR`.
+    pub trace: Option<PathBuf>,
 }
 
 impl Default for TrainOptions {
@@ -141,6 +144,7 @@ impl Default for TrainOptions {
             nonfinite: NonFinitePolicy::Auto,
             max_skipped: Some(DEFAULT_MAX_SKIPPED),
             ckpt_async: false,
+            trace: None,
         }
     }
 }
@@ -694,6 +698,7 @@ pub fn train_prepared(
     });
     let t_start = Instant::now();
     let ctx = RankContext {
+        t_start,
         model,
         plan,
         ecfg,
@@ -715,6 +720,7 @@ pub fn train_prepared(
             .map_err(|e| EngineError::Config(format!("thread pool: {e}")))?;
         pool.install(move || run_rank(ctx, &*comm))
     };
+    let one_process_rank = process_rank.is_some();
     let results: Vec<std::result::Result<Result<RankOutcome>, CommError>> = match process_rank {
         None => run_threads(topo, DEFAULT_TIMEOUT, |comm| body(Box::new(comm))),
         Some(factory) => {
@@ -733,6 +739,9 @@ pub fn train_prepared(
     };
     let seconds = t_start.elapsed().as_secs_f64();
     let mut outcomes = rank_outcomes(results)?;
+    if let Some(path) = &o.trace {
+        write_run_trace(path, &mut outcomes, o.world_size as u64, one_process_rank)?;
+    }
     let r0 = &outcomes[0];
     let tail = r0.steps.len().clamp(1, 10);
     let final_train_loss = r0
@@ -828,7 +837,41 @@ pub fn train_prepared(
     })
 }
 
+/// Writes the ranks' trace spans of a run to `path` (a process rank R > 0 of a multi-process
+/// job to `path.rankR`).
+fn write_run_trace(
+    path: &std::path::Path,
+    outcomes: &mut [RankOutcome],
+    world_size: u64,
+    one_process_rank: bool,
+) -> Result<()> {
+    let spans: Vec<crate::trace::TraceSpan> = outcomes
+        .iter_mut()
+        .flat_map(|x| std::mem::take(&mut x.trace))
+        .collect();
+    let doc = if one_process_rank {
+        let rank = outcomes.first().map_or(0, |x| x.rank);
+        crate::trace::chrome_trace(&spans, [rank], |r| format!("rank {r}"))
+    } else {
+        crate::trace::measured_trace(&spans, world_size)
+    };
+    let target = match outcomes.first().map(|x| x.rank) {
+        Some(r) if one_process_rank && r > 0 => {
+            let mut p = path.as_os_str().to_owned();
+            p.push(format!(".rank{r}"));
+            PathBuf::from(p)
+        }
+        _ => path.to_path_buf(),
+    };
+    crate::trace::write_trace(&target, &doc)
+        .map_err(|e| EngineError::Config(format!("--trace: {e}")))
+}
+
 struct RankOutcome {
+    /// The rank.
+    rank: u64,
+    /// Its trace spans (`--trace`; empty without it).
+    trace: Vec<crate::trace::TraceSpan>,
     steps: Vec<StepReport>,
     val_loss: f64,
     peaks: [PhasePeak; 3],
@@ -843,6 +886,8 @@ struct RankOutcome {
 /// What every rank of a run shares: the model, the plan, the engine configuration, the
 /// initial values, the sampler, the options and schedule, and the run's callbacks.
 struct RankContext<'a> {
+    /// The run's start: the origin of every rank's trace.
+    t_start: Instant,
     model: &'a Decoder,
     plan: &'a ShardPlan,
     ecfg: EngineConfig,
@@ -858,6 +903,7 @@ struct RankContext<'a> {
 /// Trains one rank over `comm` from `ctx`'s start (or its hooks' resume) to the last step.
 fn run_rank(ctx: &RankContext<'_>, comm: &dyn Communicator) -> Result<RankOutcome> {
     let RankContext {
+        t_start,
         model,
         plan,
         ecfg,
@@ -901,6 +947,9 @@ fn run_rank(ctx: &RankContext<'_>, comm: &dyn Communicator) -> Result<RankOutcom
     // The device peak counts the training loop: model states already allocated, start-up
     // transients (initial values, checkpoint import) not.
     e.reset_device_memory_peak()?;
+    if o.trace.is_some() {
+        e.set_tracer(crate::trace::Tracer::new(rank as u64, t_start));
+    }
     // Whether any rank asks to stop: one flag per rank, all-gathered, so that every rank
     // (thread or process, any backend) takes the same decision at the same step boundary.
     let agree_stop = |e: &mut RankEngine<'_, Decoder>| -> Result<Option<u32>> {
@@ -978,6 +1027,8 @@ fn run_rank(ctx: &RankContext<'_>, comm: &dyn Communicator) -> Result<RankOutcom
     // The host ledger of an offloaded rank holds the same bytes all run.
     let host_peak = e.host_ledger().live_total().0;
     Ok(RankOutcome {
+        rank: rank as u64,
+        trace: e.take_trace_spans(),
         steps,
         val_loss,
         peaks,

@@ -5,6 +5,7 @@ use crate::buf::{Buf, BufMut, OwnedBuf};
 use crate::error::{CallDesc, CommError, OpKind};
 use crate::topology::{Group, ReduceOp, Topology};
 use fsdp_types::DType;
+use std::time::Instant;
 
 /// The buffers a finished started collective hands back.
 #[derive(Debug, Clone, PartialEq)]
@@ -23,6 +24,13 @@ pub trait PendingWait: Send {
     fn wait(self: Box<Self>) -> Result<Completed, CommError>;
     /// True when [`PendingWait::wait`] would return without blocking.
     fn is_complete(&self) -> bool;
+    /// Like [`PendingWait::wait`], also returning when the collective finished on the host
+    /// (the progress thread's clock), where the backend knows it; the default knows nothing.
+    ///
+    /// Errors: as [`PendingWait::wait`].
+    fn wait_timed(self: Box<Self>) -> (Result<Completed, CommError>, Option<Instant>) {
+        (self.wait(), None)
+    }
 }
 
 enum Inner {
@@ -38,6 +46,8 @@ enum Inner {
 pub struct PendingOp {
     call: CallDesc,
     inner: Inner,
+    /// When the caller issued it, if it asked to know ([`PendingOp::set_issued_at`]).
+    issued_at: Option<Instant>,
 }
 
 impl std::fmt::Debug for PendingOp {
@@ -55,6 +65,7 @@ impl PendingOp {
         PendingOp {
             call,
             inner: Inner::Ready(result),
+            issued_at: None,
         }
     }
 
@@ -63,6 +74,30 @@ impl PendingOp {
         PendingOp {
             call,
             inner: Inner::Deferred(pending),
+            issued_at: None,
+        }
+    }
+
+    /// Records when the caller issued the collective (a trace draws it from there).
+    pub fn set_issued_at(&mut self, at: Instant) {
+        self.issued_at = Some(at);
+    }
+
+    /// When the caller issued the collective, if recorded with [`PendingOp::set_issued_at`].
+    pub fn issued_at(&self) -> Option<Instant> {
+        self.issued_at
+    }
+
+    /// Like [`PendingOp::wait_all`], also returning when the collective finished on the host:
+    /// the progress thread's clock for a started collective of the host backends, `None` for
+    /// a handle that was complete when returned or a device-side completion (NCCL on CUDA
+    /// tensors), where the wait's return is the caller's best knowledge.
+    ///
+    /// Errors: the collective's [`CommError`].
+    pub fn wait_all_timed(self) -> (Result<Completed, CommError>, Option<Instant>) {
+        match self.inner {
+            Inner::Ready(r) => (r, None),
+            Inner::Deferred(p) => p.wait_timed(),
         }
     }
 

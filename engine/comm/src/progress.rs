@@ -8,12 +8,17 @@ use std::cell::RefCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 /// A started collective: runs on the progress thread and yields its buffers.
 pub(crate) type Job = Box<dyn FnOnce() -> Result<Completed, CommError> + Send>;
 
-/// One-shot completion cell shared by the progress thread and a [`PendingOp`].
-type Cell1 = Arc<(Mutex<Option<Result<Completed, CommError>>>, Condvar)>;
+/// One-shot completion cell shared by the progress thread and a [`PendingOp`]: the result and
+/// when the progress thread finished the job.
+type Cell1 = Arc<(
+    Mutex<Option<(Result<Completed, CommError>, Instant)>>,
+    Condvar,
+)>;
 
 struct Pending {
     cell: Cell1,
@@ -21,11 +26,14 @@ struct Pending {
 
 impl PendingWait for Pending {
     fn wait(self: Box<Self>) -> Result<Completed, CommError> {
+        self.wait_timed().0
+    }
+    fn wait_timed(self: Box<Self>) -> (Result<Completed, CommError>, Option<Instant>) {
         let (m, cv) = &*self.cell;
         let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
         loop {
-            if let Some(r) = g.take() {
-                return r;
+            if let Some((r, at)) = g.take() {
+                return (r, Some(at));
             }
             g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
         }
@@ -99,7 +107,8 @@ impl ProgressQueue {
                                 reason: crate::thread::panic_message(&*p),
                             })
                         });
-                        *cell.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+                        let at = Instant::now();
+                        *cell.0.lock().unwrap_or_else(|e| e.into_inner()) = Some((r, at));
                         cell.1.notify_all();
                         let (m, cv) = &*done2;
                         *m.lock().unwrap_or_else(|e| e.into_inner()) += 1;

@@ -300,6 +300,18 @@ pub struct TrainArgs {
     /// summary reports the step time lost to saves either way. Needs --ckpt-dir.
     #[arg(long, requires = "ckpt_dir")]
     pub ckpt_async: bool,
+    /// Write a Chrome trace event JSON of the training steps (opens in Perfetto or
+    /// chrome://tracing): per rank a compute track (each unit's forward, recompute and
+    /// backward, the optimizer step, the waits on collectives) and a communication track (each
+    /// collective from issue to completion). In a job of several processes rank R > 0 writes
+    /// FILE.rankR.
+    #[arg(long, value_name = "FILE.json")]
+    pub trace: Option<PathBuf>,
+    /// Predict the step time on this hardware profile and compare it with the run's: the
+    /// summary prints the predicted and measured step time with the error, the measured
+    /// tokens/s and MFU (see `HARDWARE_HELP`).
+    #[arg(long, value_name = "NAME|FILE", help = super::timing::HARDWARE_HELP)]
+    pub hardware: Option<String>,
     /// Checkpoints: --ckpt-dir, --ckpt-every, --keep-last, --resume, --init-from.
     #[command(flatten)]
     pub ckpt: super::ckpt::TrainCkptArgs,
@@ -391,6 +403,7 @@ impl TrainArgs {
             },
             max_skipped: Some(self.max_skipped),
             ckpt_async: self.ckpt_async,
+            trace: self.trace.clone(),
             init_from: self.ckpt.init_from.clone(),
             placement: match self.device {
                 DeviceArg::Cpu => Placement::Host,
@@ -468,6 +481,16 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
             open_log_file(p, None)?;
         }
     }
+    // So is a trace file that cannot be written, or a bad hardware profile: before any
+    // training.
+    if let Some(t) = &args.trace {
+        crate::trace::check_trace_path("--trace", t)?;
+    }
+    let hardware = args
+        .hardware
+        .as_deref()
+        .map(super::timing::load_hardware)
+        .transpose()?;
     let mut opts = args.options()?;
     // Under `fsdp launch` (torchrun's environment) every process would otherwise train its
     // own copy of the model as a world of --world-size threads: refuse instead.
@@ -578,6 +601,22 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         budget,
         ranks,
     })?;
+    // The prediction for this plan, before any work (a profile without the plan's dtype is
+    // refused here).
+    let prediction = match &hardware {
+        Some(h) => Some(
+            fsdp_planner::time::predict(
+                &run.plan,
+                h,
+                &fsdp_planner::time::TimeInputs {
+                    clip_grad_norm: run.options.clip.is_some(),
+                    ranks_per_node: None,
+                },
+            )
+            .map_err(|e| CliError::Usage(format!("--hardware: {e}")))?,
+        ),
+        None => None,
+    };
     let (threads, warning) = cap_threads(
         run.options.threads_per_rank,
         match (&mpi, &nccl) {
@@ -787,15 +826,27 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         }
     }
     let stats = args.ckpt.ckpt_dir.is_some().then(|| hooks.save_stats());
+    let step_seconds: Vec<f64> = report.steps.iter().map(|s| s.step_seconds).collect();
+    let comparison = prediction
+        .as_ref()
+        .and_then(|p| super::timing::compare(p, &step_seconds));
     if json {
         let mut v = summary_json(&report, auto.as_ref());
         if let Some(st) = stats {
             v["checkpoint_saves"] = serde_json::json!(st);
         }
+        if let Some(c) = &comparison {
+            v["step_time"] = super::timing::comparison_json(c);
+        }
         let s = serde_json::to_string(&v).map_err(|e| CliError::Failed(e.to_string()))?;
         outln!("{s}");
     } else if !report.steps.is_empty() {
         print_summary(&report, args.memory_report);
+        if let Some(c) = &comparison {
+            for line in super::timing::render_comparison(c).lines() {
+                outln!("{line}");
+            }
+        }
         if let Some(st) = stats {
             outln!("{}", save_line(&st));
         }

@@ -5,9 +5,11 @@
 //! caller computes is hidden and not counted.
 
 use crate::error::{EngineError, Result};
+use crate::trace::Tracer;
 use fsdp_comm::{
-    Buf, BufMut, Communicator, Completed, Group, OwnedBuf, PendingOp, ReduceOp, Topology,
+    Buf, BufMut, Communicator, Completed, Group, OpKind, OwnedBuf, PendingOp, ReduceOp, Topology,
 };
+use fsdp_planner::time::{SpanKind, Track};
 use std::time::{Duration, Instant};
 
 /// A borrowed communicator plus a stopwatch of exposed communication time.
@@ -18,6 +20,9 @@ pub struct Collectives<'a> {
     spent: Duration,
     /// Number of collective calls since the last [`Collectives::take_time`].
     calls: u64,
+    /// The rank's trace (`fsdp train --trace`): every collective on the communication track,
+    /// every blocked wait on the compute track. None: nothing is recorded.
+    tracer: Option<Tracer>,
 }
 
 impl std::fmt::Debug for Collectives<'_> {
@@ -36,6 +41,7 @@ impl<'a> Collectives<'a> {
             comm,
             spent: Duration::ZERO,
             calls: 0,
+            tracer: None,
         }
     }
 
@@ -62,14 +68,61 @@ impl<'a> Collectives<'a> {
         r
     }
 
+    /// Starts (or stops, with None) recording this rank's trace.
+    pub fn set_tracer(&mut self, tracer: Option<Tracer>) {
+        self.tracer = tracer;
+    }
+
+    /// Whether a tracer records.
+    pub fn is_tracing(&self) -> bool {
+        self.tracer.is_some()
+    }
+
+    /// The rank's tracer, when tracing.
+    pub fn tracer_mut(&mut self) -> Option<&mut Tracer> {
+        self.tracer.as_mut()
+    }
+
+    /// Takes the tracer out (tracing stops).
+    pub fn take_tracer(&mut self) -> Option<Tracer> {
+        self.tracer.take()
+    }
+
+    /// A synchronous call `f`: timed, counted, and traced as `kind` of `bytes` on `group`.
     fn timed<T>(
         &mut self,
+        kind: OpKind,
+        group: Group,
+        bytes: f64,
         f: impl FnOnce(&dyn Communicator) -> std::result::Result<T, fsdp_comm::CommError>,
     ) -> Result<T> {
         let t = Instant::now();
         let r = f(self.comm);
-        self.spent += t.elapsed();
+        let end = Instant::now();
+        self.spent += end - t;
         self.calls += 1;
+        if let Some(tr) = self.tracer.as_mut() {
+            let (span, name) = span_kind(kind);
+            let label = format!("{name} ({group})");
+            tr.record(
+                Track::Communication,
+                span,
+                label.clone(),
+                None,
+                t,
+                end,
+                Some(bytes),
+            );
+            tr.record(
+                Track::Compute,
+                SpanKind::Wait,
+                format!("wait {label}"),
+                None,
+                t,
+                end,
+                None,
+            );
+        }
         r.map_err(|source| EngineError::Comm {
             rank: self.comm.rank(),
             source: Box::new(source),
@@ -79,7 +132,7 @@ impl<'a> Collectives<'a> {
     /// Starts an in-place all-gather of `buf` over `group` (this rank's block already filled;
     /// see [`Communicator::all_gather_in_place`]); [`Collectives::wait`] returns it filled.
     pub fn start_all_gather_in_place(&mut self, group: Group, buf: OwnedBuf) -> Result<PendingOp> {
-        self.timed(|c| c.start_all_gather_in_place(group, buf))
+        self.started(|c| c.start_all_gather_in_place(group, buf))
     }
 
     /// Starts a sum-reduce-scatter of `send` (group size x n elements) into `recv` (n).
@@ -89,7 +142,7 @@ impl<'a> Collectives<'a> {
         send: OwnedBuf,
         recv: OwnedBuf,
     ) -> Result<PendingOp> {
-        self.timed(|c| c.start_reduce_scatter(group, ReduceOp::Sum, send, recv))
+        self.started(|c| c.start_reduce_scatter(group, ReduceOp::Sum, send, recv))
     }
 
     /// Starts an in-place all-reduce of `buf` with `op` over `group`.
@@ -99,15 +152,51 @@ impl<'a> Collectives<'a> {
         op: ReduceOp,
         buf: OwnedBuf,
     ) -> Result<PendingOp> {
-        self.timed(|c| c.start_all_reduce(group, op, buf))
+        self.started(|c| c.start_all_reduce(group, op, buf))
     }
 
     /// Waits for a started collective; the blocked time is exposed communication time (not
     /// counted as another call).
     pub fn wait(&mut self, op: PendingOp) -> Result<Completed> {
         let t = Instant::now();
-        let r = op.wait_all();
-        self.spent += t.elapsed();
+        let Some(tr) = self.tracer.as_mut() else {
+            let r = op.wait_all();
+            self.spent += t.elapsed();
+            return r.map_err(|source| EngineError::Comm {
+                rank: self.comm.rank(),
+                source: Box::new(source),
+            });
+        };
+        let call = *op.call();
+        let issued = op.issued_at().unwrap_or(t);
+        let (r, finished) = op.wait_all_timed();
+        let end = Instant::now();
+        self.spent += end - t;
+        // The collective from issue to completion on the progress thread (or, where the
+        // backend does not say, to the wait's return).
+        let (span, name) = span_kind(call.op);
+        let label = format!("{name} ({})", call.group);
+        let bytes = call
+            .dtype
+            .map(|d| call.send_numel.max(call.recv_numel) as f64 * d.size_bytes() as f64);
+        tr.record(
+            Track::Communication,
+            span,
+            label.clone(),
+            None,
+            issued,
+            finished.unwrap_or(end),
+            bytes,
+        );
+        tr.record(
+            Track::Compute,
+            SpanKind::Wait,
+            format!("wait {label}"),
+            None,
+            t,
+            end,
+            None,
+        );
         r.map_err(|source| EngineError::Comm {
             rank: self.comm.rank(),
             source: Box::new(source),
@@ -119,7 +208,10 @@ impl<'a> Collectives<'a> {
         if self.comm.group_size(group) == 1 {
             return copy_buf(send, recv);
         }
-        self.timed(|c| c.all_gather(group, send, recv))
+        let bytes = recv.len() as f64 * recv.dtype().size_bytes() as f64;
+        self.timed(OpKind::AllGather, group, bytes, |c| {
+            c.all_gather(group, send, recv)
+        })
     }
 
     /// Sum-reduce-scatter: `recv` (n elements) gets this rank's block of the rank-order sum of
@@ -130,7 +222,10 @@ impl<'a> Collectives<'a> {
         send: Buf<'_>,
         recv: BufMut<'_>,
     ) -> Result<()> {
-        self.timed(|c| c.reduce_scatter(group, ReduceOp::Sum, send, recv))
+        let bytes = send.len() as f64 * send.dtype().size_bytes() as f64;
+        self.timed(OpKind::ReduceScatter, group, bytes, |c| {
+            c.reduce_scatter(group, ReduceOp::Sum, send, recv)
+        })
     }
 
     /// In-place all-reduce with `op` over `group` (a no-op for a group of one).
@@ -138,7 +233,10 @@ impl<'a> Collectives<'a> {
         if self.comm.group_size(group) == 1 {
             return Ok(());
         }
-        self.timed(|c| c.all_reduce(group, op, buf))
+        let bytes = buf.len() as f64 * buf.dtype().size_bytes() as f64;
+        self.timed(OpKind::AllReduce, group, bytes, |c| {
+            c.all_reduce(group, op, buf)
+        })
     }
 
     /// Broadcast from group rank `root` over `group`.
@@ -146,7 +244,10 @@ impl<'a> Collectives<'a> {
         if self.comm.group_size(group) == 1 {
             return Ok(());
         }
-        self.timed(|c| c.broadcast(group, root, buf))
+        let bytes = buf.len() as f64 * buf.dtype().size_bytes() as f64;
+        self.timed(OpKind::Broadcast, group, bytes, |c| {
+            c.broadcast(group, root, buf)
+        })
     }
 
     /// All-gathers `values` (the same length on every rank) over the world: `[rank][i]`.
@@ -158,6 +259,40 @@ impl<'a> Collectives<'a> {
             .chunks(values.len().max(1))
             .map(|c| c.to_vec())
             .collect())
+    }
+}
+
+impl Collectives<'_> {
+    /// Starts a collective with `f`: the time to issue it is exposed, the call counted, and
+    /// when tracing, the handle remembers when it was issued.
+    fn started(
+        &mut self,
+        f: impl FnOnce(&dyn Communicator) -> std::result::Result<PendingOp, fsdp_comm::CommError>,
+    ) -> Result<PendingOp> {
+        let t = Instant::now();
+        let r = f(self.comm);
+        self.spent += t.elapsed();
+        self.calls += 1;
+        let mut op = r.map_err(|source| EngineError::Comm {
+            rank: self.comm.rank(),
+            source: Box::new(source),
+        })?;
+        if self.tracer.is_some() {
+            op.set_issued_at(t);
+        }
+        Ok(op)
+    }
+}
+
+/// The trace kind and name of a collective.
+fn span_kind(op: OpKind) -> (SpanKind, &'static str) {
+    match op {
+        OpKind::AllGather => (SpanKind::AllGather, "all-gather"),
+        OpKind::ReduceScatter => (SpanKind::ReduceScatter, "reduce-scatter"),
+        OpKind::AllReduce => (SpanKind::AllReduce, "all-reduce"),
+        // Broadcasts and barriers (start-up only) are drawn with the all-reduces.
+        OpKind::Broadcast => (SpanKind::AllReduce, "broadcast"),
+        OpKind::Barrier => (SpanKind::AllReduce, "barrier"),
     }
 }
 

@@ -79,7 +79,13 @@ impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
         let mut local_loss = 0f64;
         for (k, mb) in mbs.iter().enumerate() {
             let last = k + 1 == k_total;
+            if let Some(tr) = self.comm.tracer_mut() {
+                tr.micro_batch = Some(k as u64);
+            }
             local_loss += self.micro_batch(mb, sync_last, !sync_last || last)?;
+        }
+        if let Some(tr) = self.comm.tracer_mut() {
+            tr.micro_batch = None;
         }
         // End of the backward phase: everything unsharded goes, except the replicated
         // parameters of shard-optimizer, kept through the optimizer step.

@@ -9,6 +9,7 @@ use crate::error::{EngineError, Result};
 use crate::runtime::staged::{MicroBatch, StagedModel};
 use crate::runtime::unit::Placement;
 use candle_core::{Tensor, Var};
+use fsdp_planner::time::SpanKind;
 use fsdp_planner::Phase;
 use fsdp_types::DType;
 
@@ -47,6 +48,7 @@ impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
         for s in 0..m {
             let u = self.stage_units[s];
             self.transition_to(&sched.forward[s].alive, Some(u), &sched.forward[s].prefetch)?;
+            let t = self.trace_clock();
             let unit = &self.units[u];
             if s + 1 == m {
                 // The loss stage keeps its graph into backward (its unit stays unsharded across
@@ -83,6 +85,7 @@ impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
                 let y = self.model.forward(s, unit.plain_params()?, &x)?;
                 inputs[s] = Some(std::mem::replace(&mut x, y));
             }
+            self.trace_compute(t, SpanKind::Forward, "forward", s, u);
         }
         drop(x);
         self.enter_phase(Phase::Backward);
@@ -103,6 +106,7 @@ impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
                 &sched.backward[kb].prefetch,
             )?;
             if self.needs_backward[s] {
+                let mut t = self.trace_clock();
                 let x_in = inputs[s].take().expect("stage input kept");
                 let root = if s + 1 == m {
                     let loss = outputs[s].take().expect("loss kept");
@@ -122,6 +126,8 @@ impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
                             };
                             let y = self.model.forward(s, self.units[u].params()?, &x_var)?;
                             inputs[s] = Some(x_var);
+                            self.trace_compute(t, SpanKind::Recompute, "recompute", s, u);
+                            t = self.trace_clock();
                             y
                         }
                     };
@@ -143,6 +149,7 @@ impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
                     );
                 }
                 drop(x_in);
+                self.trace_compute(t, SpanKind::Backward, "backward", s, u);
                 if self.units[u].trainable() {
                     // Keep only the parameter gradients: intermediate gradients go first.
                     let mut params: Vec<Option<Tensor>> = self.units[u]

@@ -526,6 +526,52 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
             .collect())
     }
 
+    /// Starts recording this rank's trace (`fsdp train --trace`): each unit's forward,
+    /// recompute and backward and the optimizer step on the compute track, each collective
+    /// from issue to completion on the communication track, and the compute thread's waits.
+    pub fn set_tracer(&mut self, tracer: crate::trace::Tracer) {
+        self.comm.set_tracer(Some(tracer));
+    }
+
+    /// The spans recorded since the last call (none when not tracing).
+    pub fn take_trace_spans(&mut self) -> Vec<crate::trace::TraceSpan> {
+        self.comm
+            .tracer_mut()
+            .map(|t| t.take_spans())
+            .unwrap_or_default()
+    }
+
+    /// The clock of a compute span: `Some(now)` only when tracing.
+    pub(super) fn trace_clock(&self) -> Option<Instant> {
+        self.comm.is_tracing().then(Instant::now)
+    }
+
+    /// Records a compute span of schedule stage `stage` (unit `unit`) begun at `start` (from
+    /// [`RankEngine::trace_clock`]), named `what` and the stage's label.
+    pub(super) fn trace_compute(
+        &mut self,
+        start: Option<Instant>,
+        kind: fsdp_planner::time::SpanKind,
+        what: &str,
+        stage: usize,
+        unit: usize,
+    ) {
+        if let Some(t) = start {
+            let label = &self.plan.schedule.forward[stage].label;
+            if let Some(tr) = self.comm.tracer_mut() {
+                tr.record(
+                    fsdp_planner::time::Track::Compute,
+                    kind,
+                    format!("{what} {label}"),
+                    Some(unit),
+                    t,
+                    Instant::now(),
+                    None,
+                );
+            }
+        }
+    }
+
     /// One full training step: [`RankEngine::accumulate`], clipping (if configured),
     /// [`RankEngine::optimizer_step`]. Collective.
     ///
@@ -542,6 +588,10 @@ impl<'a, M: StagedModel + ?Sized> RankEngine<'a, M> {
     pub fn train_step(&mut self, mbs: &[MicroBatch], lr: f64) -> Result<StepStats> {
         let t0 = Instant::now();
         self.comm.take_time();
+        let step = self.step + 1;
+        if let Some(tr) = self.comm.tracer_mut() {
+            tr.step = step;
+        }
         let loss_scale = self.scaler.map(|s| s.scale);
         let acc = self.accumulate(mbs)?;
         let mut grad_norm = None;

@@ -6,6 +6,7 @@
 use super::RankEngine;
 use crate::error::Result;
 use crate::runtime::staged::StagedModel;
+use fsdp_planner::time::{SpanKind, Track};
 use fsdp_planner::Phase;
 
 impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
@@ -14,6 +15,7 @@ impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
     /// gradient shards. Frozen flat parameters are never touched.
     pub fn optimizer_step(&mut self, lr: f64) -> Result<()> {
         self.enter_phase(Phase::OptimizerStep);
+        let t = self.trace_clock();
         let opt = self.cfg.optimizer.with_lr(lr);
         let step = self.step + 1;
         // AdamW's step counts updates made: skipped steps are not updates.
@@ -22,6 +24,17 @@ impl<M: StagedModel + ?Sized> RankEngine<'_, M> {
             if f.layout.trainable {
                 f.step(&opt, update)?;
             }
+        }
+        if let (Some(t), Some(tr)) = (t, self.comm.tracer_mut()) {
+            tr.record(
+                Track::Compute,
+                SpanKind::Optimizer,
+                "optimizer step",
+                None,
+                t,
+                std::time::Instant::now(),
+                None,
+            );
         }
         self.step = step;
         self.consecutive_skips = 0;
