@@ -4,6 +4,7 @@
 
 #![warn(missing_docs)]
 
+pub mod calibrate;
 pub mod checkpoint;
 pub mod cli;
 pub mod data;

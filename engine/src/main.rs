@@ -70,6 +70,10 @@ fn main() -> ExitCode {
             size_compute_threads(a.world_size, a.threads_per_rank);
             fsdp::cli::eval::run(a)
         }
+        Command::Calibrate(a) => {
+            size_compute_threads(a.world_size, a.threads_per_rank);
+            fsdp::cli::calibrate::run(a)
+        }
         // The launcher exits with the failing rank's own code.
         Command::Launch(a) => match fsdp::cli::launch::run(a) {
             Ok(code) => return ExitCode::from(code),

@@ -5,6 +5,7 @@
 
 use clap::{Parser, Subcommand};
 
+pub mod calibrate;
 pub mod checks;
 pub mod ckpt;
 pub mod data;
@@ -81,6 +82,9 @@ pub enum Command {
     /// with their rank, stop all when one fails, and restart the job (`--max-restarts`; at a
     /// smaller world size when a device is lost, `--min-nproc`).
     Launch(launch::LaunchArgs),
+    /// Measure this machine (GEMM per dtype, memory and elementwise rates, collectives over
+    /// rank threads, the overlap slowdown) into a hardware profile for `--hardware FILE`.
+    Calibrate(calibrate::CalibrateArgs),
 }
 
 /// Runs one parsed command line.
@@ -91,6 +95,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Train(a) => train::run(a, None),
         Command::Data(a) => data::run(a),
         Command::Eval(a) => eval::run(a),
+        Command::Calibrate(a) => calibrate::run(a),
         Command::Launch(a) => match launch::run(a)? {
             0 => Ok(()),
             code => Err(CliError::Failed(format!("a rank exited with code {code}"))),

@@ -1,0 +1,408 @@
+//! `fsdp calibrate`: measures the machine it runs on and builds an `fsdp-hardware/1` profile
+//! ([`fsdp_planner::time::HardwareProfile`]) for the step-time model, every rate one rank's
+//! while all `W` rank threads run at once, as in training.
+//!
+//! - **GEMM** per dtype (f32, bf16, f16) over square sizes `n` = 64..1024: candle's CPU matmul
+//!   (the path the model's matmuls take), `2 n^3` FLOPs per call, repeated for at least
+//!   [`MIN_SECONDS`] per size on every rank at once; the rate is the mean over ranks. The
+//!   dtype's peak is the highest measured point (a measured maximum, not a vendor figure).
+//! - **Memory bandwidth**: a copy of a 64 MiB f32 buffer per rank (bytes read plus written
+//!   per second). **Elementwise FLOP/s**: `y = a x + y` over an L2-sized f32 buffer, 2 FLOPs
+//!   per element.
+//! - **Collectives** on the thread backend over the `W` rank threads (`W >= 2`): all-gather,
+//!   reduce-scatter and all-reduce of whole arrays of 64 KiB..16 MiB, the median of several
+//!   calls each; latency and bus bandwidth by least squares on `t = latency + S f / busbw`
+//!   (`f` = `(n-1)/n`, all-reduce `2(n-1)/n`: nccl-tests' convention), the latency clamped at
+//!   0. One host has no network: the `inter_node` costs are the `intra_node` ones (the source
+//!   says so).
+//! - **Host link**: on the CPU the "device" is host memory: the copy bandwidth.
+//! - **Overlap slowdown**: rank 0's f32 GEMM rate alone against its rate while an all-reduce
+//!   of 16 MiB runs on its progress thread (`alone / with - 1`, at least 0).
+
+use fsdp_comm::{run_threads, BufMut, Communicator, Group, OwnedBuf, ReduceOp, Topology};
+use fsdp_planner::time::{
+    CollectiveCost, Collectives, CurvePoint, GemmCurve, GemmRates, HardwareProfile, HostLink,
+    LinkCollectives, PROFILE_SCHEMA,
+};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// Minimum seconds each GEMM size and bandwidth measurement runs.
+pub const MIN_SECONDS: f64 = 0.15;
+
+/// GEMM sizes (square `n`).
+const GEMM_SIZES: [usize; 5] = [64, 128, 256, 512, 1024];
+
+/// Collective sizes, bytes of the whole array.
+const COLLECTIVE_BYTES: [usize; 5] = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20];
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct CalibrateOptions {
+    /// Rank threads `W` (at least 2: the collectives need two ranks).
+    pub world_size: usize,
+    /// Compute threads per rank (recorded; the process's pools are sized before the call).
+    pub threads_per_rank: usize,
+    /// The command line, recorded in every source.
+    pub command: String,
+    /// The profile's name.
+    pub name: String,
+}
+
+/// Runs `f` repeatedly for at least [`MIN_SECONDS`]; returns (calls, seconds).
+fn repeat(mut f: impl FnMut()) -> (u64, f64) {
+    f();
+    let t = Instant::now();
+    let mut n = 0u64;
+    loop {
+        f();
+        n += 1;
+        let s = t.elapsed().as_secs_f64();
+        if s >= MIN_SECONDS {
+            return (n, s);
+        }
+    }
+}
+
+fn gemm_rate(dtype: candle_core::DType, n: usize) -> Result<f64, String> {
+    let dev = candle_core::Device::Cpu;
+    let a = candle_core::Tensor::ones((n, n), candle_core::DType::F32, &dev)
+        .and_then(|t| t.to_dtype(dtype))
+        .map_err(|e| e.to_string())?;
+    let b = a.clone();
+    let mut err = None;
+    let (calls, s) = repeat(|| {
+        if let Err(e) = a.matmul(&b) {
+            err = Some(e.to_string());
+        }
+    });
+    if let Some(e) = err {
+        return Err(format!("{dtype:?} matmul {n}x{n}: {e}"));
+    }
+    Ok(2.0 * (n as f64).powi(3) * calls as f64 / s)
+}
+
+/// Per-rank measurements taken with every rank busy at once.
+struct RankRates {
+    gemm: Vec<(candle_core::DType, Vec<f64>)>,
+    copy_bytes_per_s: f64,
+    elementwise_flops_per_s: f64,
+    /// (kind, bytes, seconds) of each collective size.
+    collectives: Vec<(&'static str, usize, f64)>,
+    overlap_slowdown: f64,
+}
+
+fn measure_rank(comm: &dyn Communicator) -> Result<RankRates, String> {
+    let e = |x: fsdp_comm::CommError| x.to_string();
+    let w = comm.world_size();
+    comm.barrier(Group::World).map_err(e)?;
+    let mut gemm = Vec::new();
+    for dt in [
+        candle_core::DType::F32,
+        candle_core::DType::BF16,
+        candle_core::DType::F16,
+    ] {
+        let mut v = Vec::new();
+        for n in GEMM_SIZES {
+            v.push(gemm_rate(dt, n)?);
+        }
+        gemm.push((dt, v));
+    }
+    comm.barrier(Group::World).map_err(e)?;
+    let src = vec![1.0f32; 16 << 20];
+    let mut dst = vec![0.0f32; 16 << 20];
+    let (calls, s) = repeat(|| {
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&dst);
+    });
+    let copy_bytes_per_s = 2.0 * (src.len() * 4) as f64 * calls as f64 / s;
+    let x = vec![1.0001f32; 64 << 10];
+    let mut y = vec![0.5f32; 64 << 10];
+    let (calls, s) = repeat(|| {
+        for (yi, xi) in y.iter_mut().zip(&x) {
+            *yi += 0.999 * *xi;
+        }
+        std::hint::black_box(&y);
+    });
+    let elementwise_flops_per_s = 2.0 * x.len() as f64 * calls as f64 / s;
+    comm.barrier(Group::World).map_err(e)?;
+    let mut collectives = Vec::new();
+    for bytes in COLLECTIVE_BYTES {
+        let numel = bytes / 4 / w * w;
+        for kind in ["all_gather", "reduce_scatter", "all_reduce"] {
+            let mut times = Vec::new();
+            for _ in 0..7 {
+                comm.barrier(Group::World).map_err(e)?;
+                let t = Instant::now();
+                match kind {
+                    "all_gather" => {
+                        let send = vec![1.0f32; numel / w];
+                        let mut recv = vec![0.0f32; numel];
+                        comm.all_gather(
+                            Group::World,
+                            fsdp_comm::Buf::F32(&send),
+                            BufMut::F32(&mut recv),
+                        )
+                        .map_err(e)?;
+                    }
+                    "reduce_scatter" => {
+                        let send = vec![1.0f32; numel];
+                        let mut recv = vec![0.0f32; numel / w];
+                        comm.reduce_scatter(
+                            Group::World,
+                            ReduceOp::Sum,
+                            fsdp_comm::Buf::F32(&send),
+                            BufMut::F32(&mut recv),
+                        )
+                        .map_err(e)?;
+                    }
+                    _ => {
+                        let mut buf = vec![1.0f32; numel];
+                        comm.all_reduce(Group::World, ReduceOp::Sum, BufMut::F32(&mut buf))
+                            .map_err(e)?;
+                    }
+                }
+                times.push(t.elapsed().as_secs_f64());
+            }
+            times.sort_by(f64::total_cmp);
+            collectives.push((kind, numel * 4, times[times.len() / 2]));
+        }
+    }
+    // Overlap: GEMMs while one all-reduce of 16 MiB runs on the progress thread, against
+    // the same GEMMs alone.
+    comm.barrier(Group::World).map_err(e)?;
+    let alone = gemm_rate(candle_core::DType::F32, 256)?;
+    comm.barrier(Group::World).map_err(e)?;
+    let dev = candle_core::Device::Cpu;
+    let a = candle_core::Tensor::ones((256, 256), candle_core::DType::F32, &dev)
+        .map_err(|x| x.to_string())?;
+    let mut with_flops = 0.0;
+    let mut with_s = 0.0;
+    for _ in 0..5 {
+        let op = comm
+            .start_all_reduce(
+                Group::World,
+                ReduceOp::Sum,
+                OwnedBuf::F32(vec![1.0f32; 4 << 20]),
+            )
+            .map_err(e)?;
+        let t = Instant::now();
+        while !op.is_complete() {
+            a.matmul(&a).map_err(|x| x.to_string())?;
+            with_flops += 2.0 * 256f64.powi(3);
+        }
+        with_s += t.elapsed().as_secs_f64();
+        op.wait().map_err(e)?;
+    }
+    let overlap_slowdown = if with_flops > 0.0 {
+        (alone / (with_flops / with_s) - 1.0).max(0.0)
+    } else {
+        0.0
+    };
+    Ok(RankRates {
+        gemm,
+        copy_bytes_per_s,
+        elementwise_flops_per_s,
+        collectives,
+        overlap_slowdown,
+    })
+}
+
+/// Least squares of `t = a + x / bw` over `(x, t)`: (latency `a` clamped at 0, `bw`).
+fn fit(points: &[(f64, f64)]) -> (f64, f64) {
+    let n = points.len() as f64;
+    let (sx, st) = points
+        .iter()
+        .fold((0.0, 0.0), |(a, b), (x, t)| (a + x, b + t));
+    let (mx, mt) = (sx / n, st / n);
+    let (mut sxx, mut sxt) = (0.0, 0.0);
+    for (x, t) in points {
+        sxx += (x - mx) * (x - mx);
+        sxt += (x - mx) * (t - mt);
+    }
+    let slope = (sxt / sxx).max(f64::MIN_POSITIVE);
+    let a = (mt - slope * mx).max(0.0);
+    (a, 1.0 / slope)
+}
+
+/// Measures this machine (see the module doc) and returns its profile.
+///
+/// Errors: a world size under 2, a failed collective or matmul (with its words).
+pub fn calibrate(o: &CalibrateOptions) -> Result<HardwareProfile, String> {
+    if o.world_size < 2 {
+        return Err(format!(
+            "--world-size {}: the collectives need at least 2 rank threads",
+            o.world_size
+        ));
+    }
+    let w = o.world_size;
+    let topo = Topology::new(w, 1).map_err(|e| e.to_string())?;
+    let ranks: Vec<RankRates> = run_threads(topo, Duration::from_secs(120), |c| measure_rank(&c))
+        .into_iter()
+        .map(|r| r.map_err(|e| e.to_string()).and_then(|x| x))
+        .collect::<Result<_, _>>()?;
+    let mean = |f: &dyn Fn(&RankRates) -> f64| ranks.iter().map(f).sum::<f64>() / w as f64;
+    let curve = |i: usize| -> GemmCurve {
+        let points: Vec<CurvePoint> = GEMM_SIZES
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| CurvePoint {
+                flops: 2.0 * (n as f64).powi(3),
+                flops_per_s: mean(&|r: &RankRates| r.gemm[i].1[k]),
+            })
+            .collect();
+        let peak = points.iter().map(|p| p.flops_per_s).fold(0.0, f64::max);
+        GemmCurve {
+            peak_flops_per_s: peak,
+            points,
+        }
+    };
+    let nw = w as f64;
+    let cost = |kind: &str| -> CollectiveCost {
+        let factor = if kind == "all_reduce" {
+            2.0 * (nw - 1.0) / nw
+        } else {
+            (nw - 1.0) / nw
+        };
+        // Every rank's time of a size, averaged, against S * factor.
+        let pts: Vec<(f64, f64)> = COLLECTIVE_BYTES
+            .iter()
+            .enumerate()
+            .map(|(k, _)| {
+                let idx = k * 3
+                    + match kind {
+                        "all_gather" => 0,
+                        "reduce_scatter" => 1,
+                        _ => 2,
+                    };
+                let bytes = ranks[0].collectives[idx].1 as f64;
+                (bytes * factor, mean(&|r: &RankRates| r.collectives[idx].2))
+            })
+            .collect();
+        let (latency, bw) = fit(&pts);
+        CollectiveCost {
+            latency_s: latency,
+            step_latency_s: 0.0,
+            bus_bandwidth_bytes_per_s: bw,
+        }
+    };
+    let link = LinkCollectives {
+        all_gather: cost("all_gather"),
+        reduce_scatter: cost("reduce_scatter"),
+        all_reduce: cost("all_reduce"),
+    };
+    let copy = mean(&|r: &RankRates| r.copy_bytes_per_s);
+    let host = hostname();
+    let date = utc_date();
+    let measured = |what: &str| {
+        format!(
+            "measured {date} on {host} by `{}` ({w} rank threads, {} compute threads each): {what}",
+            o.command, o.threads_per_rank
+        )
+    };
+    let mut sources = BTreeMap::new();
+    sources.insert(
+        "ranks_per_node".into(),
+        measured("the rank threads of this host"),
+    );
+    for dt in ["f32", "bf16", "f16"] {
+        sources.insert(
+            format!("gemm.{dt}.peak_flops_per_s"),
+            measured("the highest point of the curve (a measured maximum, not a vendor peak)"),
+        );
+        sources.insert(
+            format!("gemm.{dt}.points"),
+            measured(&format!(
+                "candle CPU matmul of n x n {dt} matrices, n = 64..1024, every rank at once, mean over ranks"
+            )),
+        );
+    }
+    sources.insert(
+        "memory_bandwidth_bytes_per_s".into(),
+        measured("copy of a 64 MiB f32 buffer per rank, bytes read plus written"),
+    );
+    sources.insert(
+        "elementwise_flops_per_s".into(),
+        measured("y = a x + y over 256 KiB of f32 per rank, 2 FLOPs per element"),
+    );
+    for kind in ["all_gather", "reduce_scatter", "all_reduce"] {
+        for f in ["latency_s", "step_latency_s", "bus_bandwidth_bytes_per_s"] {
+            sources.insert(
+                format!("collectives.intra_node.{kind}.{f}"),
+                measured("thread backend over the rank threads, 64 KiB..16 MiB, median of 7 calls, least squares of t = latency + S f / busbw (step latency folded into latency)"),
+            );
+            sources.insert(
+                format!("collectives.inter_node.{kind}.{f}"),
+                measured("one host has no network: a copy of intra_node"),
+            );
+        }
+    }
+    sources.insert(
+        "host.link_bytes_per_s".into(),
+        measured("the CPU's device is host memory: the copy bandwidth"),
+    );
+    sources.insert(
+        "host.optimizer_bytes_per_s".into(),
+        measured("the copy bandwidth"),
+    );
+    sources.insert(
+        "overlap_slowdown".into(),
+        measured("rank 0's 256 x 256 f32 matmul rate alone / while a 16 MiB all-reduce runs on its progress thread, minus 1"),
+    );
+    let p = HardwareProfile {
+        schema: PROFILE_SCHEMA.to_string(),
+        name: o.name.clone(),
+        description: format!(
+            "{host}: {w} rank threads of {} compute threads, measured by fsdp calibrate on {date}",
+            o.threads_per_rank
+        ),
+        ranks_per_node: w as u64,
+        gemm: GemmRates {
+            f32: Some(curve(0)),
+            bf16: Some(curve(1)),
+            f16: Some(curve(2)),
+            f64: None,
+        },
+        memory_bandwidth_bytes_per_s: copy,
+        elementwise_flops_per_s: mean(&|r: &RankRates| r.elementwise_flops_per_s),
+        collectives: Collectives {
+            intra_node: link,
+            inter_node: link,
+        },
+        host: HostLink {
+            link_bytes_per_s: copy,
+            optimizer_bytes_per_s: copy,
+        },
+        overlap_slowdown: ranks[0].overlap_slowdown,
+        sources,
+    };
+    p.validate("fsdp calibrate")
+        .map_err(|e| format!("the measured profile is not valid: {e}"))?;
+    Ok(p)
+}
+
+/// This host's name (`uname -n`), or `unknown host`.
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "unknown host".into())
+}
+
+/// Today's UTC date, `YYYY-MM-DD` (civil-from-days, Howard Hinnant's algorithm).
+fn utc_date() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs()) as i64;
+    let z = secs.div_euclid(86_400) + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    format!("{:04}-{:02}-{:02}", if m <= 2 { y + 1 } else { y }, m, d)
+}

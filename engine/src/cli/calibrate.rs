@@ -1,0 +1,103 @@
+//! `fsdp calibrate`: measure this machine into an `fsdp-hardware/1` profile for `fsdp plan
+//! --time --hardware FILE` and `fsdp train --hardware FILE` (see [`crate::calibrate`]).
+
+use super::CliError;
+use std::path::PathBuf;
+
+/// The device `fsdp calibrate --device` measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CalibrateDeviceArg {
+    /// The host CPU: rank threads, candle's CPU matmul, the thread backend.
+    Cpu,
+    /// A CUDA GPU.
+    Cuda,
+}
+
+/// Arguments of `fsdp calibrate`.
+#[derive(Debug, clap::Args)]
+pub struct CalibrateArgs {
+    /// Rank threads measured at once (as `fsdp train --world-size`; at least 2, the
+    /// collectives need two ranks).
+    #[arg(long, default_value_t = 2)]
+    pub world_size: usize,
+    /// Compute threads per rank (default: cores / world size, as `fsdp train`).
+    #[arg(long)]
+    pub threads_per_rank: Option<usize>,
+    /// The device to measure.
+    #[arg(long, value_enum, default_value_t = CalibrateDeviceArg::Cpu)]
+    pub device: CalibrateDeviceArg,
+    /// The profile's name (default: `calibrated-<host>`).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Write the profile here (default: standard output).
+    #[arg(short = 'o', long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+}
+
+/// Runs `fsdp calibrate`.
+///
+/// Errors: [`CliError::Usage`] (exit 2) for a world size under 2, an unwritable output path
+/// or a CUDA request this build or machine cannot serve; [`CliError::Failed`] (exit 1) when a
+/// measurement fails.
+pub fn run(a: CalibrateArgs) -> Result<(), CliError> {
+    if let Some(o) = &a.output {
+        crate::checkpoint::offline::check_output_file("-o", o)?;
+    }
+    if a.world_size < 2 {
+        return Err(CliError::Usage(format!(
+            "--world-size {}: the collectives need at least 2 rank threads",
+            a.world_size
+        )));
+    }
+    if a.device == CalibrateDeviceArg::Cuda {
+        return Err(CliError::Usage(if cfg!(feature = "cuda") {
+            "--device cuda: this version of fsdp calibrate measures the CPU (rank threads and the \
+             thread backend) only; use a built-in GPU profile (--hardware h100-sxm, h200, \
+             a100-80gb)"
+                .into()
+        } else {
+            "--device cuda: this binary is built without CUDA: rebuild with `cargo build \
+             --release --features cuda` (see gpu/README.md)"
+                .into()
+        }));
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = a.threads_per_rank.unwrap_or((cores / a.world_size).max(1));
+    let command = std::env::args().collect::<Vec<_>>().join(" ");
+    let name = a
+        .name
+        .clone()
+        .unwrap_or_else(|| format!("calibrated-{}", host_name()));
+    let opts = crate::calibrate::CalibrateOptions {
+        world_size: a.world_size,
+        threads_per_rank: threads,
+        command,
+        name,
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| CliError::Failed(format!("thread pool: {e}")))?;
+    let profile = pool
+        .install(|| crate::calibrate::calibrate(&opts))
+        .map_err(CliError::Failed)?;
+    let mut text = serde_json::to_string_pretty(&profile)
+        .map_err(|e| CliError::Failed(format!("serializing the profile: {e}")))?;
+    text.push('\n');
+    match &a.output {
+        Some(p) => std::fs::write(p, text)
+            .map_err(|e| CliError::Failed(format!("cannot write {}: {e}", p.display()))),
+        None => {
+            crate::output::print_out(&text);
+            Ok(())
+        }
+    }
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "host".into())
+}
