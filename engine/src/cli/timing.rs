@@ -40,6 +40,15 @@ fn pct(x: f64) -> String {
     format!("{:.1}%", 100.0 * x)
 }
 
+/// A FLOP rate in TFLOP/s from 1e12 up, else GFLOP/s, one decimal.
+fn flop_rate(x: f64) -> String {
+    if x >= 1e12 {
+        format!("{:.1} TFLOP/s", x / 1e12)
+    } else {
+        format!("{:.1} GFLOP/s", x / 1e9)
+    }
+}
+
 /// Tokens per second, rounded, with thousands separators.
 fn tokens(x: f64) -> String {
     fsdp_types::group_thousands(x.round() as u64)
@@ -91,11 +100,11 @@ pub fn render_prediction(p: &StepPrediction) -> String {
     }
     let _ = writeln!(
         o,
-        "  MFU              {:>10}   model FLOPs {:.3e}/step by {}; peak {:.1} TFLOP/s per rank from the profile",
+        "  MFU              {:>10}   model FLOPs {:.3e}/step by {}; peak {} per rank from the profile",
         pct(p.mfu),
         p.model_flops_per_step,
         p.flop_formula,
-        p.peak_flops_per_s / 1e12
+        flop_rate(p.peak_flops_per_s)
     );
     let _ = writeln!(
         o,
@@ -206,7 +215,7 @@ pub fn render_comparison(c: &StepComparison) -> String {
     };
     format!(
         "step time on {}: predicted {}/step, measured {} ({:+.1}%; {which})\n\
-         measured {} tokens/s | MFU {} (model FLOPs by {}; peak {:.1} TFLOP/s per rank from the profile)\n",
+         measured {} tokens/s | MFU {} (model FLOPs by {}; peak {} per rank from the profile)\n",
         c.hardware,
         format_seconds(c.predicted_s),
         format_seconds(c.measured_s),
@@ -214,7 +223,7 @@ pub fn render_comparison(c: &StepComparison) -> String {
         tokens(c.tokens_per_s),
         pct(c.mfu),
         c.flop_formula,
-        c.peak_flops_per_s / 1e12
+        flop_rate(c.peak_flops_per_s)
     )
 }
 
