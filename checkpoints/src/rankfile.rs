@@ -155,7 +155,7 @@ struct StoredTensor {
 /// A rank file known before any value is read: its tensors in data order and the exact bytes
 /// that precede the data (the 8-byte header length and the canonical header), computed from
 /// the layout alone. The bytes are those `safetensors::serialize_to_file` writes for the same
-/// tensors, header canonicalised ([`crate::header`]): tensors in data order by name, the
+/// tensors, header canonicalised (`header.rs`): tensors in data order by name, the
 /// header padded with spaces to a multiple of 8 bytes.
 #[derive(Debug, Clone)]
 pub struct RankFilePlan {

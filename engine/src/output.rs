@@ -6,7 +6,7 @@
 //! file it is redirected to filled its disk — that stream is given up for the rest of the
 //! process and the work goes on: training keeps training and saving, `plan`, `ckpt` and `data`
 //! finish and exit 0 when their work succeeded. `println!` would panic instead (exit 101), so
-//! the binary's code prints only through [`outln!`] / [`errln!`] and the functions here.
+//! the binary's code prints only through `outln!` / `errln!` and the functions here.
 //!
 //! With a log file open ([`open_log`]) every line printed on either stream is also appended
 //! to it, one `write` per line on a file opened with `O_APPEND`, so each line is in the file
