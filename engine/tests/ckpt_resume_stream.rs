@@ -236,3 +236,19 @@ fn a_resume_with_another_global_batch_records_the_sequences_consumed() {
     assert!(err.contains("continues at sequence 12"), "{err}");
     assert_eq!(position(&dir), (7, 16));
 }
+
+/// `fsdp train --eval-batches all` is `0`: every batch of the split, as `fsdp eval`'s `all`.
+#[test]
+fn train_eval_batches_all_is_every_batch() {
+    let t = tempfile::tempdir().unwrap();
+    let mut losses = Vec::new();
+    for n in ["all", "0"] {
+        let mut a = args(&t.path().join(n), 1, 1, 1, 1);
+        let i = a.iter().position(|s| s == "--eval-batches").unwrap();
+        a[i + 1] = n.into();
+        let (code, out, err) = fsdp(&a);
+        assert_eq!(code, 0, "{err}");
+        losses.push(summary(&out)["final_val_loss"].as_f64().unwrap().to_bits());
+    }
+    assert_eq!(losses[0], losses[1]);
+}

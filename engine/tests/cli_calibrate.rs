@@ -78,3 +78,18 @@ fn calibrate_refuses_one_rank_and_cuda_without_the_feature() {
         );
     }
 }
+
+#[test]
+fn calibrate_refuses_zero_threads_and_more_ranks_than_cores() {
+    let o = fsdp(&["calibrate", "--threads-per-rank", "0"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--threads-per-rank"), "{err}");
+    let o = fsdp(&["calibrate", "--world-size", "5000"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--world-size 5000: more rank threads than this host's"),
+        "{err}"
+    );
+}

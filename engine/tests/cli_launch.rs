@@ -252,3 +252,20 @@ fn cli_launch_bad_input_exits_2() {
         "{err}"
     );
 }
+
+/// A process count past the per-node limit is bad input, refused before any process starts.
+#[test]
+fn cli_launch_refuses_more_processes_than_a_node_runs() {
+    let started = Instant::now();
+    let o = fsdp()
+        .args(["launch", "--nproc", "100000", "--program", "/bin/true"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--nproc 100000 exceeds the limit of 1024 processes per node"),
+        "{err}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
+}

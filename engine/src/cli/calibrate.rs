@@ -21,7 +21,7 @@ pub struct CalibrateArgs {
     #[arg(long, default_value_t = 2)]
     pub world_size: usize,
     /// Compute threads per rank (default: cores / world size, as `fsdp train`).
-    #[arg(long)]
+    #[arg(long, value_parser = super::checks::at_least_one)]
     pub threads_per_rank: Option<usize>,
     /// The device to measure.
     #[arg(long, value_enum, default_value_t = CalibrateDeviceArg::Cpu)]
@@ -47,6 +47,15 @@ pub fn run(a: CalibrateArgs) -> Result<(), CliError> {
         return Err(CliError::Usage(format!(
             "--world-size {}: the collectives need at least 2 rank threads",
             a.world_size
+        )));
+    }
+    let cores = crate::preflight::cores();
+    if a.world_size > cores.max(2) {
+        return Err(CliError::Usage(format!(
+            "--world-size {}: more rank threads than this host's {cores} cores measure the \
+             scheduler, not the hardware; give at most {}",
+            a.world_size,
+            cores.max(2)
         )));
     }
     if a.device == CalibrateDeviceArg::Cuda {

@@ -181,6 +181,14 @@ pub fn run(args: LaunchArgs) -> Result<u8, CliError> {
     if args.nproc == 0 {
         return Err(CliError::Usage("--nproc must be at least 1".into()));
     }
+    if args.nproc > crate::preflight::MAX_THREAD_WORLD_SIZE {
+        return Err(CliError::Usage(format!(
+            "--nproc {} exceeds the limit of {} processes per node (one per device or core); \
+             start one launcher per node",
+            args.nproc,
+            crate::preflight::MAX_THREAD_WORLD_SIZE
+        )));
+    }
     let grace = seconds("--grace", args.grace)?;
     let window = seconds("--startup-window", args.startup_window)?;
     let min = args.min_nproc.unwrap_or(args.nproc);

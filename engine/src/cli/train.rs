@@ -23,6 +23,16 @@ use fsdp_planner::{GradSync, Strategy};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 
+/// Parses `fsdp train --eval-batches`: a count, `0` or `all` (every batch of the split).
+///
+/// Errors: the rule and the fix, for clap's message.
+fn eval_batches_or_zero(s: &str) -> Result<usize, String> {
+    match s.trim() {
+        "0" => Ok(0),
+        v => super::eval::eval_batches(v),
+    }
+}
+
 /// Sharding strategy names on the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum StrategyArg {
@@ -217,11 +227,11 @@ pub struct TrainArgs {
     /// Evaluate the validation loss every N steps (0: only at the end).
     #[arg(long, default_value_t = 0)]
     pub eval_every: u64,
-    /// Validation micro-batches per evaluation over all ranks (0: every micro-batch of the
+    /// Validation micro-batches per evaluation over all ranks (0 or `all`: every micro-batch of the
     /// split): the first N of the split in file order, shared by the ranks, so a run at
-    /// any world size evaluates the same windows (and `fsdp eval --eval-batches N` on its
-    /// checkpoint the same).
-    #[arg(long, default_value_t = 16)]
+    /// any world size with the same --micro-batch evaluates the same windows (and `fsdp eval
+    /// --eval-batches N` on its checkpoint the same).
+    #[arg(long, value_name = "N|all", default_value = "16", value_parser = eval_batches_or_zero)]
     pub eval_batches: usize,
     /// Without a terminal, print a progress line every N steps or every 30 seconds, whichever
     /// comes first, and at the last step: step, loss, lr, tokens/s, exposed communication and
