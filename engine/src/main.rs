@@ -55,6 +55,8 @@ fn tune_allocator() {
 fn main() -> ExitCode {
     tune_allocator();
     let cli = Cli::parse();
+    // Training's work is the model and its checkpoints; every other command's is its output.
+    let output_is_the_work = !matches!(cli.command, Command::Train(_) | Command::Launch(_));
     let result = match cli.command {
         Command::Train(a) => {
             // Ranks on this node: the rank threads, or the launcher's processes here.
@@ -81,6 +83,12 @@ fn main() -> ExitCode {
         },
         command => fsdp::cli::run(Cli { command }),
     };
+    let result = result.and_then(|()| match fsdp::output::stdout_failure() {
+        Some(e) if output_is_the_work => Err(fsdp::cli::CliError::Failed(format!(
+            "cannot write standard output: {e}; the output is incomplete"
+        ))),
+        _ => Ok(()),
+    });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         // The run said where it saved and how to resume.

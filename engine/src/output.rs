@@ -5,7 +5,8 @@
 //! SIGPIPE, so a closed pipe is an error here, never a signal), the terminal closed (EIO), the
 //! file it is redirected to filled its disk — that stream is given up for the rest of the
 //! process and the work goes on: training keeps training and saving, `plan`, `ckpt` and `data`
-//! finish and exit 0 when their work succeeded. `println!` would panic instead (exit 101), so
+//! finish and exit 0 when their work succeeded and the reader went away (EPIPE), or exit 1
+//! when their output could not be written otherwise (a full disk: [`stdout_failure`]). `println!` would panic instead (exit 101), so
 //! the binary's code prints only through `outln!` / `errln!` and the functions here.
 //!
 //! With a log file open ([`open_log`]) every line printed on either stream is also appended
@@ -22,6 +23,10 @@ use std::sync::Mutex;
 static STDOUT_GONE: AtomicBool = AtomicBool::new(false);
 /// Standard error failed once: nothing more is written to it.
 static STDERR_GONE: AtomicBool = AtomicBool::new(false);
+/// Why standard output failed, when it failed with another error than a closed reader
+/// (EPIPE): a full disk (ENOSPC), an I/O error. Commands whose output is their work exit 1
+/// with it ([`stdout_failure`]).
+static STDOUT_ERROR: Mutex<Option<String>> = Mutex::new(None);
 /// The log file, when one is open.
 static LOG: Mutex<Option<LogFile>> = Mutex::new(None);
 /// The log file's descriptor (-1: none), for the signal handler's last words ([`log_fd`]).
@@ -56,9 +61,26 @@ pub(crate) use errln;
 pub fn print_out(text: &str) {
     write_stream(&STDOUT_GONE, text.as_bytes(), |b| {
         let mut s = std::io::stdout().lock();
-        s.write_all(b).and_then(|()| s.flush())
+        let written = s.write_all(b).and_then(|()| s.flush());
+        if let Err(e) = &written {
+            if e.kind() != std::io::ErrorKind::BrokenPipe {
+                let mut first = STDOUT_ERROR.lock().unwrap_or_else(|p| p.into_inner());
+                first.get_or_insert_with(|| e.to_string());
+            }
+        }
+        written
     });
     log_only(text);
+}
+
+/// The error that made standard output fail, unless its reader merely went away (EPIPE, as
+/// under `| head`): a full disk, an I/O error. `plan`, `ckpt`, `data` and `eval` then exit 1
+/// with it, since their output is incomplete; training goes on regardless.
+pub fn stdout_failure() -> Option<String> {
+    STDOUT_ERROR
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone()
 }
 
 /// As [`print_out`], on standard error.

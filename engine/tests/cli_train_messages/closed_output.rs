@@ -119,6 +119,37 @@ fn plan_with_its_stdout_closed_exits_0() {
     }
 }
 
+/// A standard output that cannot be written for another reason than a reader that went away
+/// (a full disk: `/dev/full` answers every write with ENOSPC) leaves the output incomplete:
+/// `plan` exits 1 saying so, not 0. Training is not affected (its work is the checkpoints).
+#[test]
+fn plan_into_a_full_disk_exits_1() {
+    let full = std::fs::File::options().write(true).open("/dev/full");
+    let Ok(full) = full else {
+        println!("SKIPPED: no /dev/full on this system");
+        return;
+    };
+    let o = Command::new(env!("CARGO_BIN_EXE_fsdp"))
+        .args([
+            "plan",
+            "--model",
+            "tiny",
+            "--world-size",
+            "2",
+            "--format",
+            "json",
+        ])
+        .stdout(Stdio::from(full))
+        .output()
+        .unwrap();
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("cannot write standard output: No space left on device"),
+        "{err}"
+    );
+}
+
 #[test]
 fn ckpt_and_data_with_their_stdout_closed_do_their_work_and_exit_0() {
     let t = tempfile::tempdir().unwrap();
