@@ -8,42 +8,12 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 mod run_cli;
-use run_cli::{fsdp, losses, rewind};
+use run_cli::{fsdp, losses, rewind, tiny_train_args};
 
 /// A tiny, fast run: tiny GPT, `world` ranks, 1 x 16 tokens per micro-batch, a save every 2
 /// steps, all kept.
 fn train_args(root: &Path, steps: u64, world: &str) -> Vec<String> {
-    [
-        "train",
-        "--model",
-        "tiny",
-        "--world-size",
-        world,
-        "--micro-batch",
-        "1",
-        "--seq-len",
-        "16",
-        "--warmup",
-        "1",
-        "--eval-batches",
-        "1",
-        "--threads-per-rank",
-        "1",
-        "--json",
-        "--ckpt-every",
-        "2",
-        "--keep-last",
-        "0",
-        "--ckpt-dir",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain([
-        root.display().to_string(),
-        "--steps".into(),
-        steps.to_string(),
-    ])
-    .collect()
+    tiny_train_args(root, steps, world, 1, 2, 0)
 }
 
 /// Every file under `root` (relative path -> bytes).

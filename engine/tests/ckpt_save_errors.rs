@@ -11,41 +11,11 @@ use std::path::Path;
 use std::process::Command;
 
 mod run_cli;
-use run_cli::{fsdp, losses, rewind};
+use run_cli::{fsdp, losses, rewind, tiny_train_args};
 
 /// A tiny, fast run: tiny GPT, 2 ranks, 1 x 16 tokens per micro-batch, a save every 2 steps.
 fn train_args(root: &Path, steps: u64) -> Vec<String> {
-    [
-        "train",
-        "--model",
-        "tiny",
-        "--world-size",
-        "2",
-        "--micro-batch",
-        "1",
-        "--seq-len",
-        "16",
-        "--warmup",
-        "1",
-        "--eval-batches",
-        "1",
-        "--threads-per-rank",
-        "1",
-        "--json",
-        "--ckpt-every",
-        "2",
-        "--keep-last",
-        "1",
-        "--ckpt-dir",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain([
-        root.display().to_string(),
-        "--steps".into(),
-        steps.to_string(),
-    ])
-    .collect()
+    tiny_train_args(root, steps, "2", 1, 2, 1)
 }
 
 /// Runs `fsdp args` with a file size limit of `limit` bytes (what `ulimit -f` sets).

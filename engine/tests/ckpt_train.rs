@@ -9,41 +9,11 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod run_cli;
-use run_cli::{fsdp, losses, rewind};
+use run_cli::{fsdp, losses, rewind, tiny_train_args};
 
 /// A tiny, fast run: tiny GPT, 2 ranks, 1 x 16 tokens per micro-batch.
 fn train_args(root: &Path, steps: u64, world: &str) -> Vec<String> {
-    [
-        "train",
-        "--model",
-        "tiny",
-        "--world-size",
-        world,
-        "--micro-batch",
-        "1",
-        "--seq-len",
-        "16",
-        "--warmup",
-        "2",
-        "--eval-batches",
-        "1",
-        "--threads-per-rank",
-        "1",
-        "--json",
-        "--ckpt-every",
-        "1",
-        "--keep-last",
-        "2",
-        "--ckpt-dir",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain([
-        root.display().to_string(),
-        "--steps".into(),
-        steps.to_string(),
-    ])
-    .collect()
+    tiny_train_args(root, steps, world, 2, 1, 2)
 }
 
 /// Every state buffer of the newest checkpoint, consolidated, as bits.

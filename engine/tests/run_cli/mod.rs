@@ -42,3 +42,46 @@ pub fn rewind(root: &Path, step: u64) {
     }
     std::fs::write(root.join("latest"), format!("step-{step:08}\n")).unwrap();
 }
+
+/// `fsdp train` arguments of a tiny, fast run into `root`: tiny GPT, `world` rank threads,
+/// 1 x 16 tokens per micro-batch, `--warmup warmup`, one validation batch, one thread per
+/// rank, `--json` lines, a save every `every` steps, the newest `keep` kept (0: all).
+#[allow(dead_code)] // not every test crate that includes this module trains a tiny run
+pub fn tiny_train_args(
+    root: &Path,
+    steps: u64,
+    world: &str,
+    warmup: u64,
+    every: u64,
+    keep: u64,
+) -> Vec<String> {
+    let mut v: Vec<String> = [
+        "train",
+        "--model",
+        "tiny",
+        "--micro-batch",
+        "1",
+        "--seq-len",
+        "16",
+        "--eval-batches",
+        "1",
+        "--threads-per-rank",
+        "1",
+        "--json",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    for (flag, value) in [
+        ("--world-size", world.to_string()),
+        ("--warmup", warmup.to_string()),
+        ("--ckpt-every", every.to_string()),
+        ("--keep-last", keep.to_string()),
+        ("--ckpt-dir", root.display().to_string()),
+        ("--steps", steps.to_string()),
+    ] {
+        v.push(flag.into());
+        v.push(value);
+    }
+    v
+}
