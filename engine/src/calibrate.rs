@@ -21,9 +21,10 @@
 
 use fsdp_comm::{run_threads, BufMut, Communicator, Group, OwnedBuf, ReduceOp, Topology};
 use fsdp_planner::time::{
-    CollectiveCost, Collectives, CurvePoint, GemmCurve, GemmRates, HardwareProfile, HostLink,
-    LinkCollectives, PROFILE_SCHEMA,
+    BandwidthPoint, CollectiveCost, Collectives, CurvePoint, GemmCurve, GemmRates, HardwareProfile,
+    HostLink, LinkCollectives, PROFILE_SCHEMA,
 };
+use fsdp_types::DType;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -32,6 +33,18 @@ pub const MIN_SECONDS: f64 = 0.15;
 
 /// GEMM sizes (square `n`).
 const GEMM_SIZES: [usize; 5] = [64, 128, 256, 512, 1024];
+
+/// Bytes one copy pass moves (read plus written) for the memory bandwidth curve: from
+/// within a core's L2 cache to well past the last-level cache.
+const COPY_MOVED_BYTES: [usize; 7] = [
+    64 << 10,
+    256 << 10,
+    1 << 20,
+    4 << 20,
+    16 << 20,
+    64 << 20,
+    128 << 20,
+];
 
 /// Collective sizes, bytes of the whole array.
 const COLLECTIVE_BYTES: [usize; 5] = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20];
@@ -47,6 +60,8 @@ pub struct CalibrateOptions {
     pub command: String,
     /// The profile's name.
     pub name: String,
+    /// Fit the compute model to reference training steps ([`crate::calibrate_fit`]).
+    pub compute_fit: bool,
 }
 
 /// Runs `f` repeatedly for at least [`MIN_SECONDS`]; returns (calls, seconds).
@@ -86,6 +101,8 @@ fn gemm_rate(dtype: candle_core::DType, n: usize) -> Result<f64, String> {
 struct RankRates {
     gemm: Vec<(candle_core::DType, Vec<f64>)>,
     copy_bytes_per_s: f64,
+    /// Bytes per second of a copy pass per [`COPY_MOVED_BYTES`] size.
+    copy_curve: Vec<f64>,
     elementwise_flops_per_s: f64,
     /// (kind, bytes, seconds) of each collective size.
     collectives: Vec<(&'static str, usize, f64)>,
@@ -116,6 +133,19 @@ fn measure_rank(comm: &dyn Communicator) -> Result<RankRates, String> {
         std::hint::black_box(&dst);
     });
     let copy_bytes_per_s = 2.0 * (src.len() * 4) as f64 * calls as f64 / s;
+    drop((src, dst));
+    let mut copy_curve = Vec::new();
+    for moved in COPY_MOVED_BYTES {
+        let n = moved / 8;
+        let src = vec![1.0f32; n];
+        let mut dst = vec![0.0f32; n];
+        comm.barrier(Group::World).map_err(e)?;
+        let (calls, s) = repeat(|| {
+            dst.copy_from_slice(&src);
+            std::hint::black_box(&dst);
+        });
+        copy_curve.push((8 * n) as f64 * calls as f64 / s);
+    }
     let x = vec![1.0001f32; 64 << 10];
     let mut y = vec![0.5f32; 64 << 10];
     let (calls, s) = repeat(|| {
@@ -127,6 +157,17 @@ fn measure_rank(comm: &dyn Communicator) -> Result<RankRates, String> {
     let elementwise_flops_per_s = 2.0 * x.len() as f64 * calls as f64 / s;
     comm.barrier(Group::World).map_err(e)?;
     let mut collectives = Vec::new();
+    if w < 2 {
+        // One rank: no peer to measure a collective or its overlap with.
+        return Ok(RankRates {
+            gemm,
+            copy_bytes_per_s,
+            copy_curve,
+            elementwise_flops_per_s,
+            collectives,
+            overlap_slowdown: 0.0,
+        });
+    }
     for bytes in COLLECTIVE_BYTES {
         let numel = bytes / 4 / w * w;
         for kind in ["all_gather", "reduce_scatter", "all_reduce"] {
@@ -202,6 +243,7 @@ fn measure_rank(comm: &dyn Communicator) -> Result<RankRates, String> {
     Ok(RankRates {
         gemm,
         copy_bytes_per_s,
+        copy_curve,
         elementwise_flops_per_s,
         collectives,
         overlap_slowdown,
@@ -227,13 +269,10 @@ fn fit(points: &[(f64, f64)]) -> (f64, f64) {
 
 /// Measures this machine (see the module doc) and returns its profile.
 ///
-/// Errors: a world size under 2, a failed collective or matmul (with its words).
+/// Errors: a world size of 0, a failed collective, matmul or reference job (with its words).
 pub fn calibrate(o: &CalibrateOptions) -> Result<HardwareProfile, String> {
-    if o.world_size < 2 {
-        return Err(format!(
-            "--world-size {}: the collectives need at least 2 rank threads",
-            o.world_size
-        ));
+    if o.world_size < 1 {
+        return Err("--world-size 0: calibrate needs at least 1 rank thread".into());
     }
     let w = o.world_size;
     let topo = Topology::new(w, 1).map_err(|e| e.to_string())?;
@@ -267,6 +306,7 @@ pub fn calibrate(o: &CalibrateOptions) -> Result<HardwareProfile, String> {
         // Every rank's time of a size, averaged, against S * factor.
         let pts: Vec<(f64, f64)> = COLLECTIVE_BYTES
             .iter()
+            .take(if w < 2 { 0 } else { COLLECTIVE_BYTES.len() })
             .enumerate()
             .map(|(k, _)| {
                 let idx = k * 3
@@ -279,6 +319,14 @@ pub fn calibrate(o: &CalibrateOptions) -> Result<HardwareProfile, String> {
                 (bytes * factor, mean(&|r: &RankRates| r.collectives[idx].2))
             })
             .collect();
+        if w < 2 {
+            // Never used by a one-rank plan; the copy bandwidth keeps the profile whole.
+            return CollectiveCost {
+                latency_s: 0.0,
+                step_latency_s: 0.0,
+                bus_bandwidth_bytes_per_s: mean(&|r: &RankRates| r.copy_bytes_per_s),
+            };
+        }
         let (latency, bw) = fit(&pts);
         CollectiveCost {
             latency_s: latency,
@@ -325,11 +373,19 @@ pub fn calibrate(o: &CalibrateOptions) -> Result<HardwareProfile, String> {
         "elementwise_flops_per_s".into(),
         measured("y = a x + y over 256 KiB of f32 per rank, 2 FLOPs per element"),
     );
+    sources.insert(
+        "memory_bandwidth_curve".into(),
+        measured("copy passes moving 64 KiB..128 MiB (read plus written) per rank, every rank at once, mean over ranks"),
+    );
     for kind in ["all_gather", "reduce_scatter", "all_reduce"] {
         for f in ["latency_s", "step_latency_s", "bus_bandwidth_bytes_per_s"] {
             sources.insert(
                 format!("collectives.intra_node.{kind}.{f}"),
-                measured("thread backend over the rank threads, 64 KiB..16 MiB, median of 7 calls, least squares of t = latency + S f / busbw (step latency folded into latency)"),
+                if w < 2 {
+                    measured("not measured: one rank has no peer (a one-rank plan issues no collective); the copy bandwidth, latency 0")
+                } else {
+                    measured("thread backend over the rank threads, 64 KiB..16 MiB, median of 7 calls, least squares of t = latency + S f / busbw (step latency folded into latency)")
+                },
             );
             sources.insert(
                 format!("collectives.inter_node.{kind}.{f}"),
@@ -347,9 +403,21 @@ pub fn calibrate(o: &CalibrateOptions) -> Result<HardwareProfile, String> {
     );
     sources.insert(
         "overlap_slowdown".into(),
-        measured("rank 0's 256 x 256 f32 matmul rate alone / while a 16 MiB all-reduce runs on its progress thread, minus 1"),
+        if w < 2 {
+            measured("not measured: one rank has no collective to overlap; 0")
+        } else {
+            measured("rank 0's 256 x 256 f32 matmul rate alone / while a 16 MiB all-reduce runs on its progress thread, minus 1")
+        },
     );
-    let p = HardwareProfile {
+    let memory_bandwidth_curve = COPY_MOVED_BYTES
+        .iter()
+        .enumerate()
+        .map(|(k, &b)| BandwidthPoint {
+            bytes: b as f64,
+            bytes_per_s: mean(&|r: &RankRates| r.copy_curve[k]),
+        })
+        .collect();
+    let mut p = HardwareProfile {
         schema: PROFILE_SCHEMA.to_string(),
         name: o.name.clone(),
         description: format!(
@@ -374,10 +442,41 @@ pub fn calibrate(o: &CalibrateOptions) -> Result<HardwareProfile, String> {
             optimizer_bytes_per_s: copy,
         },
         overlap_slowdown: ranks[0].overlap_slowdown,
+        memory_bandwidth_curve,
+        compute_fit: Default::default(),
         sources,
     };
     p.validate("fsdp calibrate")
         .map_err(|e| format!("the measured profile is not valid: {e}"))?;
+    if o.compute_fit {
+        let names: Vec<String> = crate::calibrate_fit::REFERENCES
+            .iter()
+            .map(|r| {
+                format!(
+                    "{} (micro-batch {}, seq {})",
+                    r.model, r.micro_batch, r.seq_len
+                )
+            })
+            .collect();
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            let samples =
+                crate::calibrate_fit::measure_references(&p, w, o.threads_per_rank.max(1), dt)?;
+            let f = crate::calibrate_fit::fit(&samples)?;
+            p.sources.insert(
+                format!("compute_fit.{}", dt.name()),
+                measured(&format!(
+                    "least squares over the forward and backward time of every unit of {} full-shard training steps computing in {} of {}, the first {} not counted, median over steps and ranks; each job weighted alike",
+                    crate::calibrate_fit::STEPS,
+                    dt.name(),
+                    names.join(", "),
+                    crate::calibrate_fit::SKIPPED_STEPS
+                )),
+            );
+            p.compute_fit.set(dt, f);
+        }
+        p.validate("fsdp calibrate")
+            .map_err(|e| format!("the fitted profile is not valid: {e}"))?;
+    }
     Ok(p)
 }
 

@@ -3,6 +3,7 @@
 //! requests exit 2.
 
 use fsdp_planner::time::HardwareProfile;
+use fsdp_types::DType;
 use std::process::{Command, Output};
 
 fn fsdp(args: &[&str]) -> Output {
@@ -17,7 +18,17 @@ fn calibrated_profile_is_complete_and_plans_a_step() {
     let d = tempfile::tempdir().unwrap();
     let path = d.path().join("here.json");
     let p = path.to_str().unwrap();
-    let o = fsdp(&["calibrate", "--world-size", "2", "--name", "here", "-o", p]);
+    let o = fsdp(&[
+        "calibrate",
+        "--world-size",
+        "2",
+        "--compute-fit",
+        "off",
+        "--name",
+        "here",
+        "-o",
+        p,
+    ]);
     assert_eq!(
         o.status.code(),
         Some(0),
@@ -42,6 +53,17 @@ fn calibrated_profile_is_complete_and_plans_a_step() {
         }
     }
     assert!(prof.overlap_slowdown.is_finite() && prof.overlap_slowdown >= 0.0);
+    // The bandwidth curve: 64 KiB..128 MiB moved per pass; no fit was asked for.
+    let bytes: Vec<f64> = prof
+        .memory_bandwidth_curve
+        .iter()
+        .map(|p| p.bytes)
+        .collect();
+    assert_eq!(
+        bytes,
+        [16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 32768.0].map(|k| k * 4096.0)
+    );
+    assert!(prof.compute_fit.is_empty());
     // Every number's source says it was measured, by which command.
     for path in prof.numeric_paths() {
         let s = prof
@@ -62,12 +84,75 @@ fn calibrated_profile_is_complete_and_plans_a_step() {
     assert!(out.contains("predicted step on here (W=1"), "{out}");
 }
 
+/// Forward positions of a preset's plan at one rank (every position also runs a backward in
+/// these models: each unit is trainable).
+fn positions(model: &str) -> u64 {
+    let spec = fsdp_planner::preset(model).unwrap();
+    let mut c = fsdp_planner::PlanConfig::new(1);
+    c.micro_batch = 2;
+    c.seq_len = 64;
+    fsdp_planner::plan(&spec, &c)
+        .unwrap()
+        .schedule
+        .forward
+        .len() as u64
+}
+
 #[test]
-fn calibrate_refuses_one_rank_and_cuda_without_the_feature() {
-    let o = fsdp(&["calibrate", "--world-size", "1"]);
+fn one_rank_calibrates_without_collectives_and_fits_the_compute_model_per_dtype() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("one.json");
+    let p = path.to_str().unwrap();
+    let o = fsdp(&["calibrate", "--world-size", "1", "-o", p]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let prof = HardwareProfile::from_json(&std::fs::read_to_string(&path).unwrap(), p).unwrap();
+    assert_eq!(prof.ranks_per_node, 1);
+    // Each reference job gives every position's forward and backward.
+    let samples: u64 = fsdp::calibrate_fit::REFERENCES
+        .iter()
+        .map(|r| 2 * positions(r.model))
+        .sum();
+    assert_eq!(samples, 40);
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        let f = prof
+            .compute_fit
+            .get(dt)
+            .unwrap_or_else(|| panic!("no {dt:?} fit"));
+        assert_eq!(f.samples, samples, "{dt:?}");
+        assert!(
+            f.gemm_scale > 0.0 && f.rms_relative_error.is_finite(),
+            "{f:?}"
+        );
+        let src = &prof.sources[&format!("compute_fit.{}", dt.name())];
+        assert!(
+            src.contains("least squares") && src.contains(dt.name()),
+            "{src}"
+        );
+    }
+    let src = &prof.sources["collectives.intra_node.all_gather.bus_bandwidth_bytes_per_s"];
+    assert!(src.contains("not measured: one rank"), "{src}");
+    assert_eq!(prof.overlap_slowdown, 0.0);
+    // The fitted profile predicts: its f32 fit is what a plan computing in f32 uses.
+    let o = fsdp(&["plan", "--model", "mini", "--time", "--hardware", p]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[test]
+fn calibrate_refuses_zero_ranks_and_cuda_without_the_feature() {
+    let o = fsdp(&["calibrate", "--world-size", "0"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
-    assert!(err.contains("at least 2 rank threads"), "{err}");
+    assert!(err.contains("at least 1 rank thread"), "{err}");
     let o = fsdp(&["calibrate", "--device", "cuda"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
@@ -89,7 +174,7 @@ fn calibrate_refuses_zero_threads_and_more_ranks_than_cores() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(
-        err.contains("--world-size 5000: more rank threads than this host's"),
+        err.contains("--world-size 5000: more than 4 rank threads per core"),
         "{err}"
     );
 }

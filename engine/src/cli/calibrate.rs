@@ -13,11 +13,21 @@ pub enum CalibrateDeviceArg {
     Cuda,
 }
 
+/// A switch given as `on` or `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnOff {
+    /// On.
+    On,
+    /// Off.
+    Off,
+}
+
 /// Arguments of `fsdp calibrate`.
 #[derive(Debug, clap::Args)]
 pub struct CalibrateArgs {
-    /// Rank threads measured at once (as `fsdp train --world-size`; at least 2, the
-    /// collectives need two ranks).
+    /// Rank threads measured at once, as the `fsdp train --world-size` the profile is for
+    /// (1: no collectives are measured; a one-rank plan issues none). On a CPU every rank's
+    /// rates are its share of the cores, so calibrate at the world size you will train at.
     #[arg(long, default_value_t = 2)]
     pub world_size: usize,
     /// Compute threads per rank (default: cores / world size, as `fsdp train`).
@@ -29,6 +39,10 @@ pub struct CalibrateArgs {
     /// The profile's name (default: `calibrated-<host>`).
     #[arg(long)]
     pub name: Option<String>,
+    /// Fit the compute model to reference training steps run on this machine (`on`, about 10
+    /// seconds: the profile's `compute_fit`), or leave the analytical model as is (`off`).
+    #[arg(long, value_enum, value_name = "on|off", default_value_t = OnOff::On)]
+    pub compute_fit: OnOff,
     /// Write the profile here (default: standard output).
     #[arg(short = 'o', long, value_name = "FILE")]
     pub output: Option<PathBuf>,
@@ -43,19 +57,20 @@ pub fn run(a: CalibrateArgs) -> Result<(), CliError> {
     if let Some(o) = &a.output {
         crate::checkpoint::offline::check_output_file("-o", o)?;
     }
-    if a.world_size < 2 {
-        return Err(CliError::Usage(format!(
-            "--world-size {}: the collectives need at least 2 rank threads",
-            a.world_size
-        )));
+    if a.world_size < 1 {
+        return Err(CliError::Usage(
+            "--world-size 0: give at least 1 rank thread".into(),
+        ));
     }
     let cores = crate::preflight::cores();
-    if a.world_size > cores.max(2) {
+    // Oversubscribed ranks share cores as they do in training at that world size; far beyond
+    // the cores, calibrate would measure the scheduler, not the hardware.
+    let most = 4 * cores.max(1);
+    if a.world_size > most {
         return Err(CliError::Usage(format!(
-            "--world-size {}: more rank threads than this host's {cores} cores measure the \
-             scheduler, not the hardware; give at most {}",
-            a.world_size,
-            cores.max(2)
+            "--world-size {}: more than 4 rank threads per core of this host's {cores} cores \
+             measure the scheduler, not the hardware; give at most {most}",
+            a.world_size
         )));
     }
     if a.device == CalibrateDeviceArg::Cuda {
@@ -82,6 +97,7 @@ pub fn run(a: CalibrateArgs) -> Result<(), CliError> {
         threads_per_rank: threads,
         command,
         name,
+        compute_fit: a.compute_fit == OnOff::On,
     };
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)

@@ -148,6 +148,9 @@ pub struct StepComparison {
     pub hardware: String,
     /// Predicted seconds per step.
     pub predicted_s: f64,
+    /// Predicted seconds per step the compute thread waits for collectives (exposed
+    /// communication; the measured counterpart is each step's `comm_exposed_seconds`).
+    pub predicted_exposed_comm_s: f64,
     /// Measured seconds per step: the median step time of the run excluding its first step
     /// (which pays one-time allocations); the only step when the run had one.
     pub measured_s: f64,
@@ -194,6 +197,7 @@ pub fn compare(pred: &StepPrediction, step_seconds: &[f64]) -> Option<StepCompar
     Some(StepComparison {
         hardware: pred.hardware.clone(),
         predicted_s: pred.step_s,
+        predicted_exposed_comm_s: pred.exposed_comm_s,
         measured_s,
         measured_steps: counted.len(),
         first_excluded,
@@ -232,6 +236,7 @@ pub fn comparison_json(c: &StepComparison) -> serde_json::Value {
     serde_json::json!({
         "hardware": c.hardware,
         "predicted_step_s": c.predicted_s,
+        "predicted_exposed_comm_s": c.predicted_exposed_comm_s,
         "measured_step_s": c.measured_s,
         "measured_steps": c.measured_steps,
         "first_step_excluded": c.first_excluded,

@@ -36,7 +36,11 @@
 //!   `optimizer` after the step, under `params` before each all-gather).
 //!
 //! Compute: a GEMM call takes `flops / rate(flops)` from the profile's curve for
-//! `param_dtype`; an elementwise op `max(bytes / memory bandwidth, flops / elementwise rate)`.
+//! `param_dtype`; an elementwise op `max(bytes / memory bandwidth, flops / elementwise rate)`
+//! (the bandwidth of a pass of that many bytes when the profile has a bandwidth curve); a
+//! use's compute is `gemm_scale x` its GEMM seconds `+ elementwise_scale x` its elementwise
+//! seconds `+ op_overhead_s x` its op count, the profile's [`ComputeFit`] for `param_dtype`
+//! (1, 1, 0 without one). Memory-bound passes (casts, copies, the optimizer) take the curve's time too.
 //! A collective of `S` bytes over `n` ranks takes NCCL's ring model
 //! ([`profile::CollectiveCost`]): latency plus `S (n-1)/n / busbw` (all-gather,
 //! reduce-scatter) or `S 2(n-1)/n / busbw` (all-reduce), `S` the whole array (nccl-tests'
@@ -72,10 +76,11 @@ use crate::memory::Phase;
 use serde::{Deserialize, Serialize};
 
 pub use profile::{
-    builtin_profile, CollectiveCost, Collectives, CurvePoint, GemmCurve, GemmRates,
-    HardwareProfile, HostLink, LinkCollectives, BUILTIN_PROFILE_NAMES, PROFILE_SCHEMA,
+    builtin_profile, BandwidthPoint, CollectiveCost, Collectives, ComputeFit, ComputeFits,
+    CurvePoint, GemmCurve, GemmRates, HardwareProfile, HostLink, LinkCollectives,
+    BUILTIN_PROFILE_NAMES, PROFILE_SCHEMA,
 };
-pub use step::predict;
+pub use step::{predict, use_compute_parts, ComputeParts, UseParts};
 
 /// What the plan does not say about a step and the time model needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

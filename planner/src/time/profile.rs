@@ -30,6 +30,15 @@
 //!   },
 //!   "overlap_slowdown": float,                  // compute runs 1 + this slower while a
 //!                                               // collective is in flight (0 = free overlap)
+//!   "memory_bandwidth_curve": [                 // optional: bandwidth by bytes one pass
+//!     {"bytes": float, "bytes_per_s": float}    // moves (caches); linear in log10(bytes)
+//!   ],
+//!   "compute_fit": {                            // optional: fitted by `fsdp calibrate`,
+//!     "bf16" | "f16" | "f32" | "f64": {         // per param_dtype, each optional
+//!       "gemm_scale": float, "elementwise_scale": float, "op_overhead_s": float,
+//!       "rms_relative_error": float, "samples": int
+//!     }
+//!   },
 //!   "sources": {"json.path": "where the number comes from", ...}
 //! }
 //! ```
@@ -142,6 +151,108 @@ impl GemmRates {
     }
 }
 
+/// One point of a memory bandwidth curve.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BandwidthPoint {
+    /// Bytes one pass reads plus writes.
+    pub bytes: f64,
+    /// Bytes per second such a pass achieves.
+    pub bytes_per_s: f64,
+}
+
+/// How measured unit compute times relate to the analytical model on a machine: a unit use's
+/// compute time is `gemm_scale x` its GEMM seconds (the GEMM curve) `+ elementwise_scale x`
+/// its elementwise seconds (the roofline of bandwidth and elementwise rate) `+ op_overhead_s
+/// x` its op count. The analytical model leaves out what a framework adds around the math
+/// (output allocation and first touch, dispatch, layout copies, transcendental functions
+/// slower than a multiply-add), so `fsdp calibrate` fits these three numbers by least
+/// squares to the forward and backward times of every unit of reference training steps it
+/// runs on the machine, each job weighted alike (GPT-2 and Llama-family models, not the one predicted). Absent from a
+/// profile: 1, 1 and 0.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ComputeFit {
+    /// Factor on GEMM seconds (> 0).
+    pub gemm_scale: f64,
+    /// Factor on elementwise seconds (>= 0).
+    pub elementwise_scale: f64,
+    /// Seconds added per op (>= 0).
+    pub op_overhead_s: f64,
+    /// The root-mean-square relative error of the fitted total compute of the reference jobs
+    /// it was fitted to (informative).
+    pub rms_relative_error: f64,
+    /// How many unit times it was fitted to (informative).
+    pub samples: u64,
+}
+
+/// [`ComputeFit`]s by the dtype the model computes in (`param_dtype`), each optional.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ComputeFits {
+    /// bf16 compute.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bf16: Option<ComputeFit>,
+    /// f16 compute.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub f16: Option<ComputeFit>,
+    /// f32 compute.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub f32: Option<ComputeFit>,
+    /// f64 compute.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub f64: Option<ComputeFit>,
+}
+
+impl ComputeFits {
+    /// Whether no dtype has a fit.
+    pub fn is_empty(&self) -> bool {
+        self.entries().iter().all(|(_, f)| f.is_none())
+    }
+
+    /// The fit of `dtype`, if any.
+    pub fn get(&self, dtype: DType) -> Option<ComputeFit> {
+        match dtype {
+            DType::BF16 => self.bf16,
+            DType::F16 => self.f16,
+            DType::F32 => self.f32,
+            DType::F64 => self.f64,
+        }
+    }
+
+    /// Sets the fit of `dtype`.
+    pub fn set(&mut self, dtype: DType, fit: ComputeFit) {
+        let slot = match dtype {
+            DType::BF16 => &mut self.bf16,
+            DType::F16 => &mut self.f16,
+            DType::F32 => &mut self.f32,
+            DType::F64 => &mut self.f64,
+        };
+        *slot = Some(fit);
+    }
+
+    /// (JSON key, fit) per dtype.
+    fn entries(&self) -> [(&'static str, Option<ComputeFit>); 4] {
+        [
+            ("bf16", self.bf16),
+            ("f16", self.f16),
+            ("f32", self.f32),
+            ("f64", self.f64),
+        ]
+    }
+}
+
+impl ComputeFit {
+    /// No correction: the analytical model as is.
+    pub const IDENTITY: ComputeFit = ComputeFit {
+        gemm_scale: 1.0,
+        elementwise_scale: 1.0,
+        op_overhead_s: 0.0,
+        rms_relative_error: 0.0,
+        samples: 0,
+    };
+}
+
 /// The cost of one collective kind on one level of links (NCCL's ring model, `tuning.cc`:
 /// latency = base + steps x per-step latency; time = latency + bytes / algorithm bandwidth).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -217,6 +328,16 @@ pub struct HardwareProfile {
     pub host: HostLink,
     /// Fraction by which compute slows while a collective is in flight (>= 0).
     pub overlap_slowdown: f64,
+    /// Memory bandwidth by bytes moved in one pass (optional; `fsdp calibrate` measures it):
+    /// a pass whose bytes fit a cache runs faster than `memory_bandwidth_bytes_per_s`. Empty:
+    /// every pass runs at `memory_bandwidth_bytes_per_s`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub memory_bandwidth_curve: Vec<BandwidthPoint>,
+    /// The compute model's correction per `param_dtype`, fitted to measured training steps
+    /// (optional; `fsdp calibrate` fits it on the CPU). Absent for a dtype: the analytical
+    /// model as is.
+    #[serde(default, skip_serializing_if = "ComputeFits::is_empty")]
+    pub compute_fit: ComputeFits,
     /// The source of each number, by JSON path.
     #[serde(default)]
     pub sources: BTreeMap<String, String>,
@@ -377,7 +498,106 @@ impl HardwareProfile {
             self.host.optimizer_bytes_per_s,
         )?;
         non_negative("overlap_slowdown", self.overlap_slowdown)?;
+        self.validate_calibration(origin)
+    }
+
+    /// Checks the optional calibrated parts: the bandwidth curve's points (positive, `bytes`
+    /// increasing, rates at most 1 PB/s) and the compute fit (a positive GEMM scale and
+    /// non-negative elementwise scale of at most 100, an op overhead of at most 10 ms).
+    fn validate_calibration(&self, origin: &str) -> Result<(), PlanError> {
+        let finite = |field: String, v: f64, lo: f64, lo_open: bool, hi: f64| {
+            let below = if lo_open { v <= lo } else { v < lo };
+            if !v.is_finite() {
+                Err(bad(origin, field, format!("is not a finite number ({v})")))
+            } else if below || v > hi {
+                let open = if lo_open { "(" } else { "[" };
+                Err(bad(
+                    origin,
+                    field,
+                    format!("is {v}, outside the plausible range {open}{lo}, {hi}]"),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        for (i, pt) in self.memory_bandwidth_curve.iter().enumerate() {
+            let at = format!("memory_bandwidth_curve[{i}]");
+            finite(format!("{at}.bytes"), pt.bytes, 0.0, true, 1e18)?;
+            finite(format!("{at}.bytes_per_s"), pt.bytes_per_s, 0.0, true, 1e15)?;
+            if i > 0 && pt.bytes <= self.memory_bandwidth_curve[i - 1].bytes {
+                return Err(bad(
+                    origin,
+                    format!("{at}.bytes"),
+                    format!(
+                        "must exceed the previous point's ({} <= {})",
+                        pt.bytes,
+                        self.memory_bandwidth_curve[i - 1].bytes
+                    ),
+                ));
+            }
+        }
+        for (dt, f) in self.compute_fit.entries() {
+            let Some(f) = f else { continue };
+            let at = format!("compute_fit.{dt}");
+            finite(format!("{at}.gemm_scale"), f.gemm_scale, 0.0, true, 100.0)?;
+            finite(
+                format!("{at}.elementwise_scale"),
+                f.elementwise_scale,
+                0.0,
+                false,
+                100.0,
+            )?;
+            finite(
+                format!("{at}.op_overhead_s"),
+                f.op_overhead_s,
+                0.0,
+                false,
+                0.01,
+            )?;
+            finite(
+                format!("{at}.rms_relative_error"),
+                f.rms_relative_error,
+                0.0,
+                false,
+                1e3,
+            )?;
+        }
         Ok(())
+    }
+
+    /// Seconds of one memory-bound pass moving `bytes` (read plus written): the bandwidth
+    /// curve's rate for that size (linear in `log10(bytes)` between points, clamped at both
+    /// ends) when the profile has one, else `memory_bandwidth_bytes_per_s`.
+    pub fn memory_seconds(&self, bytes: f64) -> f64 {
+        if bytes <= 0.0 {
+            return 0.0;
+        }
+        let p = &self.memory_bandwidth_curve;
+        let rate = match (p.first(), p.last()) {
+            (Some(first), Some(last)) => {
+                if bytes <= first.bytes {
+                    first.bytes_per_s
+                } else if bytes >= last.bytes {
+                    last.bytes_per_s
+                } else {
+                    let w = p
+                        .windows(2)
+                        .find(|w| bytes <= w[1].bytes)
+                        .unwrap_or(&p[p.len() - 2..]);
+                    let (a, b) = (w[0], w[1]);
+                    let x = (bytes.log10() - a.bytes.log10()) / (b.bytes.log10() - a.bytes.log10());
+                    a.bytes_per_s + x * (b.bytes_per_s - a.bytes_per_s)
+                }
+            }
+            _ => self.memory_bandwidth_bytes_per_s,
+        };
+        bytes / rate
+    }
+
+    /// The compute fit for a model computing in `dtype`: the profile's, or
+    /// [`ComputeFit::IDENTITY`] when it has none for that dtype.
+    pub fn fit(&self, dtype: DType) -> ComputeFit {
+        self.compute_fit.get(dtype).unwrap_or(ComputeFit::IDENTITY)
     }
 
     /// The profile's GEMM curve for `dtype`.
@@ -423,6 +643,14 @@ impl HardwareProfile {
         v.push("host.link_bytes_per_s".into());
         v.push("host.optimizer_bytes_per_s".into());
         v.push("overlap_slowdown".into());
+        if !self.memory_bandwidth_curve.is_empty() {
+            v.push("memory_bandwidth_curve".into());
+        }
+        for (dt, f) in self.compute_fit.entries() {
+            if f.is_some() {
+                v.push(format!("compute_fit.{dt}"));
+            }
+        }
         v
     }
 }

@@ -2,7 +2,7 @@
 //! module doc of [`super`]).
 
 use super::flops::{self, AttentionCount, Grads, OpCost, OpKind, OpShape};
-use super::profile::{GemmCurve, HardwareProfile};
+use super::profile::{ComputeFit, GemmCurve, HardwareProfile};
 use super::timeline::Timeline;
 use super::{
     format_seconds, CollectiveKind, CollectiveTime, GroupKind, PhaseTime, SpanKind, StepPrediction,
@@ -14,6 +14,7 @@ use crate::memory::{defers_grad_sync, Phase};
 use crate::plan::ShardPlan;
 use crate::schedule::overlaps_reductions;
 use fsdp_types::DType;
+use serde::Serialize;
 
 /// Where a group's ranks sit: `n` members over `nodes` nodes, `per_node` members per node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,16 +96,120 @@ fn collective_seconds(p: &HardwareProfile, kind: CollectiveKind, g: Geometry, by
     latency + bytes * factor / busbw
 }
 
-/// Seconds of the ops at full speed.
-fn ops_seconds(ops: &[OpCost], curve: &GemmCurve, p: &HardwareProfile) -> f64 {
-    ops.iter()
-        .map(|o| match o.kind {
-            OpKind::Gemm => curve.seconds(o.flops),
+/// The analytical compute of one list of ops, before the profile's [`ComputeFit`].
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct ComputeParts {
+    /// Seconds of the GEMMs at the profile's curve.
+    pub gemm_s: f64,
+    /// Seconds of the elementwise ops (roofline of bandwidth and elementwise rate).
+    pub elementwise_s: f64,
+    /// Number of ops.
+    pub ops: f64,
+}
+
+impl ComputeParts {
+    /// Seconds under `fit`: `gemm_scale gemm_s + elementwise_scale elementwise_s +
+    /// op_overhead_s ops`.
+    pub fn seconds(&self, fit: &ComputeFit) -> f64 {
+        fit.gemm_scale * self.gemm_s
+            + fit.elementwise_scale * self.elementwise_s
+            + fit.op_overhead_s * self.ops
+    }
+}
+
+/// The analytical compute of one forward position of a plan's schedule.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct UseParts {
+    /// Position in the forward schedule.
+    pub position: usize,
+    /// The unit used.
+    pub unit: usize,
+    /// Its label (`h.3`).
+    pub label: String,
+    /// Its forward (also what a recompute costs).
+    pub forward: ComputeParts,
+    /// Its backward (zero parts when the use runs no backward).
+    pub backward: ComputeParts,
+}
+
+fn parts(ops: &[OpCost], curve: &GemmCurve, p: &HardwareProfile) -> ComputeParts {
+    let mut c = ComputeParts::default();
+    for o in ops {
+        match o.kind {
+            OpKind::Gemm => c.gemm_s += curve.seconds(o.flops),
             OpKind::Elementwise => {
-                (o.bytes / p.memory_bandwidth_bytes_per_s).max(o.flops / p.elementwise_flops_per_s)
+                c.elementwise_s += p
+                    .memory_seconds(o.bytes)
+                    .max(o.flops / p.elementwise_flops_per_s)
             }
+        }
+        c.ops += 1.0;
+    }
+    c
+}
+
+/// The engine's needs_input_grad per forward position: a use needs its input gradient when
+/// a trainable unit precedes it.
+fn input_grads(plan: &ShardPlan) -> Vec<bool> {
+    let trainable = |u: usize| plan.units[u].flat_params.iter().any(|f| f.trainable);
+    let mut seen = false;
+    plan.schedule
+        .forward
+        .iter()
+        .map(|st| {
+            let nig = seen;
+            seen |= trainable(st.unit);
+            nig
         })
-        .fold(0.0, |a, b| a + b)
+        .collect()
+}
+
+/// The analytical compute (GEMM seconds, elementwise seconds, op count) of every forward
+/// position's forward and backward, one micro-batch, before the profile's [`ComputeFit`]:
+/// what `fsdp calibrate` fits the correction to.
+///
+/// Errors: [`PlanError::BadProfile`] (an invalid profile, or none for the plan's
+/// `param_dtype`), or an architecture the FLOP count does not know.
+pub fn use_compute_parts(
+    plan: &ShardPlan,
+    profile: &HardwareProfile,
+) -> Result<Vec<UseParts>, PlanError> {
+    profile.validate(&profile.name)?;
+    let cfg = &plan.config;
+    let curve = profile.gemm_curve(cfg.param_dtype)?;
+    let shape = OpShape {
+        micro_batch: cfg.micro_batch,
+        seq_len: cfg.seq_len,
+        dtype: cfg.param_dtype,
+        attention: AttentionCount::of(cfg.activations),
+    };
+    let trainable = |u: usize| plan.units[u].flat_params.iter().any(|f| f.trainable);
+    let nig = input_grads(plan);
+    let mut out = Vec::with_capacity(nig.len());
+    for (k, st) in plan.schedule.forward.iter().enumerate() {
+        let grads = Grads {
+            input: nig[k],
+            weights: trainable(st.unit),
+        };
+        let fo = flops::forward_ops(&plan.arch, st.role, &shape)?;
+        let backward = if grads.input || grads.weights {
+            parts(
+                &flops::backward_ops(&plan.arch, st.role, &shape, grads)?,
+                curve,
+                profile,
+            )
+        } else {
+            ComputeParts::default()
+        };
+        out.push(UseParts {
+            position: k,
+            unit: st.unit,
+            label: st.label.clone(),
+            forward: parts(&fo, curve, profile),
+            backward,
+        });
+    }
+    Ok(out)
 }
 
 #[derive(Debug, Clone)]
@@ -131,7 +236,7 @@ struct Sim<'a> {
 
 impl Sim<'_> {
     fn mem(&self, bytes: f64) -> f64 {
-        bytes / self.p.memory_bandwidth_bytes_per_s
+        self.p.memory_seconds(bytes)
     }
     fn link(&self, bytes: f64) -> f64 {
         bytes / self.p.host.link_bytes_per_s
@@ -408,12 +513,8 @@ pub fn predict(
     let m = sched.forward.len();
     let trainable = |u: usize| plan.units[u].flat_params.iter().any(|f| f.trainable);
     // The engine's needs_input_grad / needs_backward per stage.
-    let mut needs_input_grad = vec![false; m];
-    let mut seen = false;
-    for (st, nig) in sched.forward.iter().zip(needs_input_grad.iter_mut()) {
-        *nig = seen;
-        seen |= trainable(st.unit);
-    }
+    let needs_input_grad = input_grads(plan);
+    let fit = profile.fit(cfg.param_dtype);
     let ckpt = sched.activation_checkpointing;
     let mut fwd_s = Vec::with_capacity(m);
     let mut bwd_s = Vec::with_capacity(m);
@@ -427,8 +528,8 @@ pub fn predict(
         };
         let bo = flops::backward_ops(&plan.arch, st.role, &shape, grads)?;
         let (ft, bt) = (
-            ops_seconds(&fo, curve, profile),
-            ops_seconds(&bo, curve, profile),
+            parts(&fo, curve, profile).seconds(&fit),
+            parts(&bo, curve, profile).seconds(&fit),
         );
         let (ff, bf) = (flops::total_flops(&fo, None), flops::total_flops(&bo, None));
         let runs_backward = grads.input || grads.weights;

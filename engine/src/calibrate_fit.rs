@@ -1,0 +1,450 @@
+//! The compute fit of `fsdp calibrate` ([`fsdp_planner::time::ComputeFit`]): how the
+//! machine's measured unit compute times relate to the analytical model.
+//!
+//! The analytical model prices a unit use from its GEMM FLOPs (the profile's GEMM curve) and
+//! its elementwise bytes and FLOPs (the roofline). On a CPU a framework adds what that leaves
+//! out: allocating and first touching every output, dispatch per op, layout copies, the
+//! transcendental functions of GELU, softmax and the loss. So calibrate runs short training
+//! jobs of [`REFERENCES`] on the machine (the engine itself: `W` rank threads, full shard,
+//! the embedded corpus, a Chrome trace of every unit's forward and backward), takes the
+//! median time of each forward position's forward and backward over the counted steps and
+//! all ranks, and fits `t = gemm_scale g + elementwise_scale e + op_overhead_s n` (`g`, `e`,
+//! `n`: the use's GEMM seconds, elementwise seconds and op count,
+//! [`fsdp_planner::time::use_compute_parts`]) by least squares, every sample divided by its
+//! job's total measured compute (each job counts alike; within a job a unit counts by its
+//! share of the step). Coefficients are kept non-negative (the subset of terms with
+//! the smallest residual whose solution is non-negative; `gemm_scale` always included).
+//!
+//! The references are small models at shapes unlike `fsdp train`'s defaults, so a
+//! prediction for another model or shape is out of sample; the sweep in
+//! `benches/time_sweep.rs` measures that error.
+
+use crate::train::{train, NoHooks, TrainOptions};
+use fsdp_planner::time::{use_compute_parts, ComputeFit, ComputeParts, HardwareProfile};
+use fsdp_planner::Strategy;
+use std::collections::BTreeMap;
+
+/// One reference job: a model preset, micro-batch and sequence length.
+#[derive(Debug, Clone, Copy)]
+pub struct Reference {
+    /// A GPT or Llama-family preset (`fsdp train --model`).
+    pub model: &'static str,
+    /// Sequences per micro-batch per rank.
+    pub micro_batch: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+}
+
+/// The reference jobs: a GPT-2 block at width 128 and 384 and a Llama block (RMSNorm, GQA,
+/// SwiGLU, rotary) at width 128, at shapes unlike the defaults of `fsdp train`.
+pub const REFERENCES: [Reference; 3] = [
+    Reference {
+        model: "tiny",
+        micro_batch: 6,
+        seq_len: 96,
+    },
+    Reference {
+        model: "llama-tiny",
+        micro_batch: 6,
+        seq_len: 96,
+    },
+    Reference {
+        model: "small",
+        micro_batch: 2,
+        seq_len: 64,
+    },
+];
+
+/// Steps each reference job trains; the first [`SKIPPED_STEPS`] are not counted (first touch
+/// of the buffers, the allocator's growth).
+pub const STEPS: u64 = 7;
+/// Steps not counted.
+pub const SKIPPED_STEPS: u64 = 2;
+
+/// One fitted sample: a unit use's forward or backward, measured and modelled.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FitSample {
+    /// `tiny forward h.1`.
+    pub name: String,
+    /// The median measured seconds.
+    pub measured_s: f64,
+    /// The analytical parts.
+    pub parts: ComputeParts,
+}
+
+/// Trains every reference on `world_size` rank threads of `threads_per_rank` compute threads,
+/// computing in `dtype` (`param_dtype`; gradients reduced in f32), reads its trace and
+/// returns the samples (see the module doc).
+///
+/// Errors: a message when a reference job fails or its trace cannot be read or does not
+/// match the plan's schedule.
+pub fn measure_references(
+    profile: &HardwareProfile,
+    world_size: usize,
+    threads_per_rank: usize,
+    dtype: fsdp_types::DType,
+) -> Result<Vec<FitSample>, String> {
+    let dir = tempfile_dir()?;
+    let mut samples = Vec::new();
+    for r in REFERENCES {
+        let trace = dir.join(format!("{}.json", r.model));
+        let o = TrainOptions {
+            model: r.model.into(),
+            world_size,
+            strategy: Strategy::FullShard,
+            micro_batch: r.micro_batch,
+            seq_len: r.seq_len,
+            steps: STEPS,
+            warmup: 1,
+            eval_every: 0,
+            threads_per_rank: Some(threads_per_rank),
+            param_dtype: dtype,
+            trace: Some(trace.clone()),
+            ..TrainOptions::default()
+        };
+        let model = crate::train::model_of(&o).map_err(|e| e.to_string())?;
+        let plan = fsdp_planner::plan(
+            crate::runtime::StagedModel::spec(&model),
+            &crate::train::plan_config(&o),
+        )
+        .map_err(|e| e.to_string())?;
+        let parts = use_compute_parts(&plan, profile).map_err(|e| e.to_string())?;
+        train(&o, None, &NoHooks, &|_| {})
+            .map_err(|e| format!("reference job {}: {e}", r.model))?;
+        let text = std::fs::read_to_string(&trace)
+            .map_err(|e| format!("reading {}: {e}", trace.display()))?;
+        let _ = std::fs::remove_file(&trace);
+        let doc: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", trace.display()))?;
+        let (fwd, bwd) = unit_times(&doc, parts.len())?;
+        for (k, p) in parts.iter().enumerate() {
+            samples.push(FitSample {
+                name: format!("{} forward {}", r.model, p.label),
+                measured_s: fwd[k],
+                parts: p.forward,
+            });
+            if p.backward.ops > 0.0 {
+                let Some(b) = bwd[k] else {
+                    return Err(format!(
+                        "reference job {}: no backward of position {k} ({}) in its trace",
+                        r.model, p.label
+                    ));
+                };
+                samples.push(FitSample {
+                    name: format!("{} backward {}", r.model, p.label),
+                    measured_s: b,
+                    parts: p.backward,
+                });
+            }
+        }
+    }
+    let _ = std::fs::remove_dir(&dir);
+    Ok(samples)
+}
+
+fn tempfile_dir() -> Result<std::path::PathBuf, String> {
+    let d = std::env::temp_dir().join(format!("fsdp-calibrate-{}", std::process::id()));
+    std::fs::create_dir_all(&d).map_err(|e| format!("creating {}: {e}", d.display()))?;
+    Ok(d)
+}
+
+/// The median forward seconds per forward position, and backward seconds per position
+/// (`None` where the position runs no backward), over the counted steps of every rank of a
+/// measured trace with `positions` forward positions. Within one (rank, step, micro-batch)
+/// the k-th forward span is position k and the backward spans run in reverse position order
+/// over the positions that have one.
+fn unit_times(
+    doc: &serde_json::Value,
+    positions: usize,
+) -> Result<(Vec<f64>, Vec<Option<f64>>), String> {
+    let events = doc["traceEvents"]
+        .as_array()
+        .ok_or("the trace has no traceEvents")?;
+    // (rank, step, micro-batch) -> (forward spans, backward spans) as (start, seconds).
+    type Spans = (Vec<(f64, f64)>, Vec<(f64, f64)>);
+    let mut groups: BTreeMap<(u64, u64, u64), Spans> = BTreeMap::new();
+    for e in events {
+        if e["ph"] != "X" {
+            continue;
+        }
+        let cat = e["cat"].as_str().unwrap_or("");
+        if cat != "forward" && cat != "backward" {
+            continue;
+        }
+        let step = e["args"]["step"].as_u64().unwrap_or(0);
+        if step <= SKIPPED_STEPS {
+            continue;
+        }
+        let key = (
+            e["pid"].as_u64().unwrap_or(0),
+            step,
+            e["args"]["micro_batch"].as_u64().unwrap_or(0),
+        );
+        let span = (
+            e["ts"].as_f64().unwrap_or(0.0),
+            e["dur"].as_f64().unwrap_or(0.0) * 1e-6,
+        );
+        let g = groups.entry(key).or_default();
+        if cat == "forward" {
+            g.0.push(span);
+        } else {
+            g.1.push(span);
+        }
+    }
+    if groups.is_empty() {
+        return Err("the trace has no counted forward or backward spans".into());
+    }
+    let mut fwd: Vec<Vec<f64>> = vec![Vec::new(); positions];
+    let mut bwd: Vec<Vec<f64>> = vec![Vec::new(); positions];
+    for ((rank, step, mb), (mut f, mut b)) in groups {
+        if f.len() != positions || b.len() > positions {
+            return Err(format!(
+                "rank {rank} step {step} micro-batch {mb}: {} forward and {} backward spans for {positions} positions",
+                f.len(),
+                b.len()
+            ));
+        }
+        f.sort_by(|x, y| x.0.total_cmp(&y.0));
+        b.sort_by(|x, y| x.0.total_cmp(&y.0));
+        for (k, s) in f.iter().enumerate() {
+            fwd[k].push(s.1);
+        }
+        // The last positions run backward first; the first b.len() positions from the end.
+        for (j, s) in b.iter().enumerate() {
+            bwd[positions - 1 - j].push(s.1);
+        }
+    }
+    let median = |v: &mut Vec<f64>| -> Option<f64> {
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        Some(v[v.len() / 2])
+    };
+    let f = fwd
+        .iter_mut()
+        .map(|v| median(v).ok_or("a forward position has no span"))
+        .collect::<Result<Vec<_>, _>>()?;
+    let b = bwd.iter_mut().map(median).collect();
+    Ok((f, b))
+}
+
+/// Fits the [`ComputeFit`] to `samples` (see the module doc).
+///
+/// Errors: a message when there are fewer than 3 samples or no subset has a positive GEMM
+/// scale.
+pub fn fit(samples: &[FitSample]) -> Result<ComputeFit, String> {
+    if samples.len() < 3 {
+        return Err(format!(
+            "{} unit times are too few to fit 3 numbers",
+            samples.len()
+        ));
+    }
+    // Each sample weighted by 1 / its reference job's total measured compute: every job
+    // counts alike, and within a job a unit counts by its share of the step (a 50 us
+    // embedding does not pull the fit as much as a 5 ms block).
+    let mut totals: BTreeMap<&str, f64> = BTreeMap::new();
+    for s in samples {
+        *totals.entry(job_of(&s.name)).or_default() += s.measured_s;
+    }
+    let rows: Vec<([f64; 3], f64)> = samples
+        .iter()
+        .filter(|s| s.measured_s > 0.0)
+        .map(|s| {
+            let w = 1.0 / totals[job_of(&s.name)];
+            (
+                [
+                    s.parts.gemm_s * w,
+                    s.parts.elementwise_s * w,
+                    s.parts.ops * w,
+                ],
+                s.measured_s * w,
+            )
+        })
+        .collect();
+    let mut best: Option<([f64; 3], f64)> = None;
+    // Term subsets, GEMM always in: {g, e, n}, {g, e}, {g, n}, {g}.
+    for mask in [
+        [true, true, true],
+        [true, true, false],
+        [true, false, true],
+        [true, false, false],
+    ] {
+        let Some(x) = least_squares(&rows, mask) else {
+            continue;
+        };
+        if x[0] <= 0.0 || x.iter().any(|v| *v < 0.0) {
+            continue;
+        }
+        let r: f64 = rows
+            .iter()
+            .map(|(a, b)| (a[0] * x[0] + a[1] * x[1] + a[2] * x[2] - b).powi(2))
+            .sum();
+        if best.is_none_or(|(_, br)| r < br) {
+            best = Some((x, r));
+        }
+    }
+    let (x, _) = best.ok_or("no non-negative fit with a positive GEMM scale")?;
+    let mut f = ComputeFit {
+        gemm_scale: x[0],
+        elementwise_scale: x[1],
+        op_overhead_s: x[2],
+        rms_relative_error: 0.0,
+        samples: rows.len() as u64,
+    };
+    // The error of each reference job's total compute (what a step's prediction sees).
+    let mut job: BTreeMap<&str, (f64, f64)> = BTreeMap::new();
+    for s in samples {
+        let e = job.entry(job_of(&s.name)).or_default();
+        e.0 += s.parts.seconds(&f);
+        e.1 += s.measured_s;
+    }
+    let sq: f64 = job.values().map(|(p, m)| (p / m - 1.0).powi(2)).sum();
+    f.rms_relative_error = (sq / job.len() as f64).sqrt();
+    Ok(f)
+}
+
+/// The reference job a sample name starts with (`tiny` of `tiny forward h.1`).
+fn job_of(name: &str) -> &str {
+    name.split(' ').next().unwrap_or("")
+}
+
+/// Least squares of `a x = b` over the columns in `mask` (others 0), by the normal
+/// equations and Gaussian elimination with partial pivoting; `None` when singular.
+fn least_squares(rows: &[([f64; 3], f64)], mask: [bool; 3]) -> Option<[f64; 3]> {
+    let cols: Vec<usize> = (0..3).filter(|&c| mask[c]).collect();
+    let k = cols.len();
+    let mut m = vec![vec![0.0f64; k + 1]; k];
+    for (a, b) in rows {
+        for (i, &ci) in cols.iter().enumerate() {
+            for (j, &cj) in cols.iter().enumerate() {
+                m[i][j] += a[ci] * a[cj];
+            }
+            m[i][k] += a[ci] * b;
+        }
+    }
+    for i in 0..k {
+        let p = (i..k).max_by(|&x, &y| m[x][i].abs().total_cmp(&m[y][i].abs()))?;
+        if m[p][i].abs() < 1e-300 {
+            return None;
+        }
+        m.swap(i, p);
+        let pivot = m[i].clone();
+        for (r, row) in m.iter_mut().enumerate() {
+            if r != i {
+                let f = row[i] / pivot[i];
+                for (x, p) in row.iter_mut().zip(&pivot).skip(i) {
+                    *x -= f * p;
+                }
+            }
+        }
+    }
+    let mut x = [0.0; 3];
+    for (i, &ci) in cols.iter().enumerate() {
+        x[ci] = m[i][k] / m[i][i];
+    }
+    Some(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(g: f64, e: f64, n: f64, t: f64) -> FitSample {
+        FitSample {
+            name: String::new(),
+            measured_s: t,
+            parts: ComputeParts {
+                gemm_s: g,
+                elementwise_s: e,
+                ops: n,
+            },
+        }
+    }
+
+    #[test]
+    fn recovers_the_coefficients_of_exact_data() {
+        let (a, b, c) = (1.3, 2.5, 4e-6);
+        let s: Vec<FitSample> = [
+            (1e-3, 2e-4, 20.0),
+            (5e-3, 1e-4, 20.0),
+            (2e-4, 8e-4, 12.0),
+            (3e-3, 3e-3, 40.0),
+            (1e-4, 1e-5, 3.0),
+        ]
+        .iter()
+        .map(|&(g, e, n)| sample(g, e, n, a * g + b * e + c * n))
+        .collect();
+        let f = fit(&s).unwrap();
+        assert!((f.gemm_scale - a).abs() < 1e-9 * a, "{f:?}");
+        assert!((f.elementwise_scale - b).abs() < 1e-9 * b, "{f:?}");
+        assert!(
+            (f.op_overhead_s - c).abs() < 1e-9 * c.max(1e-12) * 1e3,
+            "{f:?}"
+        );
+        assert!(f.rms_relative_error < 1e-9);
+        assert_eq!(f.samples, 5);
+    }
+
+    #[test]
+    fn a_negative_term_is_dropped_not_kept() {
+        // Times that a negative elementwise coefficient would fit best: the fit must stay
+        // non-negative.
+        let s: Vec<FitSample> = [
+            (1e-3, 1e-3, 10.0, 0.5e-3),
+            (2e-3, 0.1e-3, 10.0, 2.2e-3),
+            (1e-3, 2e-3, 10.0, 0.2e-3),
+            (4e-3, 0.1e-3, 10.0, 4.1e-3),
+        ]
+        .iter()
+        .map(|&(g, e, n, t)| sample(g, e, n, t))
+        .collect();
+        let f = fit(&s).unwrap();
+        assert!(f.gemm_scale > 0.0);
+        assert!(
+            f.elementwise_scale >= 0.0 && f.op_overhead_s >= 0.0,
+            "{f:?}"
+        );
+    }
+
+    #[test]
+    fn the_trace_positions_map_forward_in_order_and_backward_reversed() {
+        // 3 positions; position 0 runs no backward. Two counted steps, one rank.
+        let mut ev = Vec::new();
+        for step in [3u64, 4] {
+            let base = step as f64 * 1e6;
+            for (k, d) in [10.0, 20.0, 30.0].iter().enumerate() {
+                ev.push(serde_json::json!({"ph": "X", "cat": "forward", "pid": 0,
+                    "ts": base + k as f64 * 100.0, "dur": d * step as f64,
+                    "args": {"step": step, "micro_batch": 0}}));
+            }
+            // backward of position 2 then 1.
+            for (j, d) in [300.0, 200.0].iter().enumerate() {
+                ev.push(serde_json::json!({"ph": "X", "cat": "backward", "pid": 0,
+                    "ts": base + 1000.0 + j as f64 * 1000.0, "dur": *d,
+                    "args": {"step": step, "micro_batch": 0}}));
+            }
+        }
+        // A skipped step that would change the medians.
+        ev.push(
+            serde_json::json!({"ph": "X", "cat": "forward", "pid": 0, "ts": 0.0,
+            "dur": 1e9, "args": {"step": 1, "micro_batch": 0}}),
+        );
+        let doc = serde_json::json!({ "traceEvents": ev });
+        let (f, b) = unit_times(&doc, 3).unwrap();
+        // Medians of two values take the upper one (index len/2).
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-15;
+        assert!(
+            f.iter()
+                .zip([40e-6, 80e-6, 120e-6])
+                .all(|(a, b)| close(*a, b))
+                && f.len() == 3,
+            "{f:?}"
+        );
+        assert_eq!(b[0], None, "{b:?}");
+        assert!(
+            close(b[1].unwrap(), 200e-6) && close(b[2].unwrap(), 300e-6),
+            "{b:?}"
+        );
+    }
+}

@@ -1,0 +1,194 @@
+//! The calibrated parts of a hardware profile: the compute fit (`t = gemm_scale g +
+//! elementwise_scale e + op_overhead_s n` per unit use) and the memory bandwidth curve, each
+//! expectation computed by hand from the FLOP count and the profile's numbers.
+
+use fsdp_planner::presets::preset;
+use fsdp_planner::time::flops::{self, Grads, OpKind, OpShape};
+use fsdp_planner::time::{predict, use_compute_parts, ComputeFit, HardwareProfile, TimeInputs};
+use fsdp_planner::{plan, ActivationModel, PlanConfig, ShardPlan};
+use fsdp_types::DType;
+
+/// GEMM rate of the synthetic profile (flat), FLOP/s.
+const RATE: f64 = 2e9;
+
+/// A profile with a flat GEMM rate, elementwise work at `bw` bytes/s (and a huge FLOP rate),
+/// and `extra` JSON members appended.
+fn profile(bw: f64, extra: &str) -> Result<HardwareProfile, fsdp_planner::PlanError> {
+    let c = r#"{"latency_s": 0, "step_latency_s": 0, "bus_bandwidth_bytes_per_s": 1e10}"#;
+    let level = format!(r#"{{"all_gather": {c}, "reduce_scatter": {c}, "all_reduce": {c}}}"#);
+    let text = format!(
+        r#"{{
+  "schema": "fsdp-hardware/1", "name": "synthetic", "description": "constructed",
+  "ranks_per_node": 8,
+  "gemm": {{"f32": {{"peak_flops_per_s": {RATE:e}, "points": [{{"flops": 1, "flops_per_s": {RATE:e}}}]}}}},
+  "memory_bandwidth_bytes_per_s": {bw:e}, "elementwise_flops_per_s": 1e14,
+  "collectives": {{"intra_node": {level}, "inter_node": {level}}},
+  "host": {{"link_bytes_per_s": 1e10, "optimizer_bytes_per_s": 1e10}},
+  "overlap_slowdown": 0{extra}
+}}"#
+    );
+    HardwareProfile::from_json(&text, "synthetic")
+}
+
+fn tiny_plan() -> ShardPlan {
+    let mut c = PlanConfig::new(2);
+    c.micro_batch = 4;
+    c.seq_len = 64;
+    plan(&preset("tiny").unwrap(), &c).unwrap()
+}
+
+/// GEMM FLOPs, elementwise bytes and op count of position `k`'s forward, from the FLOP count.
+fn forward_by_hand(p: &ShardPlan, k: usize) -> (f64, f64, f64) {
+    let st = &p.schedule.forward[k];
+    let shape = OpShape {
+        micro_batch: p.config.micro_batch,
+        seq_len: p.config.seq_len,
+        dtype: DType::F32,
+        attention: flops::AttentionCount::of(ActivationModel::Fused),
+    };
+    let ops = flops::forward_ops(&p.arch, st.role, &shape).unwrap();
+    let g = ops
+        .iter()
+        .filter(|o| o.kind == OpKind::Gemm)
+        .map(|o| o.flops)
+        .sum::<f64>();
+    let e = ops
+        .iter()
+        .filter(|o| o.kind == OpKind::Elementwise)
+        .map(|o| o.bytes)
+        .sum::<f64>();
+    (g, e, ops.len() as f64)
+}
+
+#[test]
+fn a_compute_fit_scales_gemm_and_elementwise_time_and_adds_a_cost_per_op() {
+    let p = tiny_plan();
+    let bw = 1e10;
+    let (a, b, c) = (1.7, 2.5, 3e-6);
+    let fitted = profile(
+        bw,
+        &format!(
+            r#", "compute_fit": {{"bf16": {{"gemm_scale": 9, "elementwise_scale": 9, "op_overhead_s": 0, "rms_relative_error": 0.01, "samples": 9}}, "f32": {{"gemm_scale": {a}, "elementwise_scale": {b}, "op_overhead_s": {c:e}, "rms_relative_error": 0.01, "samples": 9}}}}"#
+        ),
+    )
+    .unwrap();
+    let plain = profile(bw, "").unwrap();
+    let with = predict(&p, &fitted, &TimeInputs::default()).unwrap();
+    let without = predict(&p, &plain, &TimeInputs::default()).unwrap();
+    let mut checked = 0;
+    for (k, (u1, u0)) in with.uses.iter().zip(&without.uses).enumerate() {
+        let (g, e, n) = forward_by_hand(&p, k);
+        let raw = g / RATE + e / bw;
+        let want = a * g / RATE + b * e / bw + c * n;
+        assert!(
+            (u0.forward_s - raw).abs() <= 1e-12 * raw.max(1e-9),
+            "{k}: {} vs {raw}",
+            u0.forward_s
+        );
+        assert!(
+            (u1.forward_s - want).abs() <= 1e-12 * want,
+            "{k}: {} vs {want}",
+            u1.forward_s
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, p.schedule.forward.len());
+    // The parts calibrate fits to are the unfitted ones.
+    let parts = use_compute_parts(&p, &fitted).unwrap();
+    for (k, u) in parts.iter().enumerate() {
+        let (g, e, n) = forward_by_hand(&p, k);
+        assert!((u.forward.gemm_s - g / RATE).abs() <= 1e-15 + 1e-12 * g / RATE);
+        assert!((u.forward.elementwise_s - e / bw).abs() <= 1e-15 + 1e-12 * e / bw);
+        assert_eq!(u.forward.ops, n);
+        assert!(
+            (u.forward.seconds(&fitted.fit(DType::F32)) - with.uses[k].forward_s).abs() < 1e-15
+        );
+        assert_eq!(
+            u.forward.seconds(&ComputeFit::IDENTITY),
+            without.uses[k].forward_s
+        );
+    }
+    // The backward of a block has weight and input gradients: more GEMM time than forward.
+    let block = parts.iter().find(|u| u.label == "h.1").unwrap();
+    let grads = Grads {
+        input: true,
+        weights: true,
+    };
+    let bo = flops::backward_ops(
+        &p.arch,
+        p.schedule.forward[block.position].role,
+        &OpShape {
+            micro_batch: 4,
+            seq_len: 64,
+            dtype: DType::F32,
+            attention: flops::AttentionCount::of(ActivationModel::Fused),
+        },
+        grads,
+    )
+    .unwrap();
+    assert_eq!(block.backward.ops, bo.len() as f64);
+}
+
+#[test]
+fn memory_time_follows_the_bandwidth_curve_linear_in_log_bytes() {
+    let curve = r#", "memory_bandwidth_curve": [{"bytes": 1e3, "bytes_per_s": 1e9}, {"bytes": 1e5, "bytes_per_s": 1e8}]"#;
+    let p = profile(5e7, curve).unwrap();
+    // Halfway in log10 between 1e3 and 1e5: the mean of the two rates.
+    let want = 1e4 / 5.5e8;
+    assert!(
+        (p.memory_seconds(1e4) - want).abs() < 1e-15,
+        "{}",
+        p.memory_seconds(1e4)
+    );
+    // Clamped at both ends.
+    assert_eq!(p.memory_seconds(10.0), 10.0 / 1e9);
+    assert_eq!(p.memory_seconds(1e7), 1e7 / 1e8);
+    assert_eq!(p.memory_seconds(0.0), 0.0);
+    // Without a curve: the single bandwidth.
+    let flat = profile(5e7, "").unwrap();
+    assert_eq!(flat.memory_seconds(1e4), 1e4 / 5e7);
+    // The optimizer step (memory-bound) is faster with a cache-fast curve than at 5e7.
+    let pl = tiny_plan();
+    let fast = predict(&pl, &p, &TimeInputs::default()).unwrap();
+    let slow = predict(&pl, &flat, &TimeInputs::default()).unwrap();
+    assert!(
+        fast.optimizer_s < slow.optimizer_s,
+        "{} {}",
+        fast.optimizer_s,
+        slow.optimizer_s
+    );
+}
+
+#[test]
+fn implausible_calibrated_numbers_are_refused_by_their_path() {
+    let cases = [
+        (
+            r#", "compute_fit": {"f32": {"gemm_scale": 0, "elementwise_scale": 1, "op_overhead_s": 0, "rms_relative_error": 0, "samples": 1}}"#,
+            "compute_fit.f32.gemm_scale",
+        ),
+        (
+            r#", "compute_fit": {"f16": {"gemm_scale": 1, "elementwise_scale": -1, "op_overhead_s": 0, "rms_relative_error": 0, "samples": 1}}"#,
+            "compute_fit.f16.elementwise_scale",
+        ),
+        (
+            r#", "compute_fit": {"f32": {"gemm_scale": 1, "elementwise_scale": 1, "op_overhead_s": 5, "rms_relative_error": 0, "samples": 1}}"#,
+            "compute_fit.f32.op_overhead_s",
+        ),
+        (
+            r#", "memory_bandwidth_curve": [{"bytes": 1e5, "bytes_per_s": 1e9}, {"bytes": 1e3, "bytes_per_s": 1e8}]"#,
+            "memory_bandwidth_curve[1].bytes",
+        ),
+        (
+            r#", "memory_bandwidth_curve": [{"bytes": 1e5, "bytes_per_s": 0}]"#,
+            "memory_bandwidth_curve[0].bytes_per_s",
+        ),
+        (
+            r#", "compute_fit": {"f32": {"gemm_scale": 1, "elementwise_scale": 1, "op_overhead_s": 0, "rms_relative_error": 0, "samples": 1, "extra": 2}}"#,
+            "compute_fit.f32",
+        ),
+    ];
+    for (extra, field) in cases {
+        let e = profile(1e10, extra).unwrap_err().to_string();
+        assert!(e.contains(field), "{field}: {e}");
+    }
+}
