@@ -317,7 +317,12 @@ fn plan_time_refuses_bad_hardware_and_trace_paths() {
     .unwrap();
     let file = d.path().join("hw.json");
     let f = file.to_str().unwrap();
-    let cases: [(&str, Edit, &str); 3] = [
+    let cases: [(&str, Edit, &str); 4] = [
+        (
+            "implausible",
+            Box::new(|v| v["overlap_slowdown"] = 1e9.into()),
+            "`overlap_slowdown` is 1e9, outside the plausible range of a slowdown, 0..10",
+        ),
         (
             "negative",
             Box::new(|v| v["collectives"]["intra_node"]["all_gather"]["latency_s"] = (-1.0).into()),
@@ -349,7 +354,11 @@ fn plan_time_refuses_bad_hardware_and_trace_paths() {
             text.replace_range(at..end, "\"memory_bandwidth_bytes_per_s\": 1e999");
         }
         std::fs::write(&file, text).unwrap();
-        bad(&with(o, &["--time", "--hardware", f]), needle);
+        let err = bad(&with(o, &["--time", "--hardware", f]), needle);
+        assert!(
+            err.contains(&format!("hardware profile {f}:")),
+            "the file is named: {err}"
+        );
     }
     // Refused before any work: no output written.
     assert!(!out.exists());

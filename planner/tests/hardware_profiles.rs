@@ -1,6 +1,8 @@
 //! Hardware profiles: the built-in ones parse, validate and cite a source for every number;
-//! a bad profile is refused with the JSON path of the field; an unknown name lists the
-//! built-in ones; the GEMM curve interpolates in log FLOPs.
+//! a bad profile is refused with the JSON path of the field; a number outside the plausible
+//! range of its kind is refused naming the path, the value and the range, while the bounds
+//! themselves load; an unknown name lists the built-in ones; the GEMM curve interpolates in
+//! log FLOPs.
 
 use fsdp_planner::time::{builtin_profile, HardwareProfile, BUILTIN_PROFILE_NAMES};
 use fsdp_planner::PlanError;
@@ -140,6 +142,112 @@ fn a_non_finite_number_is_named() {
         e.contains("`overlap_slowdown` is not a finite number"),
         "{e}"
     );
+}
+
+/// A copy of the H100 profile with one edit.
+fn edited(edit: impl Fn(&mut Value)) -> Value {
+    let mut v = h100();
+    edit(&mut v);
+    v
+}
+
+#[test]
+fn implausible_numbers_are_refused_naming_path_value_and_range() {
+    let cases: Vec<(Value, &str)> = vec![
+        (
+            edited(|v| v["elementwise_flops_per_s"] = 1e-300.into()),
+            "`elementwise_flops_per_s` is 1e-300, outside the plausible range of a FLOP rate, \
+             1e6..1e18 FLOP/s",
+        ),
+        (
+            edited(|v| v["overlap_slowdown"] = 1e9.into()),
+            "`overlap_slowdown` is 1e9, outside the plausible range of a slowdown, 0..10 ",
+        ),
+        (
+            edited(|v| v["overlap_slowdown"] = 10.5.into()),
+            "`overlap_slowdown` is 10.5, outside the plausible range of a slowdown, 0..10 ",
+        ),
+        (
+            edited(|v| v["gemm"]["bf16"]["peak_flops_per_s"] = 2e18.into()),
+            "`gemm.bf16.peak_flops_per_s` is 2e18, outside the plausible range of a FLOP rate, \
+             1e6..1e18 FLOP/s",
+        ),
+        (
+            edited(|v| v["gemm"]["f32"]["points"][0]["flops_per_s"] = 5e5.into()),
+            "`gemm.f32.points[0].flops_per_s` is 500000, outside the plausible range of a FLOP \
+             rate, 1e6..1e18 FLOP/s",
+        ),
+        (
+            edited(|v| v["gemm"]["bf16"]["points"][7]["flops"] = 1e21.into()),
+            "`gemm.bf16.points[7].flops` is 1e21, outside the plausible range of the FLOPs of \
+             one GEMM call, 1..1e20 FLOPs",
+        ),
+        (
+            edited(|v| v["gemm"]["bf16"]["points"][0]["flops"] = 0.5.into()),
+            "`gemm.bf16.points[0].flops` is 0.5, outside the plausible range of the FLOPs of \
+             one GEMM call, 1..1e20 FLOPs",
+        ),
+        (
+            edited(|v| v["memory_bandwidth_bytes_per_s"] = 2e15.into()),
+            "`memory_bandwidth_bytes_per_s` is 2e15, outside the plausible range of a \
+             bandwidth, 1e6..1e15 bytes/s",
+        ),
+        (
+            edited(|v| {
+                v["collectives"]["inter_node"]["all_gather"]["bus_bandwidth_bytes_per_s"] =
+                    999_999.0.into()
+            }),
+            "`collectives.inter_node.all_gather.bus_bandwidth_bytes_per_s` is 999999, outside \
+             the plausible range of a bandwidth, 1e6..1e15 bytes/s",
+        ),
+        (
+            edited(|v| v["host"]["optimizer_bytes_per_s"] = 1e300.into()),
+            "`host.optimizer_bytes_per_s` is 1e300, outside the plausible range of a \
+             bandwidth, 1e6..1e15 bytes/s",
+        ),
+        (
+            // Ten milliseconds written as seconds x 1000.
+            edited(|v| v["collectives"]["intra_node"]["all_reduce"]["latency_s"] = 10.0.into()),
+            "`collectives.intra_node.all_reduce.latency_s` is 10, outside the plausible range \
+             of a latency, 0..1 s",
+        ),
+        (
+            edited(|v| {
+                v["collectives"]["inter_node"]["reduce_scatter"]["step_latency_s"] = 1.5.into()
+            }),
+            "`collectives.inter_node.reduce_scatter.step_latency_s` is 1.5, outside the \
+             plausible range of a latency, 0..1 s",
+        ),
+        (
+            edited(|v| v["ranks_per_node"] = 1025.into()),
+            "`ranks_per_node` is 1025, outside the plausible range of a rank count, 1..1024",
+        ),
+    ];
+    for (v, needle) in cases {
+        let e = refused(&v);
+        assert!(e.contains(needle), "expected `{needle}` in: {e}");
+        assert!(e.contains("test.json"), "{e}");
+    }
+}
+
+#[test]
+fn numbers_on_the_plausible_bounds_load() {
+    let v = edited(|v| {
+        v["elementwise_flops_per_s"] = 1e6.into();
+        v["overlap_slowdown"] = 10.0.into();
+        v["ranks_per_node"] = 1024.into();
+        v["memory_bandwidth_bytes_per_s"] = 1e15.into();
+        v["host"]["link_bytes_per_s"] = 1e6.into();
+        v["collectives"]["intra_node"]["all_gather"]["latency_s"] = 1.0.into();
+        v["collectives"]["intra_node"]["all_gather"]["step_latency_s"] = 0.0.into();
+        v["gemm"]["bf16"]["peak_flops_per_s"] = 1e18.into();
+        v["gemm"]["bf16"]["points"][0]["flops"] = 1.0.into();
+        v["gemm"]["bf16"]["points"][7]["flops"] = 1e20.into();
+    });
+    let p = HardwareProfile::from_json(&v.to_string(), "bounds.json").unwrap();
+    assert_eq!(p.overlap_slowdown, 10.0);
+    assert_eq!(p.ranks_per_node, 1024);
+    assert_eq!(p.gemm.bf16.unwrap().points[7].flops, 1e20);
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! The step model on constructed cases, each expectation computed by hand from the model's
 //! definition (ring collectives of `bytes (n-1)/n / busbw`, GEMMs at a flat rate, elementwise
-//! work made negligible by a huge memory bandwidth, no overlap slowdown unless stated).
+//! work made negligible by the largest plausible memory bandwidth and elementwise rate, no
+//! overlap slowdown unless stated).
 
 use fsdp_planner::presets::gpt2_spec;
 use fsdp_planner::time::{
@@ -13,7 +14,8 @@ use fsdp_types::DType;
 const RATE: f64 = 1e9;
 
 /// A profile with one flat GEMM rate, latency-free collectives of bus bandwidth `busbw`
-/// (`inter` across nodes), effectively free elementwise work, and `slowdown`.
+/// (`inter` across nodes), nearly free elementwise work (the plausible maxima of memory
+/// bandwidth and elementwise FLOP/s), and `slowdown`.
 fn profile(busbw: f64, inter: f64, slowdown: f64) -> HardwareProfile {
     let c = |bw: f64| {
         format!(r#"{{"latency_s": 0, "step_latency_s": 0, "bus_bandwidth_bytes_per_s": {bw:e}}}"#)
@@ -31,9 +33,9 @@ fn profile(busbw: f64, inter: f64, slowdown: f64) -> HardwareProfile {
   "schema": "fsdp-hardware/1", "name": "synthetic", "description": "constructed",
   "ranks_per_node": 64,
   "gemm": {{"f32": {{"peak_flops_per_s": {RATE:e}, "points": [{{"flops": 1, "flops_per_s": {RATE:e}}}]}}}},
-  "memory_bandwidth_bytes_per_s": 1e30, "elementwise_flops_per_s": 1e30,
+  "memory_bandwidth_bytes_per_s": 1e15, "elementwise_flops_per_s": 1e18,
   "collectives": {{"intra_node": {}, "inter_node": {}}},
-  "host": {{"link_bytes_per_s": 1e30, "optimizer_bytes_per_s": 1e30}},
+  "host": {{"link_bytes_per_s": 1e15, "optimizer_bytes_per_s": 1e15}},
   "overlap_slowdown": {slowdown:e}
 }}"#,
         level(busbw),
@@ -96,8 +98,11 @@ fn forward_wait(t: &StepPrediction, label: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// Equal within 1e-6: the elementwise work the expectations leave out runs at the plausible
+/// maxima of the profile (1e15 bytes/s, 1e18 FLOP/s) against GEMMs at 1e9 FLOP/s, under 1e-6
+/// of any span here, while a wrong schedule is off by whole blocks of compute.
 fn close(a: f64, b: f64) -> bool {
-    (a - b).abs() <= 1e-9 * b.abs().max(1e-12)
+    (a - b).abs() <= 1e-6 * b.abs().max(1e-12)
 }
 
 #[test]

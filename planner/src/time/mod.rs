@@ -77,8 +77,9 @@ use serde::{Deserialize, Serialize};
 
 pub use profile::{
     builtin_profile, BandwidthPoint, CollectiveCost, Collectives, ComputeFit, ComputeFits,
-    CurvePoint, GemmCurve, GemmRates, HardwareProfile, HostLink, LinkCollectives,
-    BUILTIN_PROFILE_NAMES, PROFILE_SCHEMA,
+    CurvePoint, GemmCurve, GemmRates, HardwareProfile, HostLink, LinkCollectives, PlausibleRange,
+    BANDWIDTH, BUILTIN_PROFILE_NAMES, CALL_FLOPS, FLOP_RATE, LATENCY, PROFILE_SCHEMA,
+    RANKS_PER_NODE, SLOWDOWN,
 };
 pub use step::{predict, use_compute_parts, ComputeParts, UseParts};
 

@@ -43,11 +43,25 @@
 //! }
 //! ```
 //!
-//! Every number must be present and finite; rates, bandwidths and `ranks_per_node` must be
-//! positive, latencies and the slowdown non-negative; curve points must have increasing
-//! `flops`, and no point may exceed its dtype's peak (else MFU could pass 100%). A violation
-//! is [`PlanError::BadProfile`] naming the field by its JSON path. `sources` is free text per
-//! path; the built-in profiles cite a public document for every number.
+//! Every number must be present, finite and inside the plausible range of its kind (below);
+//! curve points must have increasing `flops`, and no point may exceed its dtype's peak (else
+//! MFU could pass 100%). A violation is [`PlanError::BadProfile`] naming the field by its
+//! JSON path, its value and the range. `sources` is free text per path; the built-in profiles
+//! cite a public document for every number.
+//!
+//! The plausible ranges (inclusive) are wide enough for any machine a rank runs on, from one
+//! laptop CPU core to accelerators several generations past today's, and narrow enough that a
+//! unit mistake (milliseconds written as seconds, bits as bytes times a million) or a broken
+//! measurement is refused instead of giving an absurd prediction:
+//!
+//! | kind | fields | range | why |
+//! |---|---|---|---|
+//! | [`FLOP_RATE`] | `gemm.*.peak_flops_per_s`, `gemm.*.points[i].flops_per_s`, `elementwise_flops_per_s` | 1e6..1e18 FLOP/s | one core of a 1990s CPU does 1e7-1e8; an H200 does 9.9e14 dense BF16, so 1e18 (an exaFLOP/s per rank) leaves three orders of magnitude of headroom |
+//! | [`CALL_FLOPS`] | `gemm.*.points[i].flops` | 1..1e20 FLOPs | a call is at least one multiply-add pair; 1e20 FLOPs would be one GEMM running for over a day on an H200 |
+//! | [`BANDWIDTH`] | `memory_bandwidth_bytes_per_s`, `collectives.*.*.bus_bandwidth_bytes_per_s`, `host.*` | 1e6..1e15 bytes/s | 10 Mb/s Ethernet is 1.25e6; HBM3e of an H200 is 4.8e12, NVLink 4.5e11 per direction, so 1 PB/s leaves 200x |
+//! | [`LATENCY`] | `collectives.*.*.latency_s`, `collectives.*.*.step_latency_s` | 0..1 s | NCCL's model is microseconds and a TCP round trip across a data center milliseconds; a second per call is a unit mistake |
+//! | [`SLOWDOWN`] | `overlap_slowdown` | 0..10 | compute 11x slower while a collective runs is a broken measurement (NCCL's channels take about 1/8 of an H200's SMs: 0.12) |
+//! | [`RANKS_PER_NODE`] | `ranks_per_node` | 1..1024 | `fsdp launch` starts at most 1024 processes per node; 8 GPUs, or one rank per core of the largest hosts, is the rule |
 //!
 //! Built in: `h100-sxm`, `h200`, `a100-80gb` (`planner/profiles/*.json`), from NVIDIA's
 //! datasheets, the measured maximum achievable matmul FLOPS (MAMF) of Bekman's
@@ -343,6 +357,130 @@ pub struct HardwareProfile {
     pub sources: BTreeMap<String, String>,
 }
 
+/// The plausible range of one kind of profile number (inclusive bounds), what the module
+/// doc's table lists; a value outside it is [`PlanError::BadProfile`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PlausibleRange {
+    /// The smallest plausible value.
+    pub min: f64,
+    /// The largest plausible value.
+    pub max: f64,
+    /// The unit the bounds are in (`FLOP/s`, `bytes/s`, `s`; empty for a pure number).
+    pub unit: &'static str,
+    /// What kind of number this is, for the message (`a FLOP rate`).
+    pub kind: &'static str,
+}
+
+impl PlausibleRange {
+    /// Whether `v` lies inside the range (a NaN does not).
+    pub fn contains(&self, v: f64) -> bool {
+        v >= self.min && v <= self.max
+    }
+
+    /// The range as the messages print it: `1e6..1e18 FLOP/s`.
+    pub fn describe(&self) -> String {
+        let unit = if self.unit.is_empty() {
+            String::new()
+        } else {
+            format!(" {}", self.unit)
+        };
+        format!("{}..{}{unit}", num(self.min), num(self.max))
+    }
+}
+
+/// FLOP/s of a GEMM curve point or peak, or of elementwise arithmetic: 1e6..1e18.
+pub const FLOP_RATE: PlausibleRange = PlausibleRange {
+    min: 1e6,
+    max: 1e18,
+    unit: "FLOP/s",
+    kind: "a FLOP rate",
+};
+
+/// FLOPs of one GEMM call (a curve point's `flops`): 1..1e20.
+pub const CALL_FLOPS: PlausibleRange = PlausibleRange {
+    min: 1.0,
+    max: 1e20,
+    unit: "FLOPs",
+    kind: "the FLOPs of one GEMM call",
+};
+
+/// Bytes/s of memory, a collective's bus, the host link or the host optimizer: 1e6..1e15.
+pub const BANDWIDTH: PlausibleRange = PlausibleRange {
+    min: 1e6,
+    max: 1e15,
+    unit: "bytes/s",
+    kind: "a bandwidth",
+};
+
+/// Seconds of a collective's fixed or per-step latency: 0..1.
+pub const LATENCY: PlausibleRange = PlausibleRange {
+    min: 0.0,
+    max: 1.0,
+    unit: "s",
+    kind: "a latency",
+};
+
+/// The overlap slowdown (a fraction): 0..10.
+pub const SLOWDOWN: PlausibleRange = PlausibleRange {
+    min: 0.0,
+    max: 10.0,
+    unit: "",
+    kind: "a slowdown",
+};
+
+/// Ranks per node: 1..1024 (`fsdp launch`'s limit of processes per node).
+pub const RANKS_PER_NODE: PlausibleRange = PlausibleRange {
+    min: 1.0,
+    max: 1024.0,
+    unit: "",
+    kind: "a rank count",
+};
+
+/// `v` as a message prints it: plain between 1e-3 and 1e6 (`-1`, `0.12`), else in exponent
+/// form (`1e-300`, `3.35e12`), never 300 digits.
+fn num(v: f64) -> String {
+    if v == 0.0 || (v.abs() >= 1e-3 && v.abs() < 1e6) {
+        format!("{v}")
+    } else {
+        format!("{v:e}")
+    }
+}
+
+/// Checks `v` of `field` against `range`: finite, then inside the range (a value of the
+/// wrong sign is named as such).
+fn check_range(origin: &str, field: &str, v: f64, range: &PlausibleRange) -> Result<(), PlanError> {
+    if !v.is_finite() {
+        return Err(bad(origin, field, format!("is not a finite number ({v})")));
+    }
+    if range.contains(v) {
+        return Ok(());
+    }
+    let problem = if range.min > 0.0 && v <= 0.0 {
+        format!(
+            "must be positive, got {}; {} is plausible in {}",
+            num(v),
+            range.kind,
+            range.describe()
+        )
+    } else if range.min == 0.0 && v < 0.0 {
+        format!(
+            "must not be negative, got {}; {} is plausible in {}",
+            num(v),
+            range.kind,
+            range.describe()
+        )
+    } else {
+        format!(
+            "is {}, outside the plausible range of {}, {} (a unit mistake or a broken \
+             measurement?)",
+            num(v),
+            range.kind,
+            range.describe()
+        )
+    };
+    Err(bad(origin, field, problem))
+}
+
 fn bad(origin: &str, field: impl Into<String>, problem: impl Into<String>) -> PlanError {
     PlanError::BadProfile {
         origin: origin.to_string(),
@@ -355,8 +493,8 @@ impl HardwareProfile {
     /// Parses and validates a profile. `origin` names it in errors (a file name).
     ///
     /// Errors: [`PlanError::BadProfile`] naming the JSON path of a missing, unknown,
-    /// mistyped, negative, zero (where a rate is required) or non-finite value, a curve out of
-    /// order or above its peak, or a wrong `schema`.
+    /// mistyped or non-finite value, one outside its plausible range (value and range
+    /// named), a curve out of order or above its peak, or a wrong `schema`.
     pub fn from_json(text: &str, origin: &str) -> Result<Self, PlanError> {
         let de = &mut serde_json::Deserializer::from_str(text);
         let p: HardwareProfile = serde_path_to_error::deserialize(de).map_err(|e| {
@@ -389,9 +527,10 @@ impl HardwareProfile {
         Ok(p)
     }
 
-    /// Checks every number (see the module doc). `origin` names the profile in errors.
+    /// Checks every number against its plausible range (see the module doc). `origin` names
+    /// the profile in errors.
     ///
-    /// Errors: [`PlanError::BadProfile`] naming the field.
+    /// Errors: [`PlanError::BadProfile`] naming the field, its value and the range.
     pub fn validate(&self, origin: &str) -> Result<(), PlanError> {
         if self.schema != PROFILE_SCHEMA {
             return Err(bad(
@@ -403,24 +542,14 @@ impl HardwareProfile {
         if self.ranks_per_node == 0 {
             return Err(bad(origin, "ranks_per_node", "must be at least 1, got 0"));
         }
-        let positive = |field: &str, v: f64| -> Result<(), PlanError> {
-            if !v.is_finite() {
-                Err(bad(origin, field, format!("is not a finite number ({v})")))
-            } else if v <= 0.0 {
-                Err(bad(origin, field, format!("must be positive, got {v}")))
-            } else {
-                Ok(())
-            }
-        };
-        let non_negative = |field: &str, v: f64| -> Result<(), PlanError> {
-            if !v.is_finite() {
-                Err(bad(origin, field, format!("is not a finite number ({v})")))
-            } else if v < 0.0 {
-                Err(bad(origin, field, format!("must not be negative, got {v}")))
-            } else {
-                Ok(())
-            }
-        };
+        check_range(
+            origin,
+            "ranks_per_node",
+            self.ranks_per_node as f64,
+            &RANKS_PER_NODE,
+        )?;
+        let check =
+            |field: &str, v: f64, range: &PlausibleRange| check_range(origin, field, v, range);
         let mut any_curve = false;
         for (dt, curve) in [
             ("bf16", &self.gemm.bf16),
@@ -431,7 +560,11 @@ impl HardwareProfile {
             let Some(c) = curve else { continue };
             any_curve = true;
             let base = format!("gemm.{dt}");
-            positive(&format!("{base}.peak_flops_per_s"), c.peak_flops_per_s)?;
+            check(
+                &format!("{base}.peak_flops_per_s"),
+                c.peak_flops_per_s,
+                &FLOP_RATE,
+            )?;
             if c.points.is_empty() {
                 return Err(bad(
                     origin,
@@ -441,8 +574,8 @@ impl HardwareProfile {
             }
             for (i, pt) in c.points.iter().enumerate() {
                 let at = format!("{base}.points[{i}]");
-                positive(&format!("{at}.flops"), pt.flops)?;
-                positive(&format!("{at}.flops_per_s"), pt.flops_per_s)?;
+                check(&format!("{at}.flops"), pt.flops, &CALL_FLOPS)?;
+                check(&format!("{at}.flops_per_s"), pt.flops_per_s, &FLOP_RATE)?;
                 if i > 0 && pt.flops <= c.points[i - 1].flops {
                     return Err(bad(
                         origin,
@@ -469,11 +602,16 @@ impl HardwareProfile {
         if !any_curve {
             return Err(bad(origin, "gemm", "needs a curve for at least one dtype"));
         }
-        positive(
+        check(
             "memory_bandwidth_bytes_per_s",
             self.memory_bandwidth_bytes_per_s,
+            &BANDWIDTH,
         )?;
-        positive("elementwise_flops_per_s", self.elementwise_flops_per_s)?;
+        check(
+            "elementwise_flops_per_s",
+            self.elementwise_flops_per_s,
+            &FLOP_RATE,
+        )?;
         for (level, l) in [
             ("intra_node", &self.collectives.intra_node),
             ("inter_node", &self.collectives.inter_node),
@@ -484,20 +622,30 @@ impl HardwareProfile {
                 ("all_reduce", &l.all_reduce),
             ] {
                 let base = format!("collectives.{level}.{kind}");
-                non_negative(&format!("{base}.latency_s"), c.latency_s)?;
-                non_negative(&format!("{base}.step_latency_s"), c.step_latency_s)?;
-                positive(
+                check(&format!("{base}.latency_s"), c.latency_s, &LATENCY)?;
+                check(
+                    &format!("{base}.step_latency_s"),
+                    c.step_latency_s,
+                    &LATENCY,
+                )?;
+                check(
                     &format!("{base}.bus_bandwidth_bytes_per_s"),
                     c.bus_bandwidth_bytes_per_s,
+                    &BANDWIDTH,
                 )?;
             }
         }
-        positive("host.link_bytes_per_s", self.host.link_bytes_per_s)?;
-        positive(
+        check(
+            "host.link_bytes_per_s",
+            self.host.link_bytes_per_s,
+            &BANDWIDTH,
+        )?;
+        check(
             "host.optimizer_bytes_per_s",
             self.host.optimizer_bytes_per_s,
+            &BANDWIDTH,
         )?;
-        non_negative("overlap_slowdown", self.overlap_slowdown)?;
+        check("overlap_slowdown", self.overlap_slowdown, &SLOWDOWN)?;
         self.validate_calibration(origin)
     }
 
