@@ -70,6 +70,40 @@ fn rank_file_bytes(dir: &Path) -> u64 {
         .sum()
 }
 
+/// The size of the largest rank file of checkpoint `dir`.
+fn largest_rank_file(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("rank-"))
+        .map(|e| e.metadata().unwrap().len())
+        .max()
+        .unwrap()
+}
+
+/// The advice of a save that failed on the file size limit of 1 MiB: the limit and the
+/// largest rank file by their bytes, how to raise the limit, and not to free space.
+fn assert_file_size_advice(err: &str, largest: u64) {
+    assert_eq!(
+        number_after(err, "a rank file of "),
+        Some(largest),
+        "the largest rank file: {err}"
+    );
+    assert_eq!(
+        number_after(err, "this process's file size limit is "),
+        Some(1 << 20),
+        "the limit: {err}"
+    );
+    assert!(
+        err.contains("`ulimit -f unlimited`") && err.contains("maximum file size"),
+        "how to raise it: {err}"
+    );
+    assert!(
+        !err.contains("free space (") && !err.contains("free space on"),
+        "no advice to free space against a file size limit: {err}"
+    );
+}
+
 /// Every state buffer of the newest checkpoint, consolidated, as bits.
 fn state_bits(root: &Path) -> (u64, Vec<u32>) {
     let ck = Checkpoint::open(root, Verify::Checksums).unwrap();
@@ -127,6 +161,7 @@ fn a_save_past_the_file_size_limit_stops_or_continues_and_keeps_latest() {
         err.contains("File too large"),
         "the OS error is named: {err}"
     );
+    assert_file_size_advice(&err, largest_rank_file(&root.join("step-00000002")));
     assert!(
         err.contains(".tmp-step-00000004/rank-0000"),
         "the path: {err}"
@@ -208,6 +243,7 @@ fn an_async_save_past_the_file_size_limit_fails_like_a_synchronous_one() {
         "{err}"
     );
     assert!(err.contains("File too large"), "{err}");
+    assert_file_size_advice(&err, largest_rank_file(&root.join("step-00000002")));
     assert_eq!(
         number_after(&err, "its rank files need "),
         Some(needed),
@@ -277,6 +313,10 @@ fn a_save_into_a_full_file_system_leaves_no_temporary_directory() {
     assert!(
         err.contains("checkpoint of step 4") && err.contains("No space left on device"),
         "{err}"
+    );
+    assert!(
+        err.contains("free space on that file system") && err.contains("another --ckpt-dir"),
+        "the advice of a full file system: {err}"
     );
     let needed = rank_file_bytes(&copy.join("step-00000002"));
     assert_eq!(

@@ -198,6 +198,82 @@ pub(super) struct FailedSave {
     pub(super) error: String,
 }
 
+/// The OS error number a failed save's error text carries: the `N` of the last
+/// `(os error N)`, the form in which `std::io::Error` prints an OS error. The text is what
+/// crosses ranks (each rank's error is noted as text), so the number is read back from it.
+fn os_error_code(error: &str) -> Option<i32> {
+    let at = error.rfind("(os error ")? + "(os error ".len();
+    let digits: String = error[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok()
+}
+
+/// This process's file size limit (`RLIMIT_FSIZE`, what `ulimit -f` sets) in bytes; `None`
+/// when unlimited or when it cannot be read.
+fn file_size_limit() -> Option<u64> {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `l` is a valid, writable rlimit; getrlimit only writes into it.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_FSIZE, &mut l) };
+    // The field type differs between platforms.
+    #[allow(clippy::unnecessary_cast)]
+    let cur = l.rlim_cur as u64;
+    (rc == 0 && l.rlim_cur != libc::RLIM_INFINITY).then_some(cur)
+}
+
+/// What to do about a failed save, chosen by the OS error its text carries
+/// ([`os_error_code`]): a full file system or quota (ENOSPC, EDQUOT), a file size limit
+/// (EFBIG: `largest_file`, the largest rank file in bytes, against `fsize_limit`, this
+/// process's `RLIMIT_FSIZE` in bytes if any), a permission or read-only mount (EACCES, EPERM,
+/// EROFS); any other error is left as the OS words it (the error text already holds them).
+/// `fsdp train` has no option that cuts a rank file into pieces, so a file system whose
+/// maximum file size is too small is left for another `--ckpt-dir`.
+fn save_error_advice(error: &str, largest_file: Option<u64>, fsize_limit: Option<u64>) -> String {
+    let g = fsdp_types::group_thousands;
+    match os_error_code(error) {
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) => "free space on that file system (or raise \
+             the disk quota), or pass another --ckpt-dir with room for the rank files"
+            .into(),
+        Some(libc::EFBIG) => {
+            let file = largest_file.map_or_else(
+                || "a rank file".to_string(),
+                |b| format!("a rank file of {} bytes ({})", g(b), fsdp_types::Bytes(b)),
+            );
+            let limit = fsize_limit.map_or_else(
+                || {
+                    "no file size limit is set for this process, so the limit is the file \
+                    system's maximum file size"
+                        .to_string()
+                },
+                |b| {
+                    format!(
+                        "this process's file size limit is {} bytes (`ulimit -f` counts \
+                         1024-byte blocks)",
+                        g(b)
+                    )
+                },
+            );
+            format!(
+                "{file} exceeds the size a file may have ({limit}): raise the limit \
+                 (`ulimit -f unlimited` in the shell that starts fsdp, or the job scheduler's \
+                 file size limit), or pass a --ckpt-dir on a file system whose maximum file \
+                 size holds the rank file (rank files are not split); freeing space does not \
+                 help"
+            )
+        }
+        Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => {
+            "make the checkpoint directory writable by this user (its permissions, or a \
+             read-only mount), or pass a writable --ckpt-dir"
+                .into()
+        }
+        _ => "fix what the error names".into(),
+    }
+}
+
 /// Bytes available to an unprivileged writer on the file system holding `path` (statvfs
 /// `f_bavail * f_frsize`); `None` when it cannot be asked.
 pub fn free_bytes(path: &Path) -> Option<u64> {
@@ -746,16 +822,20 @@ impl CheckpointHooks {
             failed.phase,
             failed.error
         );
+        let largest = (0..self.layout.shard_size)
+            .filter_map(|r| fsdp_checkpoints::RankFilePlan::new(&self.layout, r).ok())
+            .map(|p| p.file_bytes())
+            .max();
+        let advice = save_error_advice(&failed.error, largest, file_size_limit());
         match self.on_save_error {
             OnSaveError::Stop => Err(EngineError::Checkpoint(format!(
-                "{msg}. The run stops (--on-save-error stop): free space (or fix the directory) \
-                 and continue with --resume, or pass --on-save-error continue to train on \
-                 without this checkpoint"
+                "{msg}. The run stops (--on-save-error stop): {advice}, and continue with \
+                 --resume, or pass --on-save-error continue to train on without this checkpoint"
             ))),
             OnSaveError::Continue if step >= self.last_step => {
                 Err(EngineError::Checkpoint(format!(
                     "{msg}. This was the final save: the final state of step {step} is not saved \
-                     (--on-save-error continue keeps training only until the last step)"
+                     (--on-save-error continue keeps training only until the last step); {advice}"
                 )))
             }
             OnSaveError::Continue => {
@@ -769,5 +849,52 @@ impl CheckpointHooks {
                 Ok(())
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_advice_follows_the_os_error() {
+        let full = save_error_advice(
+            "/ck/.tmp-step-4/rank-0000.safetensors: cannot write: No space left on device (os error 28)",
+            Some(3 << 20),
+            None,
+        );
+        assert!(full.starts_with("free space on that file system"), "{full}");
+        let big = save_error_advice(
+            "/ck/.tmp-step-4/rank-0000.safetensors: cannot write: File too large (os error 27)",
+            Some(3 << 20),
+            Some(1 << 20),
+        );
+        assert!(
+            big.contains("a rank file of 3,145,728 bytes")
+                && big.contains("file size limit is 1,048,576 bytes")
+                && big.contains("ulimit -f")
+                && big.contains("freeing space does not help"),
+            "{big}"
+        );
+        let unlimited = save_error_advice("x: File too large (os error 27)", None, None);
+        assert!(
+            unlimited.contains("the file system's maximum file size"),
+            "{unlimited}"
+        );
+        for code in [13, 1, 30] {
+            let e = format!("/ck: cannot create: denied (os error {code})");
+            assert!(
+                save_error_advice(&e, None, None).contains("writable --ckpt-dir"),
+                "{code}"
+            );
+        }
+        assert_eq!(
+            save_error_advice("/ck: Input/output error (os error 5)", None, None),
+            "fix what the error names"
+        );
+        assert_eq!(
+            save_error_advice("rank 1 failed (its own output names the error)", None, None),
+            "fix what the error names"
+        );
     }
 }
