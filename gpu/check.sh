@@ -238,6 +238,20 @@ else
   needs plan_vs_device_memory "needs gpt2_fsdp_fp32 / gpt2_fsdp_bf16"
 fi
 
+# 10. A measured hardware profile of this GPU (`fsdp calibrate --device cuda`: GEMM per dtype up
+#     to 8192 x 8192, device copy, elementwise and host link rates; collectives not measured
+#     with one device), printed in the log and kept as $OUT/h200-calibrated.json; `fsdp plan
+#     --time --hardware` must accept it.
+engine calibrate_cuda 120 "$T/fsdp" calibrate --device cuda --name h200-calibrated \
+  --output "$OUT/h200-calibrated.json"
+if ran calibrate_cuda; then
+  cat "$OUT/h200-calibrated.json"
+  run calibrate_cuda_plan 30 "$T/fsdp" plan --model gpt2 --micro-batch 16 --seq-len 1024 \
+    --time --hardware "$OUT/h200-calibrated.json"
+else
+  needs calibrate_cuda_plan "needs calibrate_cuda"
+fi
+
 echo
 { printf '%-34s %-9s %7s  %s\n' "check" "status" "time" "last result line"
   printf '%s\n' "${ROWS[@]}"; } | tee "$OUT/summary.txt"

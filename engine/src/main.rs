@@ -73,7 +73,7 @@ fn main() -> ExitCode {
             fsdp::cli::eval::run(a)
         }
         Command::Calibrate(a) => {
-            size_compute_threads(a.world_size, a.threads_per_rank);
+            size_compute_threads(a.ranks(), a.threads_per_rank);
             fsdp::cli::calibrate::run(a)
         }
         // The launcher exits with the failing rank's own code.

@@ -157,11 +157,25 @@ fn calibrate_refuses_zero_ranks_and_cuda_without_the_feature() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     if !cfg!(feature = "cuda") {
+        // The words of `fsdp train --device cuda` in a build without the feature.
         assert!(
-            err.contains("rebuild with `cargo build --release --features cuda`"),
+            err.contains(
+                "--device cuda: cannot open GPU 0: this binary is built without the `cuda` \
+                 feature: rebuild with `cargo build --release --features cuda` (see \
+                 gpu/README.md)"
+            ),
             "{err}"
         );
     }
+    assert!(o.stdout.is_empty(), "no profile printed");
+    // One GPU, one process: a world size other than 1 is refused before the device is opened.
+    let o = fsdp(&["calibrate", "--device", "cuda", "--world-size", "2"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--world-size 2: --device cuda measures one GPU in one process"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -26,14 +26,18 @@ pub enum OnOff {
 #[derive(Debug, clap::Args)]
 pub struct CalibrateArgs {
     /// Rank threads measured at once, as the `fsdp train --world-size` the profile is for
-    /// (1: no collectives are measured; a one-rank plan issues none). On a CPU every rank's
-    /// rates are its share of the cores, so calibrate at the world size you will train at.
-    #[arg(long, default_value_t = 2)]
-    pub world_size: usize,
-    /// Compute threads per rank (default: cores / world size, as `fsdp train`).
+    /// (default 2; 1: no collectives are measured, a one-rank plan issues none). On a CPU
+    /// every rank's rates are its share of the cores, so calibrate at the world size you will
+    /// train at. `--device cuda` measures one GPU: 1.
+    #[arg(long)]
+    pub world_size: Option<usize>,
+    /// Compute threads per rank (default: cores / world size, as `fsdp train`; CPU only).
     #[arg(long, value_parser = super::checks::at_least_one)]
     pub threads_per_rank: Option<usize>,
-    /// The device to measure.
+    /// The device to measure: `cpu` (rank threads and the thread backend), or `cuda` (GPU 0
+    /// of `CUDA_VISIBLE_DEVICES` through candle's CUDA ops; needs a binary built with
+    /// `--features cuda`; collectives are not measured with one device, they come from the
+    /// same GPU's built-in profile and their sources say so).
     #[arg(long, value_enum, default_value_t = CalibrateDeviceArg::Cpu)]
     pub device: CalibrateDeviceArg,
     /// The profile's name (default: `calibrated-<host>`).
@@ -48,16 +52,31 @@ pub struct CalibrateArgs {
     pub output: Option<PathBuf>,
 }
 
+impl CalibrateArgs {
+    /// The world size measured: `--world-size`, else 2 rank threads on the CPU and 1 process
+    /// on a GPU.
+    pub fn ranks(&self) -> usize {
+        self.world_size.unwrap_or(match self.device {
+            CalibrateDeviceArg::Cpu => 2,
+            CalibrateDeviceArg::Cuda => 1,
+        })
+    }
+}
+
 /// Runs `fsdp calibrate`.
 ///
-/// Errors: [`CliError::Usage`] (exit 2) for a world size under 2, an unwritable output path
-/// or a CUDA request this build or machine cannot serve; [`CliError::Failed`] (exit 1) when a
-/// measurement fails.
+/// Errors: [`CliError::Usage`] (exit 2) for a world size under 2 (other than 1 with `--device
+/// cuda`), an unwritable output path or a CUDA request this build or machine cannot serve;
+/// [`CliError::Failed`] (exit 1) when a measurement fails.
 pub fn run(a: CalibrateArgs) -> Result<(), CliError> {
     if let Some(o) = &a.output {
         crate::checkpoint::offline::check_output_file("-o", o)?;
     }
-    if a.world_size < 1 {
+    if a.device == CalibrateDeviceArg::Cuda {
+        return run_cuda(&a);
+    }
+    let world_size = a.ranks();
+    if world_size < 1 {
         return Err(CliError::Usage(
             "--world-size 0: give at least 1 rank thread".into(),
         ));
@@ -66,34 +85,21 @@ pub fn run(a: CalibrateArgs) -> Result<(), CliError> {
     // Oversubscribed ranks share cores as they do in training at that world size; far beyond
     // the cores, calibrate would measure the scheduler, not the hardware.
     let most = 4 * cores.max(1);
-    if a.world_size > most {
+    if world_size > most {
         return Err(CliError::Usage(format!(
-            "--world-size {}: more than 4 rank threads per core of this host's {cores} cores \
-             measure the scheduler, not the hardware; give at most {most}",
-            a.world_size
+            "--world-size {world_size}: more than 4 rank threads per core of this host's {cores} \
+             cores measure the scheduler, not the hardware; give at most {most}"
         )));
     }
-    if a.device == CalibrateDeviceArg::Cuda {
-        return Err(CliError::Usage(if cfg!(feature = "cuda") {
-            "--device cuda: this version of fsdp calibrate measures the CPU (rank threads and the \
-             thread backend) only; use a built-in GPU profile (--hardware h100-sxm, h200, \
-             a100-80gb)"
-                .into()
-        } else {
-            "--device cuda: this binary is built without CUDA: rebuild with `cargo build \
-             --release --features cuda` (see gpu/README.md)"
-                .into()
-        }));
-    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = a.threads_per_rank.unwrap_or((cores / a.world_size).max(1));
+    let threads = a.threads_per_rank.unwrap_or((cores / world_size).max(1));
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let name = a
         .name
         .clone()
         .unwrap_or_else(|| format!("calibrated-{}", host_name()));
     let opts = crate::calibrate::CalibrateOptions {
-        world_size: a.world_size,
+        world_size,
         threads_per_rank: threads,
         command,
         name,
@@ -106,7 +112,77 @@ pub fn run(a: CalibrateArgs) -> Result<(), CliError> {
     let profile = pool
         .install(|| crate::calibrate::calibrate(&opts))
         .map_err(CliError::Failed)?;
-    let mut text = serde_json::to_string_pretty(&profile)
+    write_profile(&a, &profile)
+}
+
+/// Runs `fsdp calibrate --device cuda`: one GPU, world size 1.
+fn run_cuda(a: &CalibrateArgs) -> Result<(), CliError> {
+    if let Some(w) = a.world_size.filter(|&w| w != 1) {
+        return Err(CliError::Usage(format!(
+            "--world-size {w}: --device cuda measures one GPU in one process (world size 1); \
+             collectives between GPUs are not measured (omit --world-size)"
+        )));
+    }
+    if a.threads_per_rank.is_some() {
+        return Err(CliError::Usage(
+            "--threads-per-rank sizes the CPU's compute threads: it does not apply to --device \
+             cuda (omit it)"
+                .into(),
+        ));
+    }
+    let ordinal = 0;
+    let (dev, devices) = open_cuda(ordinal)?;
+    let opts = crate::calibrate::cuda::CudaCalibrateOptions {
+        ordinal,
+        devices,
+        device_name: fsdp_kernels::cuda::device_name(ordinal),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        name: a
+            .name
+            .clone()
+            .unwrap_or_else(|| format!("calibrated-{}-gpu", host_name())),
+    };
+    let profile = crate::calibrate::cuda::calibrate_cuda(&dev, &opts).map_err(CliError::Failed)?;
+    write_profile(a, &profile)
+}
+
+/// Opens GPU `ordinal` for `--device cuda` with the words of `fsdp train --device cuda`: a
+/// build without the feature, a missing or stub driver library or a missing device is a usage
+/// error (exit 2) saying which. Returns the device and the driver's device count.
+fn open_cuda(ordinal: usize) -> Result<(candle_core::Device, usize), CliError> {
+    use fsdp_kernels::cuda::{probe, Probe};
+    let n = match probe() {
+        Probe::Unavailable(why) if cfg!(not(feature = "cuda")) => {
+            return Err(CliError::Usage(format!(
+                "--device cuda: cannot open GPU {ordinal}: this binary is {why}: rebuild with \
+                 `cargo build --release --features cuda` (see gpu/README.md)"
+            )))
+        }
+        Probe::Unavailable(why) => {
+            return Err(CliError::Usage(format!(
+                "--device cuda: cannot open GPU {ordinal}: no usable CUDA device: {why}. The \
+                 CUDA driver library libcuda.so.1 found on the library path must be the NVIDIA \
+                 driver's (not the toolkit's link stub) and see a GPU (on the GPU test machine: \
+                 `. target-gpu/device-env.sh` first)"
+            )))
+        }
+        Probe::Available(n) => n,
+    };
+    // One explicit stream, as `fsdp train --device cuda` computes on.
+    let dev = candle_core::Device::new_cuda_with_stream(ordinal).map_err(|e| {
+        CliError::Usage(format!(
+            "--device cuda: cannot open GPU {ordinal} (CUDA driver library libcuda.so.1): {e}"
+        ))
+    })?;
+    Ok((dev, n))
+}
+
+/// Writes `profile` as pretty JSON to `-o FILE`, else standard output.
+fn write_profile(
+    a: &CalibrateArgs,
+    profile: &fsdp_planner::time::HardwareProfile,
+) -> Result<(), CliError> {
+    let mut text = serde_json::to_string_pretty(profile)
         .map_err(|e| CliError::Failed(format!("serializing the profile: {e}")))?;
     text.push('\n');
     match &a.output {

@@ -83,7 +83,8 @@ pub enum Command {
     /// smaller world size when a device is lost, `--min-nproc`).
     Launch(launch::LaunchArgs),
     /// Measure this machine (GEMM per dtype, memory and elementwise rates, collectives over
-    /// rank threads, the overlap slowdown) into a hardware profile for `--hardware FILE`.
+    /// rank threads, the overlap slowdown; or one GPU with `--device cuda`) into a hardware
+    /// profile for `--hardware FILE`.
     Calibrate(calibrate::CalibrateArgs),
 }
 

@@ -50,6 +50,11 @@ pub(crate) fn probe() -> Probe {
     }
 }
 
+/// The driver's name of device `ordinal` (`cuDeviceGetName` through its primary context).
+pub(crate) fn device_name(ordinal: usize) -> Option<String> {
+    CudaContext::new(ordinal).ok()?.name().ok()
+}
+
 /// The loaded module's functions, in [`KERNEL_NAMES`] order.
 struct Loaded {
     f: Vec<CudaFunction>,

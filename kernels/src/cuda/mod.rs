@@ -163,6 +163,20 @@ pub fn probe() -> Probe {
     }
 }
 
+/// The name of CUDA device `ordinal` as the driver reports it (`NVIDIA H200`): `None`
+/// without the `cuda` feature, or when the driver, the device or its name cannot be had.
+pub fn device_name(ordinal: usize) -> Option<String> {
+    #[cfg(feature = "cuda")]
+    {
+        device::device_name(ordinal)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        None
+    }
+}
+
 /// The environment variable that turns a CUDA test's skip into a failure: set it to `1` where
 /// a device must be present (the GPU machine), so that a missing device, driver or library
 /// fails the test instead of letting it pass without running.

@@ -18,6 +18,10 @@
 //! - **Host link**: on the CPU the "device" is host memory: the copy bandwidth.
 //! - **Overlap slowdown**: rank 0's f32 GEMM rate alone against its rate while an all-reduce
 //!   of 16 MiB runs on its progress thread (`alone / with - 1`, at least 0).
+//!
+//! `fsdp calibrate --device cuda` measures one GPU instead: [`cuda`].
+
+pub mod cuda;
 
 use fsdp_comm::{run_threads, BufMut, Communicator, Group, OwnedBuf, ReduceOp, Topology};
 use fsdp_planner::time::{
