@@ -135,3 +135,66 @@ pub enum EngineError {
 
 /// The engine's result type.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+/// Why preparing a run, or offline checkpoint work, did not go through. The two kinds are
+/// what a command-line front end tells apart: bad input (nothing was started) and a failure
+/// of work that had started.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RunError {
+    /// Bad input: a flag value, a file, a model description, a budget nothing fits; nothing
+    /// was started or written.
+    #[error("{0}")]
+    Refused(String),
+    /// Work that started and failed (a run, a write).
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl RunError {
+    /// The exit status a command line reports for it: 2 for bad input, 1 for a failed run.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            RunError::Refused(_) => 2,
+            RunError::Failed(_) => 1,
+        }
+    }
+}
+
+impl From<fsdp_checkpoints::CkptError> for RunError {
+    /// Every checkpoint error is bad input (a file, a model, a layout).
+    fn from(e: fsdp_checkpoints::CkptError) -> Self {
+        RunError::Refused(e.to_string())
+    }
+}
+
+impl From<EngineError> for RunError {
+    /// Configuration, plan, data and initial-value errors are bad input; everything else is a
+    /// failed run, non-finite values and diverged runs with what to do next.
+    fn from(e: EngineError) -> Self {
+        match e {
+            EngineError::Config(_)
+            | EngineError::Plan(_)
+            | EngineError::Data(_)
+            | EngineError::Init(_)
+            | EngineError::InitFiles { .. }
+            | EngineError::Ckpt(_) => RunError::Refused(e.to_string()),
+            EngineError::NonFinite(_) => RunError::Failed(format!(
+                "{e}. Every rank stopped before updating anything: the newest checkpoint (if \
+                 --ckpt-dir was given) is intact and `--resume` restarts from it; lower --lr or \
+                 --clip, or pass --nonfinite skip to skip such steps"
+            )),
+            EngineError::TooManySkipped { .. } => RunError::Failed(format!(
+                "{e}. The run has diverged: the newest checkpoint (if --ckpt-dir was given) holds \
+                 the last applied update; lower --lr, or raise --max-skipped"
+            )),
+            other => RunError::Failed(other.to_string()),
+        }
+    }
+}
+
+impl From<fsdp_planner::PlanError> for RunError {
+    /// A plan the planner refuses is bad input.
+    fn from(e: fsdp_planner::PlanError) -> Self {
+        RunError::from(EngineError::from(e))
+    }
+}

@@ -15,11 +15,13 @@ pub mod init;
 pub mod memory;
 pub mod model;
 pub mod optim;
+pub mod options;
 pub mod output;
 pub mod preflight;
 pub mod process;
 pub mod run;
 pub mod runtime;
+pub mod strategy;
 pub mod trace;
 pub mod train;
 

@@ -61,7 +61,7 @@ fn main() -> ExitCode {
         Command::Train(a) => {
             // Ranks on this node: the rank threads, or the launcher's processes here.
             let ranks = match a.backend {
-                fsdp::cli::train::BackendArg::Threads => a.world_size,
+                fsdp::cli::args::BackendArg::Threads => a.world_size,
                 _ => fsdp::preflight::launcher_local_ranks(|k| std::env::var(k).ok())
                     .map_or(1, |n| n as usize),
             };

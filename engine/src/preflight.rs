@@ -5,10 +5,14 @@
 //! compute threads per rank. Every check here is a pure function of its inputs (the host
 //! table, the plan), so every rank of a job takes the same decision and refuses together.
 
-use crate::model::decoder::Decoder;
-use crate::run::RunError;
-use crate::train::TrainOptions;
-use fsdp_planner::{ShardPlan, Strategy};
+use crate::error::RunError;
+use crate::options::{model_of, plan_config, TrainOptions};
+use crate::strategy::plan_for;
+use fsdp_planner::Strategy;
+
+/// The budget types of the plan stage, which [`auto_budget`] and [`resolve_strategy`] take
+/// and return.
+pub use crate::strategy::{AutoResolution, Budget};
 
 /// Most rank threads the in-process (`--backend threads`) backend starts: each rank is an OS
 /// thread with its own compute pool and stack, so tens of thousands of them exhaust the
@@ -138,11 +142,8 @@ pub fn preflight_offload_host(
 ///
 /// Errors: [`RunError::Refused`] for an unknown model or options the planner refuses.
 pub fn plan_peak(opts: &TrainOptions) -> Result<u64, RunError> {
-    let model = crate::train::model_of(opts)?;
-    let plan = fsdp_planner::plan(
-        crate::runtime::StagedModel::spec(&model),
-        &crate::train::plan_config(opts),
-    )?;
+    let model = model_of(opts)?;
+    let plan = fsdp_planner::plan(crate::runtime::StagedModel::spec(&model), &plan_config(opts))?;
     Ok(plan.memory.peak.0)
 }
 
@@ -352,25 +353,6 @@ pub fn threads_auto_budget(opts: &TrainOptions, available: Option<u64>) -> Optio
     ))
 }
 
-/// `--strategy auto` resolved for a run: the choice and where its budget came from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AutoResolution {
-    /// The strategy, activation checkpointing, peak, budget and reason.
-    pub choice: crate::train::AutoChoice,
-    /// Where the budget came from (`--device-memory 512MiB`, or the host share it was
-    /// computed from).
-    pub source: String,
-}
-
-/// A memory budget per rank as given (`--device-memory`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Budget {
-    /// Bytes per rank.
-    pub bytes: u64,
-    /// The value as written (`512MiB`), for messages.
-    pub given: String,
-}
-
 /// What the ranks of a run can see of their memory, for the pre-flight check and the default
 /// budget of `Strategy::Auto`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -428,80 +410,6 @@ pub fn auto_budget(
     })
 }
 
-/// The plan of `model` under `opts`, computed once. With `Strategy::Auto`, `auto_budget`
-/// (from [`auto_budget`]) is the budget the search fits ([`crate::train::search_auto`]):
-/// `opts.strategy` and `opts.activation_checkpointing` are set to the choice and its plan is
-/// returned with the resolution. With an explicit strategy and `budget`, the plan's peak per
-/// rank must fit it.
-///
-/// Errors: [`RunError::Refused`] for a budget nothing fits (naming the least-memory
-/// candidate's peak and the budget), an explicit strategy whose peak exceeds `budget`, and
-/// options the planner refuses.
-pub fn plan_for(
-    model: &Decoder,
-    opts: &mut TrainOptions,
-    budget: Option<&Budget>,
-    auto_budget: Option<(u64, String)>,
-) -> Result<(ShardPlan, Option<AutoResolution>), RunError> {
-    if opts.strategy != Strategy::Auto {
-        let plan = fsdp_planner::plan(
-            crate::runtime::StagedModel::spec(model),
-            &crate::train::plan_config(opts),
-        )?;
-        if let Some(b) = budget {
-            let peak = plan.memory.peak.0;
-            if peak > b.bytes {
-                return Err(RunError::Refused(format!(
-                    "--strategy {}: the plan's peak {} per rank exceeds --device-memory {} = {}; \
-                     use --strategy auto, a sharded strategy, --activation-checkpointing on, or a \
-                     smaller --micro-batch or --seq-len",
-                    opts.strategy.cli_name(),
-                    bytes_exact(peak),
-                    b.given,
-                    bytes_exact(b.bytes)
-                )));
-            }
-        }
-        return Ok((plan, None));
-    }
-    let (budget, source) = match auto_budget {
-        Some(b) => b,
-        None => auto_budget_missing()?,
-    };
-    let (choice, plan) = crate::train::search_auto(model, opts, fsdp_types::Bytes(budget))?;
-    if !choice.fits {
-        return Err(RunError::Refused(format!(
-            "--strategy auto: nothing fits the memory budget of {} per rank ({source}): the \
-             least memory is {}{}, peak {} per rank; {}; use a smaller --micro-batch, --seq-len \
-             or --grad-accum, more ranks, a larger --device-memory, or --offload optimizer|params \
-             (the optimizer state in host memory)",
-            bytes_exact(budget),
-            choice.strategy,
-            match (choice.activation_checkpointing, choice.offload) {
-                (Some(true), Some(o)) if o.is_some() => {
-                    format!(" with activation checkpointing and --offload {o}")
-                }
-                (Some(true), _) => " with activation checkpointing".to_string(),
-                (_, Some(o)) if o.is_some() => format!(" with --offload {o}"),
-                _ => String::new(),
-            },
-            bytes_exact(choice.peak.0),
-            choice.reason
-        )));
-    }
-    opts.strategy = choice.strategy;
-    opts.activation_checkpointing = choice.activation_checkpointing;
-    opts.offload = choice.offload;
-    Ok((plan, Some(AutoResolution { choice, source })))
-}
-
-/// `Strategy::Auto` reached [`plan_for`] without a budget: a caller error.
-fn auto_budget_missing() -> Result<(u64, String), RunError> {
-    Err(RunError::Refused(
-        "--strategy auto needs a memory budget: resolve it first (`auto_budget`)".into(),
-    ))
-}
-
 /// Resolves `Strategy::Auto` in `opts` on its own (sets `strategy` and
 /// `activation_checkpointing` to the choice) for the budget [`auto_budget`] finds, or checks
 /// an explicit strategy's plan peak against `budget`; [`crate::run::prepare`] does the same
@@ -522,7 +430,7 @@ pub fn resolve_strategy(
     } else {
         None
     };
-    let model = crate::train::model_of(opts)?;
+    let model = model_of(opts)?;
     plan_for(&model, opts, budget, auto).map(|(_, a)| a)
 }
 
@@ -554,15 +462,6 @@ pub fn cap_threads(
 /// CPU cores this process may run on (`available_parallelism`, 1 where unknown).
 pub fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
-}
-
-/// A byte count as `1,234,567 B (1.18 MiB)`.
-fn bytes_exact(b: u64) -> String {
-    format!(
-        "{} B ({})",
-        fsdp_types::group_thousands(b),
-        fsdp_types::Bytes(b)
-    )
 }
 
 fn mib(b: u64) -> String {

@@ -3,8 +3,10 @@
 //! trains over and, under MPI, the table of every rank's host memory the pre-flight reads.
 
 use crate::memory::CountingAllocator;
-use crate::run::{PreparedRun, RunError};
-use crate::train::{train_prepared, StepReport, TrainOptions};
+use crate::error::RunError;
+use crate::options::TrainOptions;
+use crate::run::PreparedRun;
+use crate::train::{train_prepared, StepReport};
 
 /// `--backend nccl`: this process as one rank of an NCCL job started by `fsdp launch` (or
 /// torchrun), from its environment.
@@ -88,9 +90,10 @@ pub fn comm_timeout_arg(comm_timeout: f64) -> Result<std::time::Duration, RunErr
 pub mod mpi {
     use crate::memory::CountingAllocator;
     use crate::preflight::RankHost;
+    use crate::error::RunError;
+    use crate::options::TrainOptions;
     use crate::run::PreparedRun;
-    use crate::run::RunError;
-    use crate::train::{StepReport, TrainHooks, TrainOptions, TrainReport};
+    use crate::train::{StepReport, TrainHooks, TrainReport};
 
     /// This process's MPI state: the initialised library (finalised on drop) and its rank.
     pub struct MpiProcess {

@@ -7,80 +7,24 @@
 //! TrainOptions ──validate──▶ model (Decoder) ──plan──▶ ShardPlan ──preflight──▶ PreparedRun ──▶ train
 //! ```
 //!
+//! The modules follow the same direction: [`crate::options`] (the options, the model) <-
+//! [`crate::strategy`] (the plan, auto) <- [`crate::preflight`] (the hosts' memory) <- this
+//! module (composes them) <- [`crate::train`] (executes a [`PreparedRun`]). None of them
+//! imports a later one.
+//!
 //! A new run setting is one field of [`TrainOptions`], read by
-//! [`crate::train::plan_config`] (what the planner sees) and the driver (what the engine does).
+//! [`crate::options::plan_config`] (what the planner sees) and the driver (what the engine does).
 
 use crate::checkpoint::check_init_from;
-use crate::error::EngineError;
 use crate::model::decoder::Decoder;
-use crate::preflight::{self, AutoResolution, Budget, RankMemory};
+use crate::options::{model_of, validate, TrainOptions};
+use crate::preflight::{self, RankMemory};
 use crate::runtime::Placement;
-use crate::train::{model_of, validate, TrainOptions};
-use fsdp_checkpoints::CkptError;
+use crate::strategy::{self, AutoResolution, Budget};
 use fsdp_planner::{ShardPlan, Strategy};
 
-/// Why preparing a run, or offline checkpoint work, did not go through. The two kinds are
-/// what a command-line front end tells apart: bad input (nothing was started) and a failure
-/// of work that had started.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum RunError {
-    /// Bad input: a flag value, a file, a model description, a budget nothing fits; nothing
-    /// was started or written.
-    #[error("{0}")]
-    Refused(String),
-    /// Work that started and failed (a run, a write).
-    #[error("{0}")]
-    Failed(String),
-}
-
-impl RunError {
-    /// The exit status a command line reports for it: 2 for bad input, 1 for a failed run.
-    pub fn exit_code(&self) -> u8 {
-        match self {
-            RunError::Refused(_) => 2,
-            RunError::Failed(_) => 1,
-        }
-    }
-}
-
-impl From<CkptError> for RunError {
-    /// Every checkpoint error is bad input (a file, a model, a layout).
-    fn from(e: CkptError) -> Self {
-        RunError::Refused(e.to_string())
-    }
-}
-
-impl From<EngineError> for RunError {
-    /// Configuration, plan, data and initial-value errors are bad input; everything else is a
-    /// failed run, non-finite values and diverged runs with what to do next.
-    fn from(e: EngineError) -> Self {
-        match e {
-            EngineError::Config(_)
-            | EngineError::Plan(_)
-            | EngineError::Data(_)
-            | EngineError::Init(_)
-            | EngineError::InitFiles { .. }
-            | EngineError::Ckpt(_) => RunError::Refused(e.to_string()),
-            EngineError::NonFinite(_) => RunError::Failed(format!(
-                "{e}. Every rank stopped before updating anything: the newest checkpoint (if \
-                 --ckpt-dir was given) is intact and `--resume` restarts from it; lower --lr or \
-                 --clip, or pass --nonfinite skip to skip such steps"
-            )),
-            EngineError::TooManySkipped { .. } => RunError::Failed(format!(
-                "{e}. The run has diverged: the newest checkpoint (if --ckpt-dir was given) holds \
-                 the last applied update; lower --lr, or raise --max-skipped"
-            )),
-            other => RunError::Failed(other.to_string()),
-        }
-    }
-}
-
-impl From<fsdp_planner::PlanError> for RunError {
-    /// A plan the planner refuses is bad input.
-    fn from(e: fsdp_planner::PlanError) -> Self {
-        RunError::from(EngineError::from(e))
-    }
-}
+/// The error of [`prepare`] (defined with the engine's errors, where every stage reaches it).
+pub use crate::error::RunError;
 
 /// What [`prepare`] needs besides the options: the memory budget per rank and what the ranks
 /// can see of their hosts' memory.
@@ -141,7 +85,7 @@ pub fn prepare(req: RunRequest) -> Result<PreparedRun, RunError> {
         None
     };
     let model = model_of(&o)?;
-    let (plan, auto) = preflight::plan_for(&model, &mut o, budget.as_ref(), auto_budget)?;
+    let (plan, auto) = strategy::plan_for(&model, &mut o, budget.as_ref(), auto_budget)?;
     validate(&o)?;
     // Offloading moves state from a compute device to host memory: on the CPU the run
     // computes on the CPU device (flat buffers as device tensors, state in host buffers).

@@ -10,7 +10,7 @@
 //! `thread_name`) naming them. `cat` is the span's kind (`forward`, `backward`, `recompute`,
 //! `optimizer`, `wait`, `all_gather`, ...); `args` carry the unit, micro-batch, step and bytes.
 
-use crate::run::RunError;
+use crate::error::RunError;
 use fsdp_planner::time::{SpanKind, StepPrediction, Track};
 use serde_json::{json, Map, Value};
 use std::path::Path;

@@ -4,7 +4,7 @@
 //! check of the data against a model directory's own tokenizer (`fsdp train --init-from`,
 //! `fsdp eval --model-dir`).
 
-use crate::train::TrainOptions;
+use crate::options::TrainOptions;
 
 /// Parses a finite number `>= 0` (`--weight-decay`, `--min-lr`, `--clip`).
 ///

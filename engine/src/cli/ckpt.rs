@@ -1,15 +1,15 @@
 //! `fsdp ckpt`: inspect, consolidate and reshard sharded checkpoints offline (no device, no
-//! communicator), and the checkpoint flags of `fsdp train`. The work is in
+//! communicator). The work is in
 //! [`crate::checkpoint`]; this module parses the flags and prints. Every bad input (truncated
 //! or corrupted file, missing rank file, unknown format version, a checkpoint of another
 //! model) is an error naming the file and the problem, exit code 2.
 
+use super::args::StrategyArg;
 use super::CliError;
 use crate::checkpoint::offline::{
     consolidate, open_verified, reshard_checkpoint, ConsolidateRequest, Consolidated,
     ReshardRequest,
 };
-use crate::checkpoint::{CheckpointConfig, ResumeFrom};
 use fsdp_checkpoints::CkptError;
 use fsdp_planner::config::MAX_WORLD_SIZE;
 use fsdp_types::{Bytes, DType, Numel};
@@ -83,8 +83,8 @@ pub enum CkptAction {
         /// Target strategy, the names of `fsdp train`: full-shard (zero3), shard-grad-op
         /// (zero2), shard-optimizer (zero1), all S = W; no-shard (ddp), S = 1; hybrid (hsdp,
         /// needs --shard-size).
-        #[arg(long, value_enum, default_value_t = super::train::StrategyArg::FullShard)]
-        strategy: super::train::StrategyArg,
+        #[arg(long, value_enum, default_value_t = StrategyArg::FullShard)]
+        strategy: StrategyArg,
         /// Shard-group size for `--strategy hybrid` (must divide the world size).
         #[arg(long)]
         shard_size: Option<u64>,
@@ -106,11 +106,11 @@ pub enum CkptAction {
 /// Errors: [`CliError::Usage`] for hybrid without `--shard-size`, `--shard-size` with another
 /// strategy, and `auto` (a checkpoint layout needs a definite strategy).
 pub fn shard_size_for(
-    strategy: super::train::StrategyArg,
+    strategy: StrategyArg,
     world_size: u64,
     shard_size: Option<u64>,
 ) -> Result<u64, CliError> {
-    use super::train::StrategyArg as S;
+    use StrategyArg as S;
     match (strategy, shard_size) {
         (S::FullShard | S::ShardGradOp | S::ShardOptimizer, None) => Ok(world_size),
         (S::NoShard, None) => Ok(1),
@@ -409,86 +409,6 @@ fn inspect(dir: &std::path::Path, json: bool) -> Result<(), CliError> {
         );
     }
     emit(&o)
-}
-
-/// Checkpoint flags of `fsdp train` (flattened into its arguments).
-#[derive(Debug, Clone, Default, clap::Args)]
-pub struct TrainCkptArgs {
-    /// Checkpoint root: sharded checkpoints `step-N/` and the `latest` pointer go here.
-    #[arg(long)]
-    pub ckpt_dir: Option<PathBuf>,
-    /// Save a checkpoint every N optimizer steps (0: only after the last step). Needs
-    /// --ckpt-dir.
-    #[arg(long, default_value_t = 0, requires = "ckpt_dir")]
-    pub ckpt_every: u64,
-    /// Keep the newest K checkpoints (0: keep all). Needs --ckpt-dir.
-    #[arg(long, default_value_t = 3, requires = "ckpt_dir")]
-    pub keep_last: usize,
-    /// Resume from the newest complete checkpoint in --ckpt-dir (start fresh if there is none).
-    /// The run continues exactly: same losses and parameters as an uninterrupted run with the
-    /// same flags. A different --world-size / --strategy reshards the state on load. A
-    /// checkpoint already at or past --steps: "nothing to train", exit 0.
-    /// A newest checkpoint that is damaged or incomplete is refused, naming it and the newest
-    /// intact one (see --resume-from).
-    #[arg(long, requires = "ckpt_dir")]
-    pub resume: bool,
-    /// Resume (as --resume) from checkpoint step STEP of --ckpt-dir, or from the newest intact
-    /// one with `latest-valid`. Newer step directories (damaged, or from the abandoned run)
-    /// are kept, moved aside as `step-N.damaged` / `step-N.superseded` at the first save, so
-    /// new checkpoints and `latest` never mix with them.
-    #[arg(long, value_name = "STEP|latest-valid", requires = "ckpt_dir")]
-    pub resume_from: Option<String>,
-    /// Start from published weights: a Hugging Face model directory (its config.json is the
-    /// model unless --model or --hf-config is given), a model.safetensors, a sharded
-    /// model.safetensors.index.json, or `fsdp ckpt consolidate` output; f32, bf16 or f16
-    /// stored. Strict name and shape matching; every rank reads only its own shards' bytes;
-    /// fresh optimizer state. With --resume the same command continues from the newest
-    /// checkpoint in --ckpt-dir when there is one (its weights and optimizer state; the model
-    /// still from this directory) and starts from these weights when there is none.
-    /// With a tied config (tie_word_embeddings: true) a stored lm_head.weight must equal the
-    /// embedding, else the run is refused (exit 2) naming both tensors: set
-    /// "tie_word_embeddings": false to train the file's own head (transformers 4.x would
-    /// overwrite it with the embedding, 5.x loads it untied).
-    /// A directory's tokenizer and generation files are carried in every checkpoint and
-    /// copied into `fsdp ckpt consolidate` model directories.
-    #[arg(long)]
-    pub init_from: Option<PathBuf>,
-}
-
-impl TrainCkptArgs {
-    /// The resume these flags ask for, `None` for a fresh run.
-    ///
-    /// Errors: [`CliError::Usage`] for a `--resume-from` value that is neither a step number
-    /// nor `latest-valid`.
-    pub fn resume_mode(&self) -> Result<Option<ResumeFrom>, CliError> {
-        match self.resume_from.as_deref().map(str::trim) {
-            Some("latest-valid") => Ok(Some(ResumeFrom::LatestValid)),
-            Some(v) => v
-                .parse::<u64>()
-                .map(|s| Some(ResumeFrom::Step(s)))
-                .map_err(|_| {
-                    CliError::Usage(format!(
-                    "--resume-from {v}: expected a checkpoint step (e.g. --resume-from 20, see \
-                     `fsdp ckpt inspect DIR`) or `latest-valid` (the newest intact checkpoint)"
-                ))
-                }),
-            None if self.resume => Ok(Some(ResumeFrom::Newest)),
-            None => Ok(None),
-        }
-    }
-
-    /// The checkpoint configuration of the run these flags ask for.
-    ///
-    /// Errors: as [`TrainCkptArgs::resume_mode`].
-    pub fn config(&self) -> Result<CheckpointConfig, CliError> {
-        Ok(CheckpointConfig {
-            dir: self.ckpt_dir.clone(),
-            every: self.ckpt_every,
-            keep_last: self.keep_last,
-            resume: self.resume_mode()?,
-            ..CheckpointConfig::default()
-        })
-    }
 }
 
 /// Parses `--max-shard-size` (transformers' `max_shard_size` spelling: `5GB` = 5 * 10^9,

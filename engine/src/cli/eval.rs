@@ -3,8 +3,8 @@
 //! as training is, over the windows training evaluates ([`crate::eval`]). The number does not
 //! depend on the world size, bit for bit.
 
-use super::train::DTypeArg;
-use super::CliError;
+use super::args::{eval_batches, DTypeArg};
+use super::{cli_error, CliError};
 use crate::checkpoint::offline::open_verified;
 use crate::checkpoint::resume::tokenizer_change;
 use crate::checkpoint::HF_CONFIG_KEY;
@@ -71,21 +71,6 @@ pub struct EvalArgs {
     /// Print the result as one JSON object.
     #[arg(long)]
     pub json: bool,
-}
-
-/// Parses `--eval-batches`: a count of at least 1, or `all` (0).
-///
-/// Errors: the rule and the fix, for clap's message.
-pub fn eval_batches(s: &str) -> Result<usize, String> {
-    if s.trim() == "all" {
-        return Ok(0);
-    }
-    match s.trim().parse::<usize>() {
-        Ok(n) if n >= 1 => Ok(n),
-        _ => Err(format!(
-            "`{s}` is not a number of micro-batches; give a count of at least 1 or `all`"
-        )),
-    }
 }
 
 /// The model of checkpoint `ck`: its preset, or the config.json `fsdp train` recorded in its
@@ -228,7 +213,7 @@ pub fn run(a: EvalArgs) -> Result<(), CliError> {
             t
         },
     };
-    let report = evaluate(&model, weights, &o).map_err(super::train::cli_error)?;
+    let report = evaluate(&model, weights, &o).map_err(cli_error)?;
     let source = match (&a.ckpt, &a.model_dir, &ck) {
         (Some(_), _, Some(ck)) => ck.dir().display().to_string(),
         (_, Some(d), _) => d.display().to_string(),

@@ -213,7 +213,7 @@ pub fn run(args: LaunchArgs) -> Result<u8, CliError> {
     }
     let cmd = RankCommand::read(args.program.is_some(), &args.command);
     if let RankCommand::Train(t) = &cmd {
-        if t.backend == super::train::BackendArg::Mpi && args.nproc > 1 {
+        if t.backend == super::args::BackendArg::Mpi && args.nproc > 1 {
             let n = args.nproc;
             return Err(CliError::Usage(format!(
                 "--backend mpi ranks are started by mpirun (or srun), not by fsdp launch: \

@@ -5,6 +5,7 @@
 
 use clap::{Parser, Subcommand};
 
+pub mod args;
 pub mod calibrate;
 pub mod checks;
 pub mod ckpt;
@@ -32,14 +33,20 @@ pub enum CliError {
     Stopped(i32),
 }
 
-impl From<crate::run::RunError> for CliError {
+impl From<crate::error::RunError> for CliError {
     /// Bad input stays bad input (exit code 2); a failure stays a failure (exit code 1).
-    fn from(e: crate::run::RunError) -> Self {
+    fn from(e: crate::error::RunError) -> Self {
         match e {
-            crate::run::RunError::Refused(m) => CliError::Usage(m),
-            crate::run::RunError::Failed(m) => CliError::Failed(m),
+            crate::error::RunError::Refused(m) => CliError::Usage(m),
+            crate::error::RunError::Failed(m) => CliError::Failed(m),
         }
     }
+}
+
+/// Maps an engine error to the CLI's exit codes: bad input 2, failed run 1 (as
+/// [`crate::error::RunError`] sorts them).
+pub fn cli_error(e: crate::error::EngineError) -> CliError {
+    crate::error::RunError::from(e).into()
 }
 
 impl CliError {

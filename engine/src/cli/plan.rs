@@ -3,6 +3,9 @@
 //! A thin shell over `fsdp_planner`: parsing flags into a `PlanConfig`, choosing the model
 //! reader, and writing the rendered report. Every bad input becomes `CliError::Usage` (exit 2).
 
+use super::args::{
+    parse_device_memory, CheckpointingArg, DTypeArg, OffloadArg, CHECKPOINTING_HELP, OFFLOAD_HELP,
+};
 use super::CliError;
 use fsdp_planner::config::{ActivationModel, GradSync, Optimizer, PlanConfig, Strategy};
 use fsdp_planner::{hf, plan, preset, report, Architecture, ModelSpec, PlanError};
@@ -85,58 +88,6 @@ pub enum ActivationsArg {
     Composite,
 }
 
-/// `--activation-checkpointing` values (shared by `fsdp plan` and `fsdp train`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum CheckpointingArg {
-    /// Keep only each FSDP unit's input; recompute the unit's forward in backward.
-    On,
-    /// Keep every unit's autograd graph from forward to its backward.
-    Off,
-}
-
-impl CheckpointingArg {
-    /// The `PlanConfig::activation_checkpointing` value.
-    pub fn enabled(self) -> bool {
-        self == CheckpointingArg::On
-    }
-}
-
-/// `--offload` values (shared by `fsdp plan` and `fsdp train`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum OffloadArg {
-    /// Everything on the compute device.
-    None,
-    /// f32 master and gradient shards and the optimizer state in host memory; the optimizer
-    /// step on the CPU (ZeRO-Offload).
-    Optimizer,
-    /// As `optimizer`, and the parameter shards too (copied to the device for each
-    /// all-gather).
-    Params,
-}
-
-impl OffloadArg {
-    /// The planner's value.
-    pub fn offload(self) -> fsdp_planner::Offload {
-        match self {
-            OffloadArg::None => fsdp_planner::Offload::None,
-            OffloadArg::Optimizer => fsdp_planner::Offload::Optimizer,
-            OffloadArg::Params => fsdp_planner::Offload::Params,
-        }
-    }
-}
-
-/// Help text of `--offload` (the same for `fsdp plan` and `fsdp train`).
-pub const OFFLOAD_HELP: &str = "What lives in host memory instead of on the compute device (ZeRO-Offload). `optimizer`: the f32 master and gradient shards and the optimizer state, with the optimizer step on the CPU; the device keeps the param_dtype shards. `params`: those and the parameter shards, each copied to the device for its all-gather. Default: none, except that --strategy auto offloads when nothing else fits (in `fsdp plan`, and in `fsdp train` on a GPU: on the CPU the device is host memory already), and says so";
-
-/// Help text of `--activation-checkpointing` (the same for `fsdp plan` and `fsdp train`).
-pub const CHECKPOINTING_HELP: &str = "Unit-level activation checkpointing. `on`: keep only each \
-FSDP unit's input and recompute its forward in backward (activation memory of the unit inputs \
-plus one unit's graph, for one extra forward of compute). `off`: keep every unit's autograd \
-graph until its backward (more activation memory, no recompute). Independent of the strategy: \
-full-shard without it still frees the unsharded parameters after forward and all-gathers them \
-again for backward. Default: off (as PyTorch FSDP2: resharding frees parameters, \
-recompute is opt-in)";
-
 /// Arguments of `fsdp plan`.
 #[derive(Debug, clap::Args)]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["model", "hf_config", "safetensors", "spec"])))]
@@ -177,11 +128,11 @@ pub struct PlanArgs {
     #[arg(long)]
     pub ckpt_async: bool,
     /// dtype of unsharded params in forward/backward (as `fsdp train`).
-    #[arg(long, value_enum, default_value_t = super::train::DTypeArg::F32)]
-    pub param_dtype: super::train::DTypeArg,
+    #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
+    pub param_dtype: DTypeArg,
     /// dtype of gradient reduction (as `fsdp train`).
-    #[arg(long, value_enum, default_value_t = super::train::DTypeArg::F32)]
-    pub reduce_dtype: super::train::DTypeArg,
+    #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
+    pub reduce_dtype: DTypeArg,
     /// Optimizer.
     #[arg(long, value_enum, default_value_t = OptimizerArg::Adamw)]
     pub optimizer: OptimizerArg,
@@ -235,24 +186,6 @@ pub struct PlanArgs {
     /// chrome://tracing), a compute and a communication track.
     #[arg(long, value_name = "FILE.json")]
     pub trace: Option<PathBuf>,
-}
-
-/// Parses a `--device-memory` value (shared by `fsdp plan` and `fsdp train`): bytes per
-/// device (per rank), as `80GiB`, `80 GiB`, `40GB` (10^9), `512MiB`, `1.5TiB` or a plain byte
-/// count (see `fsdp_types::Bytes`'s `FromStr`).
-///
-/// Errors: [`CliError::Usage`] (exit 2) naming the flag and the value.
-pub fn parse_device_memory(s: &str) -> Result<Bytes, CliError> {
-    let b = s
-        .parse::<Bytes>()
-        .map_err(|e| CliError::Usage(format!("--device-memory: {e}")))?;
-    if b.0 == 0 {
-        return Err(CliError::Usage(format!(
-            "--device-memory {s}: a device of 0 bytes holds nothing; give the memory of one \
-             device (per rank), e.g. 80GiB, or leave the flag out"
-        )));
-    }
-    Ok(b)
 }
 
 fn usage(e: PlanError) -> CliError {
@@ -425,7 +358,7 @@ pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
         window.map_or(d, |w| d.min(w))
     }));
     if let (Some(d), Some(t)) = (&decoder, args.seq_len) {
-        crate::train::check_seq_len(d, t).map_err(|e| CliError::Usage(e.to_string()))?;
+        crate::options::check_seq_len(d, t).map_err(|e| CliError::Usage(e.to_string()))?;
     }
     let cfg = config_from_args(&args)?;
     // With a profile, auto ranks the plans that fit by predicted step time.

@@ -7,18 +7,19 @@
 //! there ([`crate::output`]); `--log-file` keeps every line. SIGINT and SIGTERM stop every
 //! rank after the same step, save it and exit 130 / 143 ([`super::stop`]).
 
-use super::CliError;
+use super::args::{BackendArg, CheckpointingArg, DTypeArg, OffloadArg, StrategyArg};
+use super::{cli_error, CliError};
 use crate::checkpoint::{CheckpointHooks, SaveReport};
-use crate::error::EngineError;
 use crate::memory::CountingAllocator;
 use crate::output::{errln, outln};
 use crate::preflight::{
-    available_memory, cap_threads, cores, launcher_local_ranks, AutoResolution, Budget, RankHost,
-    RankMemory,
+    available_memory, cap_threads, cores, launcher_local_ranks, RankHost, RankMemory,
 };
-use crate::run::{prepare, RunError, RunRequest};
+use crate::run::{prepare, RunRequest};
 use crate::runtime::Placement;
-use crate::train::{train_prepared, StepReport, TrainOptions, TrainReport};
+use crate::strategy::{AutoResolution, Budget};
+use crate::options::TrainOptions;
+use crate::train::{train_prepared, StepReport, TrainReport};
 use fsdp_planner::{GradSync, Strategy};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
@@ -29,50 +30,8 @@ use std::path::PathBuf;
 fn eval_batches_or_zero(s: &str) -> Result<usize, String> {
     match s.trim() {
         "0" => Ok(0),
-        v => super::eval::eval_batches(v),
+        v => super::args::eval_batches(v),
     }
-}
-
-/// Sharding strategy names on the command line.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum StrategyArg {
-    /// Shard params, grads and optimizer state; reshard after forward (ZeRO-3; alias zero3).
-    #[value(alias = "zero3")]
-    FullShard,
-    /// Shard grads and optimizer state; keep params unsharded from forward to backward
-    /// (ZeRO-2; alias zero2).
-    #[value(alias = "zero2")]
-    ShardGradOp,
-    /// Replicate everything; all-reduce gradients (DDP; alias ddp).
-    #[value(alias = "ddp")]
-    NoShard,
-    /// Shard master weights, reduced gradients and optimizer state; keep the parameters
-    /// replicated through the step and gather them once per step (ZeRO-1; alias zero1).
-    #[value(alias = "zero1")]
-    ShardOptimizer,
-    /// Full shard inside groups of `--shard-size` ranks, replicated across groups (HSDP;
-    /// alias hsdp).
-    #[value(alias = "hsdp")]
-    Hybrid,
-    /// The fastest strategy whose per-rank plan peak fits `--device-memory` (default: this
-    /// node's available memory per rank on the CPU), without activation checkpointing first,
-    /// then with it, then with --offload when nothing else fits, as `fsdp plan --strategy
-    /// auto`; the choice and why are printed before training.
-    Auto,
-}
-
-/// Which transport runs the ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum BackendArg {
-    /// `--world-size` rank threads in this process (shared memory).
-    Threads,
-    /// This process is one rank of an MPI job (`mpirun -n W fsdp train --backend mpi`); rank
-    /// and world size come from MPI. Needs a binary built with `--features mpi`.
-    Mpi,
-    /// This process is one rank of an NCCL job on GPUs (`fsdp launch --nproc N -- train
-    /// --device cuda --backend nccl`); rank, world size and GPU (`LOCAL_RANK`) come from
-    /// torchrun's environment. Needs a binary built with `--features cuda`.
-    Nccl,
 }
 
 /// Where flat buffers live and the units compute.
@@ -83,31 +42,6 @@ pub enum DeviceArg {
     /// The GPU `LOCAL_RANK` (0 without a launcher): parameters, gradients, optimizer state and
     /// activations in device memory, CUDA kernels, cuBLAS matmuls. Needs `--features cuda`.
     Cuda,
-}
-
-/// A floating-point dtype for `--param-dtype` / `--reduce-dtype`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum DTypeArg {
-    /// IEEE binary32 (aliases fp32, float32).
-    #[value(alias = "fp32", alias = "float32")]
-    F32,
-    /// bfloat16, 8-bit exponent, 7-bit mantissa (alias bfloat16).
-    #[value(alias = "bfloat16")]
-    Bf16,
-    /// IEEE binary16 (aliases fp16, float16, half).
-    #[value(alias = "fp16", alias = "float16", alias = "half")]
-    F16,
-}
-
-impl DTypeArg {
-    /// The dtype.
-    pub fn dtype(self) -> fsdp_types::DType {
-        match self {
-            DTypeArg::F32 => fsdp_types::DType::F32,
-            DTypeArg::Bf16 => fsdp_types::DType::BF16,
-            DTypeArg::F16 => fsdp_types::DType::F16,
-        }
-    }
 }
 
 /// When gradients are reduced during gradient accumulation.
@@ -244,12 +178,12 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 1)]
     pub prefetch: u64,
     /// Unit-level activation checkpointing (`on`/`off`; default: the strategy's).
-    #[arg(long, value_enum, value_name = "on|off", help = super::plan::CHECKPOINTING_HELP)]
-    pub activation_checkpointing: Option<super::plan::CheckpointingArg>,
+    #[arg(long, value_enum, value_name = "on|off", help = super::args::CHECKPOINTING_HELP)]
+    pub activation_checkpointing: Option<CheckpointingArg>,
     /// What lives in host memory (`none`/`optimizer`/`params`); on the CPU the run computes
     /// on the CPU device.
-    #[arg(long, value_enum, value_name = "none|optimizer|params", help = super::plan::OFFLOAD_HELP)]
-    pub offload: Option<super::plan::OffloadArg>,
+    #[arg(long, value_enum, value_name = "none|optimizer|params", help = super::args::OFFLOAD_HELP)]
+    pub offload: Option<OffloadArg>,
     /// dtype the units compute in and the all-gather moves: f32, bf16 or f16 (mixed precision:
     /// master weights, gradient shards and optimizer state stay f32; f16 adds dynamic loss
     /// scaling).
@@ -270,7 +204,7 @@ pub struct TrainArgs {
     #[arg(long, value_enum, value_name = "skip|error")]
     pub nonfinite: Option<NonFiniteArg>,
     /// Stop after N skipped steps in a row (non-finite gradients or loss; f16 overflows).
-    #[arg(long, value_name = "N", default_value_t = crate::train::DEFAULT_MAX_SKIPPED)]
+    #[arg(long, value_name = "N", default_value_t = crate::options::DEFAULT_MAX_SKIPPED)]
     pub max_skipped: u64,
     /// One JSON line per step on stdout (and a JSON summary) instead of the progress bar.
     #[arg(long)]
@@ -324,7 +258,7 @@ pub struct TrainArgs {
     pub hardware: Option<String>,
     /// Checkpoints: --ckpt-dir, --ckpt-every, --keep-last, --resume, --init-from.
     #[command(flatten)]
-    pub ckpt: super::ckpt::TrainCkptArgs,
+    pub ckpt: super::args::TrainCkptArgs,
 }
 
 /// The end of `fsdp train --help`: exit codes and what a signal does.
@@ -401,8 +335,8 @@ impl TrainArgs {
             prefetch: self.prefetch,
             activation_checkpointing: self
                 .activation_checkpointing
-                .map(super::plan::CheckpointingArg::enabled),
-            offload: self.offload.map(super::plan::OffloadArg::offload),
+                .map(CheckpointingArg::enabled),
+            offload: self.offload.map(OffloadArg::offload),
             param_dtype: self.param_dtype.dtype(),
             reduce_dtype: self.reduce_dtype.dtype(),
             threads_per_rank: self.threads_per_rank,
@@ -471,12 +405,6 @@ fn open_cuda(ordinal: usize) -> Result<candle_core::Device, CliError> {
     })
 }
 
-/// Maps an engine error to the CLI's exit codes: bad input 2, failed run 1 (as
-/// [`RunError`] sorts them).
-pub fn cli_error(e: EngineError) -> CliError {
-    RunError::from(e).into()
-}
-
 fn mib(b: u64) -> String {
     format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0))
 }
@@ -520,7 +448,7 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         .device_memory
         .as_deref()
         .map(|raw| {
-            super::plan::parse_device_memory(raw).map(|b| Budget {
+            super::args::parse_device_memory(raw).map(|b| Budget {
                 bytes: b.0,
                 given: raw.to_string(),
             })

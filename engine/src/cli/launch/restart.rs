@@ -3,7 +3,7 @@
 //! the world size an elastic restart runs at.
 
 use super::ranks::{Cause, Failure};
-use crate::cli::train::{BackendArg, StrategyArg};
+use crate::cli::args::{BackendArg, StrategyArg};
 use crate::cli::{Cli, Command};
 use clap::Parser;
 use std::path::{Path, PathBuf};
