@@ -98,6 +98,11 @@ pub struct TrainOptions {
     /// Write a Chrome trace of the training steps here (`fsdp train --trace`; see
     /// [`crate::trace`]). In a job of several processes rank R > 0 writes `PATH.rankR`.
     pub trace: Option<PathBuf>,
+    /// The hardware profile of `fsdp train --hardware`: with `Strategy::Auto` the candidates
+    /// that fit the budget are ranked by their step time predicted on it
+    /// ([`fsdp_planner::plan_fastest_ranked`]) instead of the fixed order, and the run's step
+    /// is predicted on it. `None`: the fixed order, no prediction.
+    pub hardware: Option<fsdp_planner::time::HardwareProfile>,
 }
 
 impl Default for TrainOptions {
@@ -133,6 +138,7 @@ impl Default for TrainOptions {
             max_skipped: Some(DEFAULT_MAX_SKIPPED),
             ckpt_async: false,
             trace: None,
+            hardware: None,
         }
     }
 }
@@ -212,6 +218,15 @@ pub fn check_seq_len(model: &Decoder, seq_len: u64) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The inputs of the step-time model for a run of `o`: the global-norm clip when `--clip` is
+/// on, the profile's ranks per node.
+pub fn time_inputs(o: &TrainOptions) -> fsdp_planner::time::TimeInputs {
+    fsdp_planner::time::TimeInputs {
+        clip_grad_norm: o.clip.is_some(),
+        ranks_per_node: None,
+    }
 }
 
 /// Builds the plan configuration of `o`.

@@ -1,8 +1,8 @@
 //! The memory pre-flight of a run, before any rank starts: the thread backend's cap on rank
 //! threads, the check that the plan's peak per rank (plus the token ids and a margin) fits
-//! the memory of the ranks' hosts, the default budget of `Strategy::Auto` on host memory, the
-//! resolution of `Auto` (or the check of an explicit strategy) against a budget, and the
-//! compute threads per rank. Every check here is a pure function of its inputs (the host
+//! the memory of the ranks' hosts, the default budget of `Strategy::Auto` on host memory
+//! (which the plan stage, [`crate::strategy`], resolves `Auto` against), and the compute
+//! threads per rank. Every check here is a pure function of its inputs (the host
 //! table, the plan), so every rank of a job takes the same decision and refuses together.
 
 use crate::error::RunError;
@@ -143,7 +143,10 @@ pub fn preflight_offload_host(
 /// Errors: [`RunError::Refused`] for an unknown model or options the planner refuses.
 pub fn plan_peak(opts: &TrainOptions) -> Result<u64, RunError> {
     let model = model_of(opts)?;
-    let plan = fsdp_planner::plan(crate::runtime::StagedModel::spec(&model), &plan_config(opts))?;
+    let plan = fsdp_planner::plan(
+        crate::runtime::StagedModel::spec(&model),
+        &plan_config(opts),
+    )?;
     Ok(plan.memory.peak.0)
 }
 

@@ -2,8 +2,8 @@
 //! (torchrun's environment) or an MPI job (`mpirun`), with the communicator factory each
 //! trains over and, under MPI, the table of every rank's host memory the pre-flight reads.
 
-use crate::memory::CountingAllocator;
 use crate::error::RunError;
+use crate::memory::CountingAllocator;
 use crate::options::TrainOptions;
 use crate::run::PreparedRun;
 use crate::train::{train_prepared, StepReport};
@@ -88,10 +88,10 @@ pub fn comm_timeout_arg(comm_timeout: f64) -> Result<std::time::Duration, RunErr
 
 /// `--backend mpi`: this process as one rank of an MPI job.
 pub mod mpi {
-    use crate::memory::CountingAllocator;
-    use crate::preflight::RankHost;
     use crate::error::RunError;
+    use crate::memory::CountingAllocator;
     use crate::options::TrainOptions;
+    use crate::preflight::RankHost;
     use crate::run::PreparedRun;
     use crate::train::{StepReport, TrainHooks, TrainReport};
 

@@ -5,15 +5,15 @@
 //! budget when one is given. The budget itself (given, or a share of the hosts' memory) comes
 //! from [`crate::preflight::auto_budget`], which calls into this module, never the reverse.
 
-use crate::error::{EngineError, Result, RunError};
+use crate::error::{Result, RunError};
 use crate::model::decoder::Decoder;
-use crate::options::{model_of, plan_config, TrainOptions};
+use crate::options::{model_of, plan_config, time_inputs, TrainOptions};
 use crate::runtime::{Placement, StagedModel};
 use fsdp_planner::{plan, ShardPlan, Strategy};
 use fsdp_types::Bytes;
 
 /// `--strategy auto` resolved for a run: the choice and where its budget came from.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct AutoResolution {
     /// The strategy, activation checkpointing, peak, budget and reason.
     pub choice: AutoChoice,
@@ -32,7 +32,7 @@ pub struct Budget {
 }
 
 /// What `fsdp train --strategy auto` resolved to for a per-rank memory budget.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct AutoChoice {
     /// The strategy to run (never `Auto`).
     pub strategy: Strategy,
@@ -51,8 +51,13 @@ pub struct AutoChoice {
     /// least memory) and this is `false`; the caller must refuse the run.
     pub fits: bool,
     /// Why: the planner's reason (the chosen candidate's peak against the budget, the faster
-    /// candidates that did not fit and their peaks).
+    /// candidates that did not fit and their peaks; with a hardware profile the predicted
+    /// step, the runners-up and what does not fit).
     pub reason: String,
+    /// With a hardware profile ([`TrainOptions::hardware`]) and something that fits: every
+    /// candidate that fits, shortest predicted step first (the first is the choice). `None`:
+    /// the fixed order chose.
+    pub ranking: Option<fsdp_planner::AutoRanking>,
 }
 
 /// Resolves `Strategy::Auto` for the engine: the fastest strategy whose per-rank plan peak
@@ -66,11 +71,17 @@ pub struct AutoChoice {
 /// Ranking after Rajbhandari et al. 2020 (ZeRO), sec. 7: replicated parameters move the
 /// least, full shard gathers again in backward (1.5x).
 ///
+/// With a hardware profile ([`TrainOptions::hardware`]) the candidates that fit are ranked
+/// by the step time predicted on it instead, and the shortest wins
+/// ([`fsdp_planner::plan_fastest_ranked`], as `fsdp plan --strategy auto --hardware`); when
+/// nothing fits the choice is the fixed order's.
+///
 /// `o.strategy` is ignored (normally `Auto`). Pure and deterministic: the same options and
 /// budget give the same choice on every rank.
 ///
-/// Errors: [`EngineError::Config`] for an unknown model; [`EngineError::Plan`] for options
-/// the planner refuses (sequence longer than the model's positions, zero sizes).
+/// Errors: [`crate::error::EngineError::Config`] for an unknown model; [`crate::error::EngineError::Plan`] for options
+/// the planner refuses (sequence longer than the model's positions, zero sizes) and a
+/// profile the prediction refuses (no GEMM curve for `--param-dtype`).
 pub fn resolve_auto(o: &TrainOptions, budget: Bytes) -> Result<AutoChoice> {
     let model = model_of(o)?;
     search_auto(&model, o, budget).map(|(choice, _)| choice)
@@ -93,7 +104,10 @@ pub fn search_auto(
     if c.offload.is_none() && matches!(o.placement, Placement::Host) {
         c.offload = Some(fsdp_planner::Offload::None);
     }
-    let searched = plan(model.spec(), &c)?;
+    let (searched, ranking) = match &o.hardware {
+        Some(h) => fsdp_planner::plan_fastest_ranked(model.spec(), &c, h, &time_inputs(o))?,
+        None => (plan(model.spec(), &c)?, None),
+    };
     let choice = AutoChoice {
         strategy: searched.strategy,
         activation_checkpointing: searched.config.activation_checkpointing,
@@ -102,6 +116,7 @@ pub fn search_auto(
         budget,
         fits: searched.memory.peak <= budget,
         reason: searched.auto_reason.clone().unwrap_or_default(),
+        ranking,
     };
     let resolved = TrainOptions {
         strategy: choice.strategy,
@@ -129,10 +144,7 @@ pub fn plan_for(
     auto_budget: Option<(u64, String)>,
 ) -> Result<(ShardPlan, Option<AutoResolution>), RunError> {
     if opts.strategy != Strategy::Auto {
-        let plan = fsdp_planner::plan(
-            StagedModel::spec(model),
-            &plan_config(opts),
-        )?;
+        let plan = fsdp_planner::plan(StagedModel::spec(model), &plan_config(opts))?;
         if let Some(b) = budget {
             let peak = plan.memory.peak.0;
             if peak > b.bytes {

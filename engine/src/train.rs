@@ -14,14 +14,10 @@ use crate::memory::{CountingAllocator, PhasePeak, PHASES};
 use crate::model::decoder::Decoder;
 use crate::optim::{AdamWConfig, LrSchedule, Optimizer};
 use crate::run::PreparedRun;
-use crate::runtime::{
-    Clip, EngineConfig, InitSync, MicroBatch, NonFinitePolicy, NormType, Placement, RankEngine,
-    StagedModel,
-};
+use crate::runtime::{Clip, EngineConfig, InitSync, MicroBatch, NormType, RankEngine, StagedModel};
 use candle_core::Device;
 use fsdp_comm::{run_threads, CommError, Communicator, Topology, DEFAULT_TIMEOUT};
-use fsdp_planner::{plan, GradSync, PlanConfig, ShardPlan, Strategy};
-use fsdp_types::Bytes;
+use fsdp_planner::{plan, ShardPlan};
 use serde::Serialize;
 use std::path::PathBuf;
 use std::time::Instant;

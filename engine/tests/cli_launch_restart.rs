@@ -574,3 +574,57 @@ fn restart_flags_are_checked_before_anything_starts() {
         "{err}"
     );
 }
+
+#[test]
+fn a_training_rank_stopped_under_the_launcher_prints_the_launch_command_to_resume() {
+    let t = tempfile::tempdir().unwrap();
+    let ck = t.path().join("ck");
+    let launcher_args = [
+        "launch",
+        "--nproc",
+        "1",
+        "--max-restarts",
+        "2",
+        "--master-port",
+        "29642",
+        "--",
+    ];
+    let mut train = train_args(&ck);
+    // Long enough to be stopped in the middle.
+    train[6] = "400".into();
+    let launcher = fsdp()
+        .args(launcher_args)
+        .args(&train)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Stop the job once it saved a checkpoint: the launcher forwards SIGTERM to the rank.
+    let t0 = Instant::now();
+    while !ck.join("latest").exists() {
+        assert!(t0.elapsed() < Duration::from_secs(120), "no checkpoint");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(Command::new("kill")
+        .args(["-TERM", &launcher.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let o = launcher.wait_with_output().unwrap();
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(143), "{err}");
+    // The launcher's own command line with --resume: rerunning it resumes the job under
+    // the launcher (the rank's own `fsdp train ...` would run without it).
+    let mut want: Vec<String> = std::iter::once(env!("CARGO_BIN_EXE_fsdp").to_string())
+        .chain(launcher_args.iter().map(|s| s.to_string()))
+        .chain(train.iter().cloned())
+        .collect();
+    want.push("--resume".into());
+    let want = shlex::try_join(want.iter().map(String::as_str)).unwrap();
+    let lines = rank_lines(&err, 0);
+    let at = lines
+        .iter()
+        .position(|l| l.ends_with("resume with:"))
+        .unwrap_or_else(|| panic!("no resume command: {err}"));
+    assert_eq!(lines[at + 1].trim(), want, "{err}");
+}

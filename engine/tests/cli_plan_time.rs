@@ -363,3 +363,41 @@ fn plan_time_refuses_bad_hardware_and_trace_paths() {
     // Refused before any work: no output written.
     assert!(!out.exists());
 }
+
+#[test]
+fn plan_hardware_alone_implies_time_in_the_table_and_in_json() {
+    // The same plan, planned and predicted here: tiny, W = 4, 2 x 2 micro-batches, bf16.
+    let cfg = PlanConfig {
+        micro_batch: 2,
+        grad_accum: 2,
+        seq_len: 256,
+        param_dtype: fsdp_types::DType::BF16,
+        ..PlanConfig::new(4)
+    };
+    let p = fsdp_planner::plan(&fsdp_planner::preset("tiny").unwrap(), &cfg).unwrap();
+    let want = predict(&p, &h100(), &TimeInputs::default()).unwrap();
+    let mut args = BASE.to_vec();
+    args.extend(["--hardware", "h100-sxm", "--format", "json"]);
+    let doc = ok_json(&args);
+    assert_eq!(doc["fingerprint"], p.fingerprint);
+    let step = doc["time"]["step_s"].as_f64().expect("a time object");
+    assert!(close(step, want.step_s), "{step} vs {}", want.step_s);
+    let mut args = BASE.to_vec();
+    args.extend(["--hardware", "h100-sxm"]);
+    let o = fsdp(&args);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(out.contains("predicted step on h100-sxm (W=4"), "{out}");
+    assert!(
+        out.contains(&format!(
+            "step time        {:>10}",
+            fsdp_planner::time::format_seconds(want.step_s)
+        )),
+        "{out}"
+    );
+}

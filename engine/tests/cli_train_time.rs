@@ -127,3 +127,197 @@ fn train_refuses_an_unknown_hardware_before_training() {
     assert!(err.contains("unknown hardware `tpu-v9`"), "{err}");
     assert!(err.contains("h100-sxm, h200, a100-80gb"), "{err}");
 }
+
+/// A100 figures with collectives 10^5 times slower (100 ms per call, 3 MB/s): communication
+/// dominates every step, so a plan that communicates less wins even when it recomputes.
+fn slow_network_profile(dir: &std::path::Path) -> (fsdp_planner::time::HardwareProfile, String) {
+    let mut p = builtin_profile("a100-80gb").unwrap();
+    p.name = "slow-network".into();
+    p.description = "A100 compute, collectives 10^5 times slower than NVLink".into();
+    for link in [&mut p.collectives.intra_node, &mut p.collectives.inter_node] {
+        for c in [
+            &mut link.all_gather,
+            &mut link.reduce_scatter,
+            &mut link.all_reduce,
+        ] {
+            c.latency_s = 0.1;
+            c.bus_bandwidth_bytes_per_s = 3e6;
+        }
+    }
+    let path = dir.join("slow-network.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&p).unwrap()).unwrap();
+    (p, path.to_str().unwrap().to_string())
+}
+
+#[test]
+fn train_auto_with_hardware_runs_the_plan_with_the_shortest_predicted_step() {
+    use fsdp_planner::{Offload, Strategy};
+    let d = tempfile::tempdir().unwrap();
+    let (profile, file) = slow_network_profile(d.path());
+    let spec = preset("tiny").unwrap();
+    // The run's plan configuration: tiny, W = 2, 2 x 32 tokens; on the CPU auto never
+    // offloads (the device is host memory).
+    let cfg = |s: Strategy, ckpt: Option<bool>| PlanConfig {
+        strategy: s,
+        micro_batch: 2,
+        seq_len: 32,
+        activation_checkpointing: ckpt,
+        offload: Some(Offload::None),
+        ..PlanConfig::new(2)
+    };
+    // The budget: full shard's peak without recompute, the least of the four strategies
+    // without it; with recompute every strategy fits.
+    let budget = fsdp_planner::plan(&spec, &cfg(Strategy::FullShard, None))
+        .unwrap()
+        .memory
+        .peak;
+    // Every candidate auto considers at W = 2, planned and predicted one by one.
+    let mut fitting = Vec::new();
+    for ckpt in [None, Some(true)] {
+        for s in [
+            Strategy::NoShard,
+            Strategy::ShardOptimizer,
+            Strategy::ShardGradOp,
+            Strategy::FullShard,
+        ] {
+            let p = fsdp_planner::plan(&spec, &cfg(s, ckpt)).unwrap();
+            if p.memory.peak <= budget {
+                let t = predict(&p, &profile, &TimeInputs::default())
+                    .unwrap()
+                    .step_s;
+                fitting.push((t, s, ckpt == Some(true)));
+            }
+        }
+    }
+    // The first of equal predictions is the fixed order's.
+    let best = fitting
+        .iter()
+        .fold(None::<&(f64, Strategy, bool)>, |b, c| match b {
+            Some(b) if b.0 <= c.0 => Some(b),
+            _ => Some(c),
+        })
+        .unwrap();
+    // Without a profile auto takes the first that fits in the fixed order: another plan.
+    let mut fixed_cfg = cfg(Strategy::Auto, None);
+    fixed_cfg.device_memory = Some(budget);
+    let fixed = fsdp_planner::plan(&spec, &fixed_cfg).unwrap();
+    assert!(
+        (fixed.strategy, fixed.schedule.activation_checkpointing) != (best.1, best.2),
+        "the case must tell the orders apart: fixed {} vs fastest {} ({fitting:?})",
+        fixed.strategy,
+        best.1
+    );
+    let budget_flag = budget.0.to_string();
+    let mut args = RUN.to_vec();
+    args.extend([
+        "--strategy",
+        "auto",
+        "--device-memory",
+        &budget_flag,
+        "--hardware",
+        &file,
+        "--json",
+    ]);
+    let o = fsdp_train(&args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let summary: Value = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["summary"] == true)
+        .unwrap();
+    assert_eq!(summary["strategy"], best.1.to_string(), "{summary}");
+    assert_eq!(summary["activation_checkpointing"], best.2, "{summary}");
+    let ranking = &summary["auto_ranking"];
+    assert_eq!(ranking["hardware"], "slow-network");
+    assert_eq!(ranking["fitting"], fitting.len());
+    let chosen = ranking["chosen"]["predicted_step_s"].as_f64().unwrap();
+    assert!(
+        (chosen - best.0).abs() <= 1e-12 * best.0,
+        "{chosen} vs {}",
+        best.0
+    );
+    // The runner-up: the second shortest prediction.
+    let mut times: Vec<f64> = fitting.iter().map(|f| f.0).collect();
+    times.sort_by(f64::total_cmp);
+    let second = ranking["runner_up"]["predicted_step_s"].as_f64().unwrap();
+    assert!((second - times[1]).abs() <= 1e-12 * times[1], "{ranking}");
+    let reason = summary["auto_reason"].as_str().unwrap();
+    assert!(
+        reason.contains("shortest predicted step on slow-network"),
+        "{reason}"
+    );
+    // `fsdp plan --strategy auto --hardware` picks the same for the same flags.
+    let plan = Command::new(env!("CARGO_BIN_EXE_fsdp"))
+        .args([
+            "plan",
+            "--model",
+            "tiny",
+            "--world-size",
+            "2",
+            "--micro-batch",
+            "2",
+            "--seq-len",
+            "32",
+            "--offload",
+            "none",
+            "--strategy",
+            "auto",
+            "--device-memory",
+            &budget_flag,
+            "--hardware",
+            &file,
+            "--format",
+            "json",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(
+        plan.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&plan.stderr)
+    );
+    let doc: Value = serde_json::from_slice(&plan.stdout).unwrap();
+    assert_eq!(
+        doc["strategy"]["name"],
+        best.1.cli_name(),
+        "{}",
+        doc["strategy"]
+    );
+    assert_eq!(doc["strategy"]["activation_checkpointing"], best.2);
+}
+
+#[test]
+fn train_hardware_of_a_gpu_on_the_cpu_says_what_it_compares() {
+    let d = tempfile::tempdir().unwrap();
+    let mut short = RUN.to_vec();
+    short[5] = "2";
+    let note = "note: the h100-sxm profile describes a GPU; this run computes on the CPU: the \
+                prediction is of that hardware, not of this run";
+    let mut args = short.clone();
+    args.extend(["--hardware", "h100-sxm"]);
+    let o = fsdp_train(&args);
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert_eq!(err.matches(note).count(), 1, "{err}");
+    // The comparison is still made.
+    assert!(out.contains("step time on h100-sxm: predicted "), "{out}");
+    // A profile calibrated on a CPU describes a CPU: no note.
+    let mut p = builtin_profile("a100-80gb").unwrap();
+    p.name = "calibrated-here".into();
+    p.description = "here: 2 rank threads of 1 compute threads, measured by fsdp calibrate on \
+                     2026-01-01"
+        .into();
+    let file = d.path().join("cpu.json");
+    std::fs::write(&file, serde_json::to_string(&p).unwrap()).unwrap();
+    let mut args = short.clone();
+    args.extend(["--hardware", file.to_str().unwrap()]);
+    let o = fsdp_train(&args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(!err.contains("note: the"), "{err}");
+}

@@ -33,8 +33,8 @@ pub use error::PlanError;
 pub use layout::{layout_units, FlatParamLayout, Segment, ShardSlice, ShardSpan, UnitLayout};
 pub use memory::{Category, CategoryBytes, MemoryPlan, Phase, PhaseMemory, TimelinePoint};
 pub use plan::{
-    auto_candidates, min_world_sizes, plan, plan_fastest, MinWorld, PaddingReport, RankPlacement,
-    ShardPlan, LOAD_STAGING_BYTES,
+    auto_candidates, min_world_sizes, plan, plan_fastest, plan_fastest_ranked, AutoRanking,
+    MinWorld, PaddingReport, RankPlacement, RankedCandidate, ShardPlan, LOAD_STAGING_BYTES,
 };
 pub use presets::{preset, PRESET_NAMES};
 pub use schedule::{Schedule, ScheduleStep, UseRole};

@@ -326,9 +326,55 @@ pub fn plan_fastest(
     profile: &crate::time::HardwareProfile,
     inputs: &crate::time::TimeInputs,
 ) -> Result<ShardPlan, PlanError> {
+    plan_fastest_ranked(spec, cfg, profile, inputs).map(|(p, _)| p)
+}
+
+/// A candidate of `Strategy::Auto` that fits the budget, with its predicted step
+/// ([`plan_fastest_ranked`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankedCandidate {
+    /// The candidate as `auto_reason` names it: the strategy, and the activation
+    /// checkpointing and offload the search added.
+    pub name: String,
+    /// The strategy (never `Auto`).
+    pub strategy: Strategy,
+    /// The candidate's `PlanConfig::activation_checkpointing`.
+    pub activation_checkpointing: Option<bool>,
+    /// The candidate's `PlanConfig::offload`.
+    pub offload: Option<Offload>,
+    /// Its plan's peak bytes per rank (at most the budget).
+    pub peak: Bytes,
+    /// Its predicted step time, seconds ([`crate::time::predict`]).
+    pub step_s: f64,
+}
+
+/// How [`plan_fastest_ranked`] ranked the candidates of `Strategy::Auto` that fit.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AutoRanking {
+    /// The profile's name.
+    pub hardware: String,
+    /// The budget per rank the candidates fit (`PlanConfig::device_memory`).
+    pub budget: Bytes,
+    /// Every candidate that fits, shortest predicted step first (equal predictions in the
+    /// fixed order of [`plan`]); never empty. The first is the chosen plan.
+    pub fitting: Vec<RankedCandidate>,
+    /// The candidates that do not fit, as `name needs PEAK`, in the fixed order.
+    pub rejected: Vec<String>,
+}
+
+/// [`plan_fastest`], also returning the ranking behind an `Auto` choice: `None` when the
+/// strategy is not `Auto` or nothing fits (the plan is then [`plan`]'s).
+///
+/// Errors: as [`plan_fastest`].
+pub fn plan_fastest_ranked(
+    spec: &ModelSpec,
+    cfg: &PlanConfig,
+    profile: &crate::time::HardwareProfile,
+    inputs: &crate::time::TimeInputs,
+) -> Result<(ShardPlan, Option<AutoRanking>), PlanError> {
     check_plan_input(spec, cfg)?;
     if cfg.strategy != Strategy::Auto {
-        return plan_with(spec, cfg, cfg.strategy, None);
+        return Ok((plan_with(spec, cfg, cfg.strategy, None)?, None));
     }
     let budget = cfg.device_memory.expect("validated: auto has a budget");
     let mut fitting = Vec::new();
@@ -338,37 +384,56 @@ pub fn plan_fastest(
         let name = candidate_name(cfg, s, &c);
         if p.memory.peak <= budget {
             let step_s = crate::time::predict(&p, profile, inputs)?.step_s;
-            fitting.push((step_s, name, s, c, p.memory.peak));
+            fitting.push((
+                RankedCandidate {
+                    name,
+                    strategy: s,
+                    activation_checkpointing: c.activation_checkpointing,
+                    offload: c.offload,
+                    peak: p.memory.peak,
+                    step_s,
+                },
+                c,
+            ));
         } else {
             rejected.push(format!("{name} needs {}", p.memory.peak));
         }
     }
     if fitting.is_empty() {
-        return plan(spec, cfg);
+        return Ok((plan(spec, cfg)?, None));
     }
     // Stable: equal predictions keep the fixed order.
-    fitting.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let (step_s, name, s, c, peak) = &fitting[0];
+    fitting.sort_by(|a, b| a.0.step_s.total_cmp(&b.0.step_s));
+    let (best, c) = &fitting[0];
     let fmt = crate::time::format_seconds;
     let mut why = format!(
-        "{name} has the shortest predicted step on {} of the {} plans that fit: {}/step, peak {peak} of {budget} ({} free)",
+        "{} has the shortest predicted step on {} of the {} plans that fit: {}/step, peak {} of {budget} ({} free)",
+        best.name,
         profile.name,
         fitting.len(),
-        fmt(*step_s),
-        budget - *peak
+        fmt(best.step_s),
+        best.peak,
+        budget - best.peak
     );
     if fitting.len() > 1 {
         let next: Vec<String> = fitting[1..]
             .iter()
             .take(RUNNERS_UP_NAMED)
-            .map(|(t, n, ..)| format!("{n} {}", fmt(*t)))
+            .map(|(r, _)| format!("{} {}", r.name, fmt(r.step_s)))
             .collect();
         why.push_str(&format!("; next: {}", next.join(", ")));
     }
     if !rejected.is_empty() {
         why.push_str(&format!("; do not fit: {}", rejected.join(", ")));
     }
-    plan_with(spec, c, *s, Some(why))
+    let chosen = plan_with(spec, c, best.strategy, Some(why))?;
+    let ranking = AutoRanking {
+        hardware: profile.name.clone(),
+        budget,
+        fitting: fitting.into_iter().map(|(r, _)| r).collect(),
+        rejected,
+    };
+    Ok((chosen, Some(ranking)))
 }
 
 /// Every candidate `Strategy::Auto` considers for `cfg`, fastest first by the fixed order of

@@ -8,7 +8,9 @@
 //! `TORCHELASTIC_RESTART_COUNT` (0, then 1, 2, ... on restarts) and
 //! `TORCHELASTIC_MAX_RESTARTS` — which [`fsdp_comm::rendezvous::LaunchEnv`] reads (LOCAL_RANK
 //! selects the CUDA device, rank 0 serves the rendezvous on the master port; every attempt
-//! binds the same port again, as the listener sets `SO_REUSEADDR`).
+//! binds the same port again, as the listener sets `SO_REUSEADDR`) — and
+//! [`super::stop::LAUNCH_COMMAND_ENV`], the launcher's own command line, from which a rank of `fsdp train`
+//! stopped by a signal prints the `fsdp launch ... --resume` command to rerun.
 //!
 //! Every line a rank writes to stdout or stderr is copied to the launcher's stdout or stderr
 //! with the prefix `[rank r] ` (a final line without a newline gets one). When the launcher's
@@ -115,6 +117,15 @@ pub use restart::{RankCommand, Resume, TrainCommand, LOST_AFTER};
 
 use ranks::{run_attempt, say, take_signal, Attempt};
 use restart::{command_for, elastic_world, visible_devices, LatestMark, SlotHealth};
+
+/// This process's command line, shell-quoted (POSIX `sh`): the value of
+/// [`super::stop::LAUNCH_COMMAND_ENV`].
+fn own_command_line() -> String {
+    let args: Vec<String> = std::env::args_os()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    shlex::try_join(args.iter().map(String::as_str)).unwrap_or_else(|_| args.join(" "))
+}
 
 /// Arguments of `fsdp launch`.
 #[derive(Debug, Args)]
@@ -257,6 +268,7 @@ pub fn run(args: LaunchArgs) -> Result<u8, CliError> {
     let mut world = args.nproc;
     let mut health = SlotHealth::new(window);
     let mut restart: u32 = 0;
+    let own_command = own_command_line();
     loop {
         if let Some(sig) = take_signal() {
             say(&format!("received {}; not restarting", signal_name(sig)));
@@ -271,6 +283,10 @@ pub fn run(args: LaunchArgs) -> Result<u8, CliError> {
             (
                 "TORCHELASTIC_MAX_RESTARTS".to_string(),
                 args.max_restarts.to_string(),
+            ),
+            (
+                super::stop::LAUNCH_COMMAND_ENV.to_string(),
+                own_command.clone(),
             ),
         ];
         if slots[..world] != (0..world).collect::<Vec<_>>()[..] {

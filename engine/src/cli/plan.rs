@@ -9,7 +9,6 @@ use super::args::{
 use super::CliError;
 use fsdp_planner::config::{ActivationModel, GradSync, Optimizer, PlanConfig, Strategy};
 use fsdp_planner::{hf, plan, preset, report, Architecture, ModelSpec, PlanError};
-use fsdp_types::Bytes;
 use std::path::PathBuf;
 
 /// Output format of `fsdp plan`.
@@ -174,16 +173,17 @@ pub struct PlanArgs {
     /// Write the output to FILE instead of standard output.
     #[arg(short = 'o', long, value_name = "FILE")]
     pub output: Option<PathBuf>,
-    /// Predict one step's time on --hardware (required with it): step time, tokens/s, exposed
-    /// communication, MFU, per-phase times and the bottleneck (table: after the plan; JSON: a
-    /// `time` object).
+    /// Predict one step's time on --hardware (required with it; --hardware alone implies
+    /// it): step time, tokens/s, exposed communication, MFU, per-phase times and the
+    /// bottleneck (table: after the plan; JSON: a `time` object).
     #[arg(long)]
     pub time: bool,
-    /// The hardware profile of --time and of auto's ranking (see `HARDWARE_HELP`).
-    #[arg(long, value_name = "NAME|FILE", help = super::timing::HARDWARE_HELP)]
+    /// The hardware profile of the prediction (implies --time) and of auto's ranking (see
+    /// `PLAN_HARDWARE_HELP`).
+    #[arg(long, value_name = "NAME|FILE", help = super::timing::PLAN_HARDWARE_HELP)]
     pub hardware: Option<String>,
-    /// With --time: write the predicted step as Chrome trace event JSON (opens in Perfetto or
-    /// chrome://tracing), a compute and a communication track.
+    /// With --hardware: write the predicted step as Chrome trace event JSON (opens in Perfetto
+    /// or chrome://tracing), a compute and a communication track.
     #[arg(long, value_name = "FILE.json")]
     pub trace: Option<PathBuf>,
 }
@@ -317,13 +317,15 @@ pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
         )));
     }
     if let Some(t) = &args.trace {
-        if !args.time {
+        if args.hardware.is_none() {
             return Err(CliError::Usage(
-                "--trace writes the predicted step: add --time --hardware NAME|FILE".into(),
+                "--trace writes the predicted step: add --hardware NAME|FILE".into(),
             ));
         }
         crate::trace::check_trace_path("--trace", t)?;
     }
+    // A profile is given to be used: --hardware implies --time.
+    let time = args.time || args.hardware.is_some();
     let hardware = args
         .hardware
         .as_deref()
@@ -367,7 +369,7 @@ pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
         None => plan(&spec, &cfg),
     }
     .map_err(usage)?;
-    let prediction = match (&hardware, args.time) {
+    let prediction = match (&hardware, time) {
         (Some(h), true) => Some(fsdp_planner::time::predict(&p, h, &time_inputs).map_err(usage)?),
         _ => None,
     };

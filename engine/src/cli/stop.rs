@@ -164,6 +164,12 @@ impl TrainHooks for StopOnSignal<'_> {
     }
 }
 
+/// The variable `fsdp launch` sets in every rank's environment to its own command line
+/// (shell-quoted, POSIX `sh`): a stopped `fsdp train` rank prints that command with
+/// `--resume` ([`resume_command_of`]), which restarts the job under the launcher, rather than
+/// its own command line, which would run one rank without it.
+pub const LAUNCH_COMMAND_ENV: &str = "FSDP_LAUNCH_COMMAND";
+
 /// The command line that resumes this run: this process's own arguments with `--resume`
 /// ([`resume_command_of`]).
 pub fn resume_command() -> String {

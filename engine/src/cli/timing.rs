@@ -8,8 +8,27 @@ use fsdp_planner::time::{
 use std::fmt::Write as _;
 use std::path::Path;
 
-/// Help text of `--hardware` (the same for `fsdp plan` and `fsdp train`).
-pub const HARDWARE_HELP: &str = "The hardware profile the step-time model uses: a built-in name (h100-sxm, h200, a100-80gb: vendor figures, each with its source in planner/profiles/) or the path of an fsdp-hardware/1 JSON file (`fsdp calibrate` measures this machine into one). MFU is printed only with a profile: its peak is the denominator";
+/// The part of `--hardware`'s help that `fsdp plan` and `fsdp train` share.
+macro_rules! hardware_help {
+    () => {
+        "The hardware profile the step-time model uses: a built-in name (h100-sxm, h200, a100-80gb: vendor figures, each with its source in planner/profiles/) or the path of an fsdp-hardware/1 JSON file (`fsdp calibrate` measures this machine into one). MFU is printed only with a profile: its peak is the denominator"
+    };
+}
+
+/// Help text of `--hardware` as both subcommands describe the profile.
+pub const HARDWARE_HELP: &str = hardware_help!();
+
+/// Help text of `fsdp plan --hardware`.
+pub const PLAN_HARDWARE_HELP: &str = concat!(
+    hardware_help!(),
+    ". Implies --time: the predicted step is printed after the plan (a `time` object in JSON). With --strategy auto the plans that fit --device-memory are ranked by predicted step time"
+);
+
+/// Help text of `fsdp train --hardware`.
+pub const TRAIN_HARDWARE_HELP: &str = concat!(
+    hardware_help!(),
+    ". The summary compares the measured step time with the prediction for the run's plan. With --strategy auto the plans that fit the memory budget are ranked by predicted step time (without --hardware: the fixed order), and the choice names its predicted step and the runner-up"
+);
 
 /// Resolves `--hardware ARG`: a built-in profile name, else an existing file read as an
 /// `fsdp-hardware/1` profile.
@@ -33,6 +52,56 @@ pub fn load_hardware(arg: &str) -> Result<HardwareProfile, CliError> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| CliError::Usage(format!("--hardware {arg}: cannot read it: {e}")))?;
     HardwareProfile::from_json(&text, arg).map_err(usage)
+}
+
+/// What kind of device a hardware profile describes, as far as it says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProfileDevice {
+    /// A GPU: one of the built-in profiles (all of them GPUs), unchanged.
+    Gpu,
+    /// This or another host's CPU: a profile `fsdp calibrate` measured (it measures the CPU
+    /// only, and its description says "measured by fsdp calibrate").
+    Cpu,
+    /// A profile that does not say (a hand-written file).
+    Unknown,
+}
+
+/// The phrase [`crate::calibrate`] writes into every profile's description.
+const CALIBRATED_MARK: &str = "measured by fsdp calibrate";
+
+/// What device `p` describes: [`ProfileDevice::Gpu`] for a built-in profile (name and every
+/// number equal to the built-in of that name), [`ProfileDevice::Cpu`] for a calibrated one,
+/// else [`ProfileDevice::Unknown`].
+pub fn profile_device(p: &HardwareProfile) -> ProfileDevice {
+    if BUILTIN_PROFILE_NAMES.contains(&p.name.as_str())
+        && builtin_profile(&p.name).is_ok_and(|b| &b == p)
+    {
+        ProfileDevice::Gpu
+    } else if p.description.contains(CALIBRATED_MARK) {
+        ProfileDevice::Cpu
+    } else {
+        ProfileDevice::Unknown
+    }
+}
+
+/// The note of `fsdp train --hardware` when the profile does not describe the device the run
+/// computes on (`run_on_gpu`: `--device cuda`): a GPU profile for a CPU run, or a calibrated
+/// CPU profile for a GPU run. `None` when they agree or the profile does not say. The
+/// comparison is still made; the note says what it compares.
+pub fn device_mismatch(p: &HardwareProfile, run_on_gpu: bool) -> Option<String> {
+    match (profile_device(p), run_on_gpu) {
+        (ProfileDevice::Gpu, false) => Some(format!(
+            "note: the {} profile describes a GPU; this run computes on the CPU: the \
+             prediction is of that hardware, not of this run",
+            p.name
+        )),
+        (ProfileDevice::Cpu, true) => Some(format!(
+            "note: the {} profile describes a CPU (calibrated: {}); this run computes on a \
+             GPU: the prediction is of that hardware, not of this run",
+            p.name, p.description
+        )),
+        _ => None,
+    }
 }
 
 /// A share as a percentage with one decimal.

@@ -11,6 +11,7 @@ use super::args::{BackendArg, CheckpointingArg, DTypeArg, OffloadArg, StrategyAr
 use super::{cli_error, CliError};
 use crate::checkpoint::{CheckpointHooks, SaveReport};
 use crate::memory::CountingAllocator;
+use crate::options::TrainOptions;
 use crate::output::{errln, outln};
 use crate::preflight::{
     available_memory, cap_threads, cores, launcher_local_ranks, RankHost, RankMemory,
@@ -18,7 +19,6 @@ use crate::preflight::{
 use crate::run::{prepare, RunRequest};
 use crate::runtime::Placement;
 use crate::strategy::{AutoResolution, Budget};
-use crate::options::TrainOptions;
 use crate::train::{train_prepared, StepReport, TrainReport};
 use fsdp_planner::{GradSync, Strategy};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -253,8 +253,9 @@ pub struct TrainArgs {
     pub trace: Option<PathBuf>,
     /// Predict the step time on this hardware profile and compare it with the run's: the
     /// summary prints the predicted and measured step time with the error, the measured
-    /// tokens/s and MFU (see `HARDWARE_HELP`).
-    #[arg(long, value_name = "NAME|FILE", help = super::timing::HARDWARE_HELP)]
+    /// tokens/s and MFU; `--strategy auto` ranks the plans that fit by predicted step time
+    /// (see `TRAIN_HARDWARE_HELP`).
+    #[arg(long, value_name = "NAME|FILE", help = super::timing::TRAIN_HARDWARE_HELP)]
     pub hardware: Option<String>,
     /// Checkpoints: --ckpt-dir, --ckpt-every, --keep-last, --resume, --init-from.
     #[command(flatten)]
@@ -333,9 +334,7 @@ impl TrainArgs {
             eval_every: self.eval_every,
             eval_batches: self.eval_batches,
             prefetch: self.prefetch,
-            activation_checkpointing: self
-                .activation_checkpointing
-                .map(CheckpointingArg::enabled),
+            activation_checkpointing: self.activation_checkpointing.map(CheckpointingArg::enabled),
             offload: self.offload.map(OffloadArg::offload),
             param_dtype: self.param_dtype.dtype(),
             reduce_dtype: self.reduce_dtype.dtype(),
@@ -348,6 +347,11 @@ impl TrainArgs {
             max_skipped: Some(self.max_skipped),
             ckpt_async: self.ckpt_async,
             trace: self.trace.clone(),
+            hardware: self
+                .hardware
+                .as_deref()
+                .map(super::timing::load_hardware)
+                .transpose()?,
             init_from: self.ckpt.init_from.clone(),
             placement: match self.device {
                 DeviceArg::Cpu => Placement::Host,
@@ -419,16 +423,11 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
             open_log_file(p, None)?;
         }
     }
-    // So is a trace file that cannot be written, or a bad hardware profile: before any
-    // training.
+    // So is a trace file that cannot be written (a bad hardware profile is refused with the
+    // options): before any training.
     if let Some(t) = &args.trace {
         crate::trace::check_trace_path("--trace", t)?;
     }
-    let hardware = args
-        .hardware
-        .as_deref()
-        .map(super::timing::load_hardware)
-        .transpose()?;
     let mut opts = args.options()?;
     // Under `fsdp launch` (torchrun's environment) every process would otherwise train its
     // own copy of the model as a world of --world-size threads: refuse instead.
@@ -541,20 +540,17 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
     })?;
     // The prediction for this plan, before any work (a profile without the plan's dtype is
     // refused here).
-    let prediction = match &hardware {
+    let prediction = match &run.options.hardware {
         Some(h) => Some(
-            fsdp_planner::time::predict(
-                &run.plan,
-                h,
-                &fsdp_planner::time::TimeInputs {
-                    clip_grad_norm: run.options.clip.is_some(),
-                    ranks_per_node: None,
-                },
-            )
-            .map_err(|e| CliError::Usage(format!("--hardware: {e}")))?,
+            fsdp_planner::time::predict(&run.plan, h, &crate::options::time_inputs(&run.options))
+                .map_err(|e| CliError::Usage(format!("--hardware: {e}")))?,
         ),
         None => None,
     };
+    let mismatch =
+        run.options.hardware.as_ref().and_then(|h| {
+            super::timing::device_mismatch(h, run.options.placement.device().is_cuda())
+        });
     let (threads, warning) = cap_threads(
         run.options.threads_per_rank,
         match (&mpi, &nccl) {
@@ -566,6 +562,7 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
     run.options.threads_per_rank = threads;
     if root {
         for note in [
+            mismatch,
             warning,
             super::checks::warmup_note(&run.options),
             super::checks::grad_sync_note(&run.options),
@@ -856,13 +853,23 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
     Err(CliError::Stopped(sig))
 }
 
-/// The command that resumes a stopped run: this process's arguments with `--resume`, under
-/// the launcher that started it (MPI: `mpirun -n W`, NCCL: `fsdp launch --nproc W --`).
+/// The command that resumes a stopped run: under `fsdp launch` (directly, or through a
+/// program it started such as mpirun) the launcher's own command line with `--resume`
+/// ([`super::stop::LAUNCH_COMMAND_ENV`]); else this process's arguments with `--resume`,
+/// under the launcher that started it (MPI: `mpirun -n W`, NCCL: `fsdp launch --nproc W
+/// --`).
 fn resume_command(
     mpi: &Option<crate::process::mpi::MpiProcess>,
     nccl: &Option<crate::process::NcclProcess>,
     world_size: usize,
 ) -> String {
+    let launcher = std::env::var(super::stop::LAUNCH_COMMAND_ENV)
+        .ok()
+        .and_then(|c| shlex::split(&c))
+        .filter(|words| !words.is_empty());
+    if let Some(words) = launcher {
+        return super::stop::resume_command_of(words);
+    }
     let args: Vec<String> = std::env::args_os()
         .map(|a| a.to_string_lossy().into_owned())
         .collect();
@@ -941,10 +948,36 @@ fn save_line(s: &crate::checkpoint::SaveStats) -> String {
     )
 }
 
+/// The `auto_ranking` object of the JSON summary: the profile, the chosen candidate and the
+/// runner-up with their predicted step times, and every candidate that fit, fastest first.
+fn ranking_json(r: &fsdp_planner::AutoRanking) -> serde_json::Value {
+    let one = |c: &fsdp_planner::RankedCandidate| {
+        serde_json::json!({
+            "name": c.name,
+            "strategy": c.strategy.to_string(),
+            "activation_checkpointing": c.activation_checkpointing == Some(true),
+            "offload": c.offload.map(|o| o.to_string()),
+            "peak_per_rank": c.peak.0,
+            "predicted_step_s": c.step_s,
+        })
+    };
+    serde_json::json!({
+        "ranked_by": "predicted step time",
+        "hardware": r.hardware,
+        "budget_per_rank": r.budget.0,
+        "fitting": r.fitting.len(),
+        "chosen": r.fitting.first().map(one),
+        "runner_up": r.fitting.get(1).map(one),
+        "candidates": r.fitting.iter().map(one).collect::<Vec<_>>(),
+        "rejected": r.rejected,
+    })
+}
+
 fn summary_json(r: &TrainReport, auto: Option<&AutoResolution>) -> serde_json::Value {
     serde_json::json!({
         "strategy_requested": if auto.is_some() { "auto".to_string() } else { r.strategy.clone() },
         "auto_reason": auto.map(|a| a.choice.reason.clone()),
+        "auto_ranking": auto.and_then(|a| a.choice.ranking.as_ref()).map(ranking_json),
         "memory_budget_per_rank": auto.map(|a| a.choice.budget.0),
         "memory_budget_source": auto.map(|a| a.source.clone()),
         "summary": true,
