@@ -1,7 +1,8 @@
 //! `fsdp calibrate`: the measured profile parses, every number is present, finite and has a
-//! source saying it was measured, and `fsdp plan --time --hardware FILE` accepts it; bad
-//! requests exit 2.
+//! source saying it was measured, it reads as a CPU's profile (`fsdp train --hardware` notes
+//! it on a GPU run), and `fsdp plan --time --hardware FILE` accepts it; bad requests exit 2.
 
+use fsdp::cli::timing::{profile_device, ProfileDevice};
 use fsdp_planner::time::HardwareProfile;
 use fsdp_types::DType;
 use std::process::{Command, Output};
@@ -64,6 +65,13 @@ fn calibrated_profile_is_complete_and_plans_a_step() {
         [16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 32768.0].map(|k| k * 4096.0)
     );
     assert!(prof.compute_fit.is_empty());
+    // It describes a CPU: `fsdp train --device cuda --hardware` with it says so.
+    assert_eq!(
+        profile_device(&prof),
+        ProfileDevice::Cpu,
+        "{}",
+        prof.description
+    );
     // Every number's source says it was measured, by which command.
     for path in prof.numeric_paths() {
         let s = prof

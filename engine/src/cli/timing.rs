@@ -316,3 +316,44 @@ pub fn comparison_json(c: &StepComparison) -> serde_json::Value {
         "peak_flops_per_s": c.peak_flops_per_s,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_profile_of_the_other_device_kind_gets_a_note_naming_both() {
+        let gpu = builtin_profile("h100-sxm").unwrap();
+        assert_eq!(profile_device(&gpu), ProfileDevice::Gpu);
+        assert_eq!(device_mismatch(&gpu, true), None);
+        assert_eq!(
+            device_mismatch(&gpu, false).as_deref(),
+            Some(
+                "note: the h100-sxm profile describes a GPU; this run computes on the CPU: the \
+                 prediction is of that hardware, not of this run"
+            )
+        );
+        // The description `fsdp calibrate` writes marks a CPU profile.
+        let mut cpu = gpu.clone();
+        cpu.name = "here".into();
+        cpu.description =
+            "box: 2 rank threads of 4 compute threads, measured by fsdp calibrate on 2026-01-01"
+                .into();
+        assert_eq!(profile_device(&cpu), ProfileDevice::Cpu);
+        assert_eq!(device_mismatch(&cpu, false), None);
+        assert_eq!(
+            device_mismatch(&cpu, true).as_deref(),
+            Some(
+                "note: the here profile describes a CPU (calibrated: box: 2 rank threads of 4 \
+                 compute threads, measured by fsdp calibrate on 2026-01-01); this run computes \
+                 on a GPU: the prediction is of that hardware, not of this run"
+            )
+        );
+        // A built-in's name with other numbers, or a hand-written file, does not say.
+        let mut edited = gpu.clone();
+        edited.overlap_slowdown += 0.5;
+        assert_eq!(profile_device(&edited), ProfileDevice::Unknown);
+        assert_eq!(device_mismatch(&edited, false), None);
+        assert_eq!(device_mismatch(&edited, true), None);
+    }
+}
