@@ -57,7 +57,8 @@ pub fn load_hardware(arg: &str) -> Result<HardwareProfile, CliError> {
 /// What kind of device a hardware profile describes, as far as it says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ProfileDevice {
-    /// A GPU: one of the built-in profiles (all of them GPUs), unchanged.
+    /// A GPU: one of the built-in profiles (all of them GPUs), unchanged, or one `fsdp
+    /// calibrate --device cuda` measured (its description says so).
     Gpu,
     /// This or another host's CPU: a profile `fsdp calibrate` measured (it measures the CPU
     /// only, and its description says "measured by fsdp calibrate").
@@ -68,6 +69,8 @@ pub enum ProfileDevice {
 
 /// The phrase [`crate::calibrate`] writes into every profile's description.
 const CALIBRATED_MARK: &str = "measured by fsdp calibrate";
+/// The phrase of a profile measured on a GPU (`fsdp calibrate --device cuda`).
+const CALIBRATED_GPU_MARK: &str = "measured by fsdp calibrate --device cuda";
 
 /// What device `p` describes: [`ProfileDevice::Gpu`] for a built-in profile (name and every
 /// number equal to the built-in of that name), [`ProfileDevice::Cpu`] for a calibrated one,
@@ -76,6 +79,8 @@ pub fn profile_device(p: &HardwareProfile) -> ProfileDevice {
     if BUILTIN_PROFILE_NAMES.contains(&p.name.as_str())
         && builtin_profile(&p.name).is_ok_and(|b| &b == p)
     {
+        ProfileDevice::Gpu
+    } else if p.description.contains(CALIBRATED_GPU_MARK) {
         ProfileDevice::Gpu
     } else if p.description.contains(CALIBRATED_MARK) {
         ProfileDevice::Cpu
@@ -349,6 +354,13 @@ mod tests {
                  on a GPU: the prediction is of that hardware, not of this run"
             )
         );
+        // A profile `fsdp calibrate --device cuda` measured describes a GPU.
+        let mut measured_gpu = cpu.clone();
+        measured_gpu.description = "NVIDIA H200 (CUDA device 0 of 1) on box, measured by fsdp \
+             calibrate --device cuda on 2026-01-01"
+            .into();
+        assert_eq!(profile_device(&measured_gpu), ProfileDevice::Gpu);
+        assert_eq!(device_mismatch(&measured_gpu, true), None);
         // A built-in's name with other numbers, or a hand-written file, does not say.
         let mut edited = gpu.clone();
         edited.overlap_slowdown += 0.5;
