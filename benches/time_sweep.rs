@@ -4,7 +4,7 @@
 //! 1. `fsdp calibrate --world-size W` for W = 1, 2, 4: one profile per world size (on a CPU
 //!    every rank's rates are its share of the cores), each with its compute fit to reference
 //!    jobs (`tiny`, `llama-tiny`, `small` at their own shapes: see
-//!    `engine/src/calibrate_fit.rs`; the sweep's models and shapes are other ones).
+//!    `engine/src/calibrate/fit.rs`; the sweep's models and shapes are other ones).
 //! 2. Every configuration of [`configs`] (GPT-2 presets `mini`, `small`, `base` and the Llama
 //!    of `benches/llama-bench/config.json` and `llama-mini`; W = 1, 2, 4; full shard,
 //!    shard-grad-op, shard-optimizer, no shard, hybrid; prefetch 0/1/2; activation

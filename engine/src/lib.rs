@@ -5,7 +5,6 @@
 #![warn(missing_docs)]
 
 pub mod calibrate;
-pub mod calibrate_fit;
 pub mod checkpoint;
 pub mod cli;
 pub mod data;

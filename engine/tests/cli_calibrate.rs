@@ -121,7 +121,7 @@ fn one_rank_calibrates_without_collectives_and_fits_the_compute_model_per_dtype(
     let prof = HardwareProfile::from_json(&std::fs::read_to_string(&path).unwrap(), p).unwrap();
     assert_eq!(prof.ranks_per_node, 1);
     // Each reference job gives every position's forward and backward.
-    let samples: u64 = fsdp::calibrate_fit::REFERENCES
+    let samples: u64 = fsdp::calibrate::fit::REFERENCES
         .iter()
         .map(|r| 2 * positions(r.model))
         .sum();

@@ -22,6 +22,7 @@
 //! `fsdp calibrate --device cuda` measures one GPU instead: [`cuda`].
 
 pub mod cuda;
+pub mod fit;
 
 use fsdp_comm::{run_threads, BufMut, Communicator, Group, OwnedBuf, ReduceOp, Topology};
 use fsdp_planner::time::{
@@ -64,7 +65,7 @@ pub struct CalibrateOptions {
     pub command: String,
     /// The profile's name.
     pub name: String,
-    /// Fit the compute model to reference training steps ([`crate::calibrate_fit`]).
+    /// Fit the compute model to reference training steps ([`fit`]).
     pub compute_fit: bool,
 }
 
@@ -453,7 +454,7 @@ pub fn calibrate(o: &CalibrateOptions) -> Result<HardwareProfile, String> {
     p.validate("fsdp calibrate")
         .map_err(|e| format!("the measured profile is not valid: {e}"))?;
     if o.compute_fit {
-        let names: Vec<String> = crate::calibrate_fit::REFERENCES
+        let names: Vec<String> = fit::REFERENCES
             .iter()
             .map(|r| {
                 format!(
@@ -463,17 +464,16 @@ pub fn calibrate(o: &CalibrateOptions) -> Result<HardwareProfile, String> {
             })
             .collect();
         for dt in [DType::F32, DType::BF16, DType::F16] {
-            let samples =
-                crate::calibrate_fit::measure_references(&p, w, o.threads_per_rank.max(1), dt)?;
-            let f = crate::calibrate_fit::fit(&samples)?;
+            let samples = fit::measure_references(&p, w, o.threads_per_rank.max(1), dt)?;
+            let f = fit::fit(&samples)?;
             p.sources.insert(
                 format!("compute_fit.{}", dt.name()),
                 measured(&format!(
                     "least squares over the forward and backward time of every unit of {} full-shard training steps computing in {} of {}, the first {} not counted, median over steps and ranks; each job weighted alike",
-                    crate::calibrate_fit::STEPS,
+                    fit::STEPS,
                     dt.name(),
                     names.join(", "),
-                    crate::calibrate_fit::SKIPPED_STEPS
+                    fit::SKIPPED_STEPS
                 )),
             );
             p.compute_fit.set(dt, f);

@@ -73,14 +73,12 @@ const CALIBRATED_MARK: &str = "measured by fsdp calibrate";
 const CALIBRATED_GPU_MARK: &str = "measured by fsdp calibrate --device cuda";
 
 /// What device `p` describes: [`ProfileDevice::Gpu`] for a built-in profile (name and every
-/// number equal to the built-in of that name), [`ProfileDevice::Cpu`] for a calibrated one,
-/// else [`ProfileDevice::Unknown`].
+/// number equal to the built-in of that name) or one calibrated on a GPU,
+/// [`ProfileDevice::Cpu`] for one calibrated on the CPU, else [`ProfileDevice::Unknown`].
 pub fn profile_device(p: &HardwareProfile) -> ProfileDevice {
-    if BUILTIN_PROFILE_NAMES.contains(&p.name.as_str())
-        && builtin_profile(&p.name).is_ok_and(|b| &b == p)
-    {
-        ProfileDevice::Gpu
-    } else if p.description.contains(CALIBRATED_GPU_MARK) {
+    let builtin = BUILTIN_PROFILE_NAMES.contains(&p.name.as_str())
+        && builtin_profile(&p.name).is_ok_and(|b| &b == p);
+    if builtin || p.description.contains(CALIBRATED_GPU_MARK) {
         ProfileDevice::Gpu
     } else if p.description.contains(CALIBRATED_MARK) {
         ProfileDevice::Cpu
