@@ -197,3 +197,92 @@ pub fn open_log(path: &Path) -> Result<(), String> {
 pub fn log_fd() -> i32 {
     LOG_FD.load(Ordering::SeqCst)
 }
+
+/// Refuses an output file `path` (given with `flag`) that cannot be written, before any work:
+/// a directory (the message suggests `flag <dir>/<example>`), a parent that is missing (the
+/// `mkdir -p` that fixes it) or not a directory, or a parent where this process cannot create
+/// a file (a read-only or permission-denied place: probed by creating and removing a hidden
+/// file beside `path`).
+///
+/// Errors: the message, naming `flag`, the path and the fix.
+pub fn check_output_path(flag: &str, path: &Path, example: &str) -> Result<(), String> {
+    if path.is_dir() {
+        return Err(format!(
+            "{flag} {}: is a directory; give a file path, e.g. {flag} {}",
+            path.display(),
+            path.join(example).display()
+        ));
+    }
+    let parent = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if parent.exists() && !parent.is_dir() {
+        return Err(format!(
+            "{flag} {}: {} is not a directory; give a path inside a directory",
+            path.display(),
+            parent.display()
+        ));
+    }
+    if !parent.is_dir() {
+        return Err(format!(
+            "{flag} {}: the directory {} does not exist; create it first (mkdir -p {})",
+            path.display(),
+            parent.display(),
+            parent.display()
+        ));
+    }
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "out".into());
+    let probe = parent.join(format!(".{name}.probe-{}", std::process::id()));
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+    {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(e) => Err(format!(
+            "{flag} {}: cannot create a file in {}: {e}; give a writable path",
+            path.display(),
+            parent.display()
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_output_path;
+    use std::path::Path;
+
+    #[test]
+    fn an_output_path_that_cannot_be_written_is_refused_with_its_fix() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path();
+        let e = check_output_path("-o", dir, "profile.json").unwrap_err();
+        assert!(
+            e.contains("is a directory") && e.contains("profile.json"),
+            "{e}"
+        );
+        let file = dir.join("f");
+        std::fs::write(&file, b"x").unwrap();
+        let e = check_output_path("-o", &file.join("x.json"), "profile.json").unwrap_err();
+        assert!(
+            e.contains("is not a directory") && !e.contains("mkdir"),
+            "{e}"
+        );
+        let e = check_output_path("-o", &dir.join("a/b.json"), "profile.json").unwrap_err();
+        assert!(e.contains("mkdir -p"), "{e}");
+        // No file can be created in /proc, even by root.
+        let e = check_output_path("-o", Path::new("/proc/x.json"), "profile.json").unwrap_err();
+        assert!(e.contains("cannot create a file in /proc"), "{e}");
+        // A writable place passes and leaves nothing behind.
+        check_output_path("-o", &dir.join("ok.json"), "profile.json").unwrap();
+        let left: Vec<_> = std::fs::read_dir(dir).unwrap().collect();
+        assert_eq!(left.len(), 1, "only the file made above: {left:?}");
+    }
+}

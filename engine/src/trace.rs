@@ -217,31 +217,12 @@ pub fn predicted_trace(pred: &StepPrediction) -> Value {
     })
 }
 
-/// Refuses a `--trace` path that cannot be written, before any work: an existing directory
-/// or a missing parent directory. `flag` names the flag in messages.
+/// Refuses a `--trace` path that cannot be written, before any work
+/// ([`crate::output::check_output_path`]). `flag` names the flag in messages.
 ///
 /// Errors: [`RunError::Refused`] (exit 2) naming the flag, the path and the fix.
 pub fn check_trace_path(flag: &str, path: &Path) -> Result<(), RunError> {
-    if path.is_dir() {
-        return Err(RunError::Refused(format!(
-            "{flag} {}: is a directory; give a file path, e.g. {flag} {}",
-            path.display(),
-            path.join("trace.json").display()
-        )));
-    }
-    let parent = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    if !parent.is_dir() {
-        return Err(RunError::Refused(format!(
-            "{flag} {}: the directory {} does not exist; create it first (mkdir -p {})",
-            path.display(),
-            parent.display(),
-            parent.display()
-        )));
-    }
-    Ok(())
+    crate::output::check_output_path(flag, path, "trace.json").map_err(RunError::Refused)
 }
 
 /// Writes a trace document to `path`: a temporary file beside it, then a rename, so a reader
@@ -256,7 +237,7 @@ pub fn write_trace(path: &Path, doc: &Value) -> Result<(), String> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "trace.json".into());
     let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
-    std::fs::write(&tmp, text).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
+    std::fs::write(&tmp, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     std::fs::rename(&tmp, path).map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
         format!("cannot write {}: {e}", path.display())

@@ -401,3 +401,29 @@ fn plan_hardware_alone_implies_time_in_the_table_and_in_json() {
         "{out}"
     );
 }
+
+#[test]
+fn a_missing_profile_file_is_named_as_a_file_and_an_unwritable_trace_before_work() {
+    let e = bad(
+        &["--model", "tiny", "--hardware", "/nonexistent/here.json"],
+        "--hardware /nonexistent/here.json: no such file",
+    );
+    assert!(e.contains("fsdp calibrate -o FILE"), "{e}");
+    // A bare word that is no file stays an unknown name, with the list.
+    bad(
+        &["--model", "tiny", "--hardware", "h900"],
+        "h100-sxm, h200, a100-80gb",
+    );
+    let e = bad(
+        &[
+            "--model",
+            "tiny",
+            "--hardware",
+            "h100-sxm",
+            "--trace",
+            "/proc/p.json",
+        ],
+        "--trace /proc/p.json: cannot create a file in /proc",
+    );
+    assert!(!e.contains(".tmp-"), "{e}");
+}

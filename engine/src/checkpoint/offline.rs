@@ -238,19 +238,12 @@ pub fn export_config(
         .map_err(|e| RunError::Refused(e.to_string()))
 }
 
-/// Refuses an output file path that cannot be written, before any work: an existing
-/// directory, or a parent directory that does not exist. `flag` names the flag in messages.
+/// Refuses an output file path that cannot be written, before any work
+/// ([`crate::output::check_output_path`]). `flag` names the flag in messages.
 ///
 /// Errors: [`RunError::Refused`] naming the flag, the path and the fix.
 pub fn check_output_file(flag: &str, path: &Path) -> Result<(), RunError> {
-    if path.is_dir() {
-        return Err(RunError::Refused(format!(
-            "{flag} {}: is a directory; give a file path, e.g. {flag} {}",
-            path.display(),
-            path.join("model.safetensors").display()
-        )));
-    }
-    check_parent_exists(flag, path)
+    crate::output::check_output_path(flag, path, "model.safetensors").map_err(RunError::Refused)
 }
 
 /// Refuses an output `path` (given with `flag`) whose parent directory does not exist.

@@ -70,7 +70,7 @@ impl CalibrateArgs {
 /// [`CliError::Failed`] (exit 1) when a measurement fails.
 pub fn run(a: CalibrateArgs) -> Result<(), CliError> {
     if let Some(o) = &a.output {
-        crate::checkpoint::offline::check_output_file("-o", o)?;
+        crate::output::check_output_path("-o", o, "profile.json").map_err(CliError::Usage)?;
     }
     if a.device == CalibrateDeviceArg::Cuda {
         return run_cuda(&a);

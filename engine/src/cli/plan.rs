@@ -306,7 +306,7 @@ pub fn model_from_args(a: &PlanArgs) -> Result<ModelSpec, CliError> {
 /// Runs `fsdp plan`.
 pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
     if let Some(o) = &args.output {
-        crate::checkpoint::offline::check_output_file("-o", o)?;
+        crate::output::check_output_path("-o", o, "plan.json").map_err(CliError::Usage)?;
     }
     // The step-time prediction's flags, checked before any work.
     if args.time && args.hardware.is_none() {

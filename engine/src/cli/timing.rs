@@ -40,6 +40,14 @@ pub fn load_hardware(arg: &str) -> Result<HardwareProfile, CliError> {
     let usage = |e: fsdp_planner::PlanError| CliError::Usage(format!("--hardware: {e}"));
     let path = Path::new(arg);
     // A built-in name wins over a file of that name; a missing path gets the list of names.
+    let looks_like_a_path = arg.contains('/') || arg.ends_with(".json");
+    if !path.exists() && looks_like_a_path && !BUILTIN_PROFILE_NAMES.contains(&arg) {
+        return Err(CliError::Usage(format!(
+            "--hardware {arg}: no such file; give an existing profile file (`fsdp calibrate -o \
+             FILE` measures one) or a built-in name ({})",
+            BUILTIN_PROFILE_NAMES.join(", ")
+        )));
+    }
     if BUILTIN_PROFILE_NAMES.contains(&arg) || !path.exists() {
         return builtin_profile(arg).map_err(usage);
     }
@@ -300,6 +308,19 @@ pub fn render_comparison(c: &StepComparison) -> String {
         pct(c.mfu),
         c.flop_formula,
         flop_rate(c.peak_flops_per_s)
+    )
+}
+
+/// The summary line of a comparison whose profile describes another kind of device than the
+/// run's (a GPU profile on a CPU run): both step times, but no error and no MFU, which would
+/// compare this run with another machine.
+pub fn render_other_device(c: &StepComparison) -> String {
+    format!(
+        "step time: predicted {}/step on {} (another kind of device: no error or MFU against \
+         this run), measured {} on this run\n",
+        format_seconds(c.predicted_s),
+        c.hardware,
+        format_seconds(c.measured_s)
     )
 }
 

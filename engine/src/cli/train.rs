@@ -562,7 +562,7 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
     run.options.threads_per_rank = threads;
     if root {
         for note in [
-            mismatch,
+            mismatch.clone(),
             warning,
             super::checks::warmup_note(&run.options),
             super::checks::grad_sync_note(&run.options),
@@ -772,13 +772,19 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         }
         if let Some(c) = &comparison {
             v["step_time"] = super::timing::comparison_json(c);
+            v["step_time"]["profile_of_another_device"] = mismatch.is_some().into();
         }
         let s = serde_json::to_string(&v).map_err(|e| CliError::Failed(e.to_string()))?;
         outln!("{s}");
     } else if !report.steps.is_empty() {
         print_summary(&report, args.memory_report);
         if let Some(c) = &comparison {
-            for line in super::timing::render_comparison(c).lines() {
+            let text = if mismatch.is_some() {
+                super::timing::render_other_device(c)
+            } else {
+                super::timing::render_comparison(c)
+            };
+            for line in text.lines() {
                 outln!("{line}");
             }
         }
