@@ -325,12 +325,13 @@ fn train_hardware_of_a_gpu_on_the_cpu_says_what_it_compares() {
         "{out}"
     );
     assert!(!out.contains("| MFU") && !out.contains("%; "), "{out}");
-    // A profile calibrated on a CPU describes a CPU: no note.
+    // A profile calibrated on a CPU at the run's world size describes this run: no note.
     let mut p = builtin_profile("a100-80gb").unwrap();
     p.name = "calibrated-here".into();
     p.description = "here: 2 rank threads of 1 compute threads, measured by fsdp calibrate on \
                      2026-01-01"
         .into();
+    p.ranks_per_node = 2;
     let file = d.path().join("cpu.json");
     std::fs::write(&file, serde_json::to_string(&p).unwrap()).unwrap();
     let mut args = short.clone();
@@ -339,4 +340,17 @@ fn train_hardware_of_a_gpu_on_the_cpu_says_what_it_compares() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(0), "{err}");
     assert!(!err.contains("note: the"), "{err}");
+    // Calibrated with 4 rank threads, used by 2: one note saying how to calibrate for 2.
+    p.ranks_per_node = 4;
+    std::fs::write(&file, serde_json::to_string(&p).unwrap()).unwrap();
+    let o = fsdp_train(&args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert_eq!(
+        err.matches("note: the calibrated-here profile was calibrated with 4 rank thread(s)")
+            .count(),
+        1,
+        "{err}"
+    );
+    assert!(err.contains("`fsdp calibrate --world-size 2`"), "{err}");
 }

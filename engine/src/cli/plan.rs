@@ -331,6 +331,12 @@ pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
         .as_deref()
         .map(super::timing::load_hardware)
         .transpose()?;
+    if let Some(n) = hardware
+        .as_ref()
+        .and_then(|h| super::timing::calibrated_ranks_note(h, args.world_size))
+    {
+        crate::output::errln!("{n}");
+    }
     let time_inputs = fsdp_planner::time::TimeInputs::default();
     // The model `fsdp train` would run (one read of a --hf-config): a Llama-family model with
     // a sliding window (Mistral) trains only within it, so the default sequence stays inside

@@ -95,6 +95,21 @@ pub fn profile_device(p: &HardwareProfile) -> ProfileDevice {
     }
 }
 
+/// The note of `fsdp plan` / `fsdp train --hardware` when a profile `fsdp calibrate` measured
+/// on a CPU with `ranks_per_node` rank threads is used for `ranks` ranks on one host: on a
+/// CPU every rank's rates are its share of the cores, so the profile describes another
+/// sharing of them. `None` for any other profile or when the counts agree.
+pub fn calibrated_ranks_note(p: &HardwareProfile, ranks: u64) -> Option<String> {
+    (profile_device(p) == ProfileDevice::Cpu && p.ranks_per_node != ranks).then(|| {
+        format!(
+            "note: the {} profile was calibrated with {} rank thread(s) on its host; this \
+             plan has {ranks} per host, and on a CPU each rank's rates are its share of the \
+             cores: `fsdp calibrate --world-size {ranks}` measures the profile for it",
+            p.name, p.ranks_per_node
+        )
+    })
+}
+
 /// The note of `fsdp train --hardware` when the profile does not describe the device the run
 /// computes on (`run_on_gpu`: `--device cuda`): a GPU profile for a CPU run, or a calibrated
 /// CPU profile for a GPU run. `None` when they agree or the profile does not say. The
@@ -380,6 +395,19 @@ mod tests {
             .into();
         assert_eq!(profile_device(&measured_gpu), ProfileDevice::Gpu);
         assert_eq!(device_mismatch(&measured_gpu, true), None);
+        // A calibrated CPU profile used at another world size is noted; at its own, or a
+        // GPU's at any, is not.
+        cpu.ranks_per_node = 2;
+        assert_eq!(calibrated_ranks_note(&cpu, 2), None);
+        assert_eq!(
+            calibrated_ranks_note(&cpu, 4).as_deref(),
+            Some(
+                "note: the here profile was calibrated with 2 rank thread(s) on its host; this \
+                 plan has 4 per host, and on a CPU each rank's rates are its share of the \
+                 cores: `fsdp calibrate --world-size 4` measures the profile for it"
+            )
+        );
+        assert_eq!(calibrated_ranks_note(&gpu, 4), None);
         // A built-in's name with other numbers, or a hand-written file, does not say.
         let mut edited = gpu.clone();
         edited.overlap_slowdown += 0.5;

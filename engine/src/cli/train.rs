@@ -561,8 +561,18 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
     );
     run.options.threads_per_rank = threads;
     if root {
+        let ranks_note = run.options.hardware.as_ref().and_then(|h| {
+            super::timing::calibrated_ranks_note(
+                h,
+                match (&mpi, &nccl) {
+                    (None, None) => run.options.world_size as u64,
+                    _ => launcher_local_ranks(|k| std::env::var(k).ok()).unwrap_or(1),
+                },
+            )
+        });
         for note in [
             mismatch.clone(),
+            ranks_note,
             warning,
             super::checks::warmup_note(&run.options),
             super::checks::grad_sync_note(&run.options),
