@@ -4,7 +4,9 @@
 //! 1. `fsdp calibrate --world-size W` for W = 1, 2, 4: one profile per world size (on a CPU
 //!    every rank's rates are its share of the cores), each with its compute fit to reference
 //!    jobs (`tiny`, `llama-tiny`, `small` at their own shapes: see
-//!    `engine/src/calibrate/fit.rs`; the sweep's models and shapes are other ones).
+//!    `engine/src/calibrate/fit.rs`; the sweep's models and shapes are other ones); for the
+//!    MPI rows `mpirun -n W fsdp calibrate --backend mpi` (MPI's collectives, reference jobs
+//!    as MPI processes).
 //! 2. Every configuration of [`configs`] (GPT-2 presets `mini`, `small`, `base` and the Llama
 //!    of `benches/llama-bench/config.json` and `llama-mini`; W = 1, 2, 4; full shard,
 //!    shard-grad-op, shard-optimizer, no shard, hybrid; prefetch 0/1/2; activation
@@ -179,20 +181,32 @@ fn bin(var: &str, default: &str) -> PathBuf {
         .unwrap_or_else(|| root().join(default))
 }
 
-/// `fsdp calibrate --world-size w -o dir/w{w}.json` (or the existing file under
+/// `fsdp calibrate --world-size w -o dir/w{w}.json`, or for the MPI rows `mpirun -n w fsdp
+/// calibrate --backend mpi -o dir/mpi-w{w}.json` (or the existing file under
 /// `FSDP_SWEEP_PROFILES`).
-fn profile(fsdp: &Path, dir: &Path, w: u64) -> PathBuf {
-    let path = dir.join(format!("w{w}.json"));
+fn profile(fsdp: &Path, mpi_bin: &Path, dir: &Path, w: u64, mpi: bool) -> PathBuf {
+    let path = dir.join(format!("{}w{w}.json", if mpi { "mpi-" } else { "" }));
     if path.exists() {
         println!("profile W={w}: reusing {}", path.display());
         return path;
     }
-    let st = Command::new(fsdp)
-        .args(["calibrate", "--world-size", &w.to_string(), "-o"])
-        .arg(&path)
-        .status()
-        .expect("fsdp calibrate");
-    assert!(st.success(), "fsdp calibrate --world-size {w} failed");
+    let st = if mpi {
+        Command::new("mpirun")
+            .args(["-n", &w.to_string(), "--oversubscribe"])
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .arg(mpi_bin)
+            .args(["calibrate", "--backend", "mpi", "-o"])
+            .arg(&path)
+            .status()
+    } else {
+        Command::new(fsdp)
+            .args(["calibrate", "--world-size", &w.to_string(), "-o"])
+            .arg(&path)
+            .status()
+    }
+    .expect("fsdp calibrate");
+    assert!(st.success(), "fsdp calibrate at W={w} (MPI: {mpi}) failed");
     let p: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     println!(
         "profile W={w}: {} (compute fit {})",
@@ -320,9 +334,12 @@ fn main() {
         .collect();
     let mut profiles = std::collections::BTreeMap::new();
     for c in &configs {
+        if c.mpi && !have_mpi {
+            continue;
+        }
         profiles
-            .entry(c.world_size)
-            .or_insert_with(|| profile(&fsdp, &dir, c.world_size));
+            .entry((c.world_size, c.mpi))
+            .or_insert_with(|| profile(&fsdp, &mpi_bin, &dir, c.world_size, c.mpi));
     }
     let rounds = std::env::var("FSDP_SWEEP_ROUNDS")
         .ok()
@@ -337,7 +354,7 @@ fn main() {
             if c.mpi && !have_mpi {
                 continue;
             }
-            match run(c, &fsdp, &mpi_bin, &profiles[&c.world_size], steps) {
+            match run(c, &fsdp, &mpi_bin, &profiles[&(c.world_size, c.mpi)], steps) {
                 Ok(row) => r.push(row),
                 Err(e) => println!("{:<34} FAILED: {e}", c.name),
             }

@@ -73,7 +73,15 @@ fn main() -> ExitCode {
             fsdp::cli::eval::run(a)
         }
         Command::Calibrate(a) => {
-            size_compute_threads(a.ranks(), a.threads_per_rank);
+            // Ranks on this node: the rank threads, or mpirun's processes here.
+            let ranks = match a.backend {
+                fsdp::cli::calibrate::CalibrateBackendArg::Threads => a.ranks(),
+                fsdp::cli::calibrate::CalibrateBackendArg::Mpi => {
+                    fsdp::preflight::launcher_local_ranks(|k| std::env::var(k).ok())
+                        .map_or(1, |n| n as usize)
+                }
+            };
+            size_compute_threads(ranks, a.threads_per_rank);
             fsdp::cli::calibrate::run(a)
         }
         // The launcher exits with the failing rank's own code.

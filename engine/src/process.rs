@@ -150,6 +150,40 @@ pub mod mpi {
             self.rank
         }
 
+        /// Runs `f` with a communicator over the job's world (dropped after) and a factory
+        /// building communicators for other topologies of the same processes (what `fsdp
+        /// calibrate --backend mpi` measures and trains its reference jobs with). Collective:
+        /// every process calls it.
+        ///
+        /// Errors: [`RunError::Failed`] when the communicator cannot be built.
+        #[cfg(feature = "mpi")]
+        pub fn with_world<R>(
+            &self,
+            f: impl FnOnce(&dyn fsdp_comm::Communicator, crate::train::CommFactory<'_>) -> R,
+        ) -> Result<R, RunError> {
+            use fsdp_comm::{mpi::MpiComm, CommError, Communicator, Topology};
+            let n = self.universe.size();
+            let failed = |e: CommError| RunError::Failed(format!("--backend mpi: {e}"));
+            let topo = Topology::new(n, 1).map_err(failed)?;
+            let comm = MpiComm::world(&self.universe, topo, self.timeout).map_err(failed)?;
+            let factory = |t: Topology| -> Result<Box<dyn Communicator>, CommError> {
+                Ok(Box::new(MpiComm::world(&self.universe, t, self.timeout)?))
+            };
+            Ok(f(&comm, &factory))
+        }
+
+        /// Without the `mpi` feature no MPI process exists ([`MpiProcess::init`] fails).
+        #[cfg(not(feature = "mpi"))]
+        pub fn with_world<R>(
+            &self,
+            f: impl FnOnce(&dyn fsdp_comm::Communicator, crate::train::CommFactory<'_>) -> R,
+        ) -> Result<R, RunError> {
+            let _ = f;
+            Err(RunError::Refused(
+                "--backend mpi needs a binary built with --features mpi".into(),
+            ))
+        }
+
         /// Every rank's [`RankHost`] in rank order, the same table on every rank: one
         /// all-reduce (sum, f64, rank order) over a world communicator built for it and
         /// dropped before training, of rows that are zero except the caller's own. Collective:

@@ -522,3 +522,53 @@ fn mpi_train_stopped_process_times_out_and_ends_the_job() {
         took.as_secs_f64()
     );
 }
+
+#[test]
+fn mpi_calibrate_measures_the_mpi_collectives_and_rank_0_writes_one_profile() {
+    let Some(mpirun) = mpirun() else {
+        println!("SKIPPED: mpirun not found (install openmpi-bin)");
+        return;
+    };
+    let _one = JOBS.lock().unwrap_or_else(|e| e.into_inner());
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("mpi.json");
+    let args: Vec<String> = [
+        "calibrate",
+        "--backend",
+        "mpi",
+        "--compute-fit",
+        "off",
+        "-o",
+        path.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let child = mpi_command(&mpirun, 2, &args)
+        .spawn()
+        .expect("start mpirun");
+    let (out, _) = wait_bounded(
+        child,
+        Duration::from_secs(180),
+        "mpirun -n 2 fsdp calibrate",
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&path).unwrap();
+    let p = fsdp_planner::time::HardwareProfile::from_json(&text, "mpi.json").unwrap();
+    // Two processes on this host; every collective's source names MPI, not the threads.
+    assert_eq!(p.ranks_per_node, 2);
+    for kind in ["all_gather", "reduce_scatter", "all_reduce"] {
+        let s = &p.sources[&format!("collectives.intra_node.{kind}.bus_bandwidth_bytes_per_s")];
+        assert!(
+            s.contains("MPI over the job's processes") && s.contains("2 processes"),
+            "{s}"
+        );
+        assert!(!s.contains("thread backend"), "{s}");
+    }
+    // Only rank 0 wrote: the directory holds the one profile.
+    assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1);
+}

@@ -74,7 +74,9 @@ pub struct FitSample {
 
 /// Trains every reference on `world_size` rank threads of `threads_per_rank` compute threads,
 /// computing in `dtype` (`param_dtype`; gradients reduced in f32), reads its trace and
-/// returns the samples (see the module doc).
+/// returns the samples (see the module doc). With `process = Some((rank, factory))` this
+/// process is one rank of a multi-process job (MPI): every process calls this at once, each
+/// trains as its rank and fits to its own rank's spans.
 ///
 /// Errors: a message when a reference job fails or its trace cannot be read or does not
 /// match the plan's schedule.
@@ -83,6 +85,7 @@ pub fn measure_references(
     world_size: usize,
     threads_per_rank: usize,
     dtype: fsdp_types::DType,
+    process: Option<(usize, crate::train::CommFactory<'_>)>,
 ) -> Result<Vec<FitSample>, String> {
     let dir = tempfile_dir()?;
     let mut samples = Vec::new();
@@ -109,8 +112,22 @@ pub fn measure_references(
         )
         .map_err(|e| e.to_string())?;
         let parts = use_compute_parts(&plan, profile).map_err(|e| e.to_string())?;
-        train(&o, None, &NoHooks, &|_| {})
-            .map_err(|e| format!("reference job {}: {e}", r.model))?;
+        match process {
+            None => train(&o, None, &NoHooks, &|_| {}).map(|_| ()),
+            Some((_, factory)) => {
+                crate::train::train_with(&o, None, &NoHooks, &|_| {}, Some(factory)).map(|_| ())
+            }
+        }
+        .map_err(|e| format!("reference job {}: {e}", r.model))?;
+        // One process of a multi-process job writes only its rank, rank R > 0 to PATH.rankR.
+        let trace = match process {
+            Some((rank, _)) if rank > 0 => {
+                let mut p = trace.into_os_string();
+                p.push(format!(".rank{rank}"));
+                std::path::PathBuf::from(p)
+            }
+            _ => trace,
+        };
         let text = std::fs::read_to_string(&trace)
             .map_err(|e| format!("reading {}: {e}", trace.display()))?;
         let _ = std::fs::remove_file(&trace);

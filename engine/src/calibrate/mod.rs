@@ -272,20 +272,91 @@ fn fit(points: &[(f64, f64)]) -> (f64, f64) {
     (a, 1.0 / slope)
 }
 
-/// Measures this machine (see the module doc) and returns its profile.
+/// One process of a multi-process calibrate job (`mpirun -n W fsdp calibrate --backend
+/// mpi`): its communicator over the job's world, its rank, and the factory the reference
+/// jobs build their communicators with.
+pub struct ProcessRank<'a> {
+    /// The job's world (W processes).
+    pub comm: &'a dyn Communicator,
+    /// This process's rank.
+    pub rank: usize,
+    /// Builds a communicator for a reference job's topology.
+    pub factory: crate::train::CommFactory<'a>,
+    /// The backend's words in the profile's sources (`MPI over the job's processes`).
+    pub backend: &'static str,
+}
+
+/// The numbers of a [`RankRates`] in a fixed order (the collectives' seconds only: their
+/// kinds and sizes are the same on every rank).
+fn encode(r: &RankRates) -> Vec<f64> {
+    let mut v: Vec<f64> = r.gemm.iter().flat_map(|(_, x)| x.iter().copied()).collect();
+    v.push(r.copy_bytes_per_s);
+    v.extend(&r.copy_curve);
+    v.push(r.elementwise_flops_per_s);
+    v.extend(r.collectives.iter().map(|c| c.2));
+    v.push(r.overlap_slowdown);
+    v
+}
+
+/// `r` with its numbers replaced by `v` (the order of [`encode`]).
+fn decode(r: &RankRates, v: &[f64]) -> RankRates {
+    let mut it = v.iter().copied();
+    let mut next = || it.next().unwrap_or(f64::NAN);
+    RankRates {
+        gemm: r
+            .gemm
+            .iter()
+            .map(|(dt, x)| (*dt, x.iter().map(|_| next()).collect()))
+            .collect(),
+        copy_bytes_per_s: next(),
+        copy_curve: r.copy_curve.iter().map(|_| next()).collect(),
+        elementwise_flops_per_s: next(),
+        collectives: r.collectives.iter().map(|c| (c.0, c.1, next())).collect(),
+        overlap_slowdown: next(),
+    }
+}
+
+/// Measures this machine (see the module doc) and returns its profile: on `o.world_size`
+/// rank threads of this process, or with `process` as one of the processes of a
+/// multi-process job (every process calls this at once; each gets the same rates, the means
+/// over the processes, and its own compute fit).
 ///
 /// Errors: a world size of 0, a failed collective, matmul or reference job (with its words).
-pub fn calibrate(o: &CalibrateOptions) -> Result<HardwareProfile, String> {
+pub fn calibrate(
+    o: &CalibrateOptions,
+    process: Option<&ProcessRank<'_>>,
+) -> Result<HardwareProfile, String> {
     if o.world_size < 1 {
         return Err("--world-size 0: calibrate needs at least 1 rank thread".into());
     }
     let w = o.world_size;
-    let topo = Topology::new(w, 1).map_err(|e| e.to_string())?;
-    let ranks: Vec<RankRates> = run_threads(topo, Duration::from_secs(120), |c| measure_rank(&c))
-        .into_iter()
-        .map(|r| r.map_err(|e| e.to_string()).and_then(|x| x))
-        .collect::<Result<_, _>>()?;
-    let mean = |f: &dyn Fn(&RankRates) -> f64| ranks.iter().map(f).sum::<f64>() / w as f64;
+    let ranks: Vec<RankRates> = match process {
+        None => {
+            let topo = Topology::new(w, 1).map_err(|e| e.to_string())?;
+            run_threads(topo, Duration::from_secs(120), |c| measure_rank(&c))
+                .into_iter()
+                .map(|r| r.map_err(|e| e.to_string()).and_then(|x| x))
+                .collect::<Result<_, _>>()?
+        }
+        Some(p) => {
+            // The mean over the processes: one all-reduce of every rank's numbers.
+            let mine = measure_rank(p.comm)?;
+            let mut v = encode(&mine);
+            p.comm
+                .all_reduce(Group::World, ReduceOp::Sum, (&mut v[..]).into())
+                .map_err(|e| e.to_string())?;
+            v.iter_mut().for_each(|x| *x /= w as f64);
+            vec![decode(&mine, &v)]
+        }
+    };
+    let backend = process.map_or("thread backend over the rank threads", |p| p.backend);
+    let ranks_word = if process.is_some() {
+        "processes"
+    } else {
+        "rank threads"
+    };
+    let mean =
+        |f: &dyn Fn(&RankRates) -> f64| ranks.iter().map(f).sum::<f64>() / ranks.len() as f64;
     let curve = |i: usize| -> GemmCurve {
         let points: Vec<CurvePoint> = GEMM_SIZES
             .iter()
@@ -349,7 +420,7 @@ pub fn calibrate(o: &CalibrateOptions) -> Result<HardwareProfile, String> {
     let date = utc_date();
     let measured = |what: &str| {
         format!(
-            "measured {date} on {host} by `{}` ({w} rank threads, {} compute threads each): {what}",
+            "measured {date} on {host} by `{}` ({w} {ranks_word}, {} compute threads each): {what}",
             o.command, o.threads_per_rank
         )
     };
@@ -389,7 +460,7 @@ pub fn calibrate(o: &CalibrateOptions) -> Result<HardwareProfile, String> {
                 if w < 2 {
                     measured("not measured: one rank has no peer (a one-rank plan issues no collective); the copy bandwidth, latency 0")
                 } else {
-                    measured("thread backend over the rank threads, 64 KiB..16 MiB, median of 7 calls, least squares of t = latency + S f / busbw (step latency folded into latency)")
+                    measured(&format!("{backend}, 64 KiB..16 MiB, median of 7 calls, least squares of t = latency + S f / busbw (step latency folded into latency)"))
                 },
             );
             sources.insert(
@@ -426,7 +497,7 @@ pub fn calibrate(o: &CalibrateOptions) -> Result<HardwareProfile, String> {
         schema: PROFILE_SCHEMA.to_string(),
         name: o.name.clone(),
         description: format!(
-            "{host}: {w} rank threads of {} compute threads, measured by fsdp calibrate on {date}",
+            "{host}: {w} {ranks_word} of {} compute threads, measured by fsdp calibrate on {date}",
             o.threads_per_rank
         ),
         ranks_per_node: w as u64,
@@ -464,7 +535,13 @@ pub fn calibrate(o: &CalibrateOptions) -> Result<HardwareProfile, String> {
             })
             .collect();
         for dt in [DType::F32, DType::BF16, DType::F16] {
-            let samples = fit::measure_references(&p, w, o.threads_per_rank.max(1), dt)?;
+            let samples = fit::measure_references(
+                &p,
+                w,
+                o.threads_per_rank.max(1),
+                dt,
+                process.map(|x| (x.rank, x.factory)),
+            )?;
             let f = fit::fit(&samples)?;
             p.sources.insert(
                 format!("compute_fit.{}", dt.name()),

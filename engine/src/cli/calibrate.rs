@@ -22,9 +22,24 @@ pub enum OnOff {
     Off,
 }
 
+/// The collectives `fsdp calibrate` measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CalibrateBackendArg {
+    /// `--world-size` rank threads in this process (the thread backend).
+    Threads,
+    /// This process is one rank of an MPI job (`mpirun -n W fsdp calibrate --backend mpi -o
+    /// FILE`; rank 0 writes the profile). Needs a binary built with `--features mpi`.
+    Mpi,
+}
+
 /// Arguments of `fsdp calibrate`.
 #[derive(Debug, clap::Args)]
 pub struct CalibrateArgs {
+    /// Whose collectives to measure: rank threads (`threads`) or MPI processes (`mpi`, under
+    /// `mpirun -n W`; the world size is mpirun's). The compute fit's reference jobs run on the
+    /// same backend.
+    #[arg(long, value_enum, default_value_t = CalibrateBackendArg::Threads)]
+    pub backend: CalibrateBackendArg,
     /// Rank threads measured at once, as the `fsdp train --world-size` the profile is for
     /// (default 2; 1: no collectives are measured, a one-rank plan issues none). On a CPU
     /// every rank's rates are its share of the cores, so calibrate at the world size you will
@@ -75,6 +90,9 @@ pub fn run(a: CalibrateArgs) -> Result<(), CliError> {
     if a.device == CalibrateDeviceArg::Cuda {
         return run_cuda(&a);
     }
+    if a.backend == CalibrateBackendArg::Mpi {
+        return run_mpi(&a);
+    }
     let world_size = a.ranks();
     if world_size < 1 {
         return Err(CliError::Usage(
@@ -110,9 +128,45 @@ pub fn run(a: CalibrateArgs) -> Result<(), CliError> {
         .build()
         .map_err(|e| CliError::Failed(format!("thread pool: {e}")))?;
     let profile = pool
-        .install(|| crate::calibrate::calibrate(&opts))
+        .install(|| crate::calibrate::calibrate(&opts, None))
         .map_err(CliError::Failed)?;
     write_profile(&a, &profile)
+}
+
+/// Runs `fsdp calibrate --backend mpi` as one process of an MPI job: every process measures
+/// at once, the rates are averaged over them, and rank 0 writes the profile.
+fn run_mpi(a: &CalibrateArgs) -> Result<(), CliError> {
+    let mut o = crate::options::TrainOptions::default();
+    let mpi = crate::process::mpi::MpiProcess::init(a.world_size.unwrap_or(1), 60.0, &mut o)?;
+    let world_size = o.world_size;
+    let local =
+        crate::preflight::launcher_local_ranks(|k| std::env::var(k).ok()).map_or(1, |n| n as usize);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = a.threads_per_rank.unwrap_or((cores / local).max(1));
+    let opts = crate::calibrate::CalibrateOptions {
+        world_size,
+        threads_per_rank: threads,
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        name: a
+            .name
+            .clone()
+            .unwrap_or_else(|| format!("calibrated-{}", host_name())),
+        compute_fit: a.compute_fit == OnOff::On,
+    };
+    let profile = mpi.with_world(|comm, factory| {
+        let p = crate::calibrate::ProcessRank {
+            comm,
+            rank: mpi.rank(),
+            factory,
+            backend: "MPI over the job's processes",
+        };
+        crate::calibrate::calibrate(&opts, Some(&p))
+    })?;
+    let profile = profile.map_err(|e| CliError::Failed(format!("rank {}: {e}", mpi.rank())))?;
+    if mpi.rank() == 0 {
+        write_profile(a, &profile)?;
+    }
+    Ok(())
 }
 
 /// Runs `fsdp calibrate --device cuda`: one GPU, world size 1.
