@@ -185,7 +185,7 @@ fn run_cuda(a: &CalibrateArgs) -> Result<(), CliError> {
         ));
     }
     let ordinal = 0;
-    let (dev, devices) = open_cuda(ordinal)?;
+    let (dev, devices) = super::open_cuda(ordinal)?;
     let opts = crate::calibrate::cuda::CudaCalibrateOptions {
         ordinal,
         devices,
@@ -198,37 +198,6 @@ fn run_cuda(a: &CalibrateArgs) -> Result<(), CliError> {
     };
     let profile = crate::calibrate::cuda::calibrate_cuda(&dev, &opts).map_err(CliError::Failed)?;
     write_profile(a, &profile)
-}
-
-/// Opens GPU `ordinal` for `--device cuda` with the words of `fsdp train --device cuda`: a
-/// build without the feature, a missing or stub driver library or a missing device is a usage
-/// error (exit 2) saying which. Returns the device and the driver's device count.
-fn open_cuda(ordinal: usize) -> Result<(candle_core::Device, usize), CliError> {
-    use fsdp_kernels::cuda::{probe, Probe};
-    let n = match probe() {
-        Probe::Unavailable(why) if cfg!(not(feature = "cuda")) => {
-            return Err(CliError::Usage(format!(
-                "--device cuda: cannot open GPU {ordinal}: this binary is {why}: rebuild with \
-                 `cargo build --release --features cuda` (see gpu/README.md)"
-            )))
-        }
-        Probe::Unavailable(why) => {
-            return Err(CliError::Usage(format!(
-                "--device cuda: cannot open GPU {ordinal}: no usable CUDA device: {why}. The \
-                 CUDA driver library libcuda.so.1 found on the library path must be the NVIDIA \
-                 driver's (not the toolkit's link stub) and see a GPU (on the GPU test machine: \
-                 `. target-gpu/device-env.sh` first)"
-            )))
-        }
-        Probe::Available(n) => n,
-    };
-    // One explicit stream, as `fsdp train --device cuda` computes on.
-    let dev = candle_core::Device::new_cuda_with_stream(ordinal).map_err(|e| {
-        CliError::Usage(format!(
-            "--device cuda: cannot open GPU {ordinal} (CUDA driver library libcuda.so.1): {e}"
-        ))
-    })?;
-    Ok((dev, n))
 }
 
 /// Writes `profile` as pretty JSON to `-o FILE`, else standard output.

@@ -364,49 +364,11 @@ impl TrainArgs {
                         })?,
                         Err(_) => 0,
                     };
-                    Placement::Device(open_cuda(ordinal)?)
+                    Placement::Device(super::open_cuda(ordinal)?.0)
                 }
             },
         })
     }
-}
-
-/// Opens GPU `ordinal` for `--device cuda`. The driver is asked first (`cuInit`, device count)
-/// so that a build without the feature, a missing or stub driver library (`libcuda.so.1`) or a
-/// missing device is a usage error (exit 2) saying which, not a failure deep inside candle.
-fn open_cuda(ordinal: usize) -> Result<candle_core::Device, CliError> {
-    use fsdp_kernels::cuda::{probe, Probe};
-    match probe() {
-        Probe::Unavailable(why) if cfg!(not(feature = "cuda")) => {
-            return Err(CliError::Usage(format!(
-                "--device cuda: cannot open GPU {ordinal}: this binary is {why}: rebuild with \
-                 `cargo build --release --features cuda` (see gpu/README.md)"
-            )))
-        }
-        Probe::Unavailable(why) => {
-            return Err(CliError::Usage(format!(
-                "--device cuda: cannot open GPU {ordinal}: no usable CUDA device: {why}. The \
-                 CUDA driver library libcuda.so.1 found on the library path must be the NVIDIA \
-                 driver's (not the toolkit's link stub) and see a GPU (on the GPU test machine: \
-                 `. target-gpu/device-env.sh` first)"
-            )))
-        }
-        Probe::Available(n) if ordinal >= n => {
-            return Err(CliError::Usage(format!(
-                "--device cuda: cannot open GPU {ordinal}: the CUDA driver (libcuda.so.1) sees \
-                 {n} device(s), numbered from 0 (LOCAL_RANK picks the GPU; CUDA_VISIBLE_DEVICES \
-                 limits them)"
-            )))
-        }
-        Probe::Available(_) => {}
-    }
-    // One explicit stream for every thread of the rank (candle's plain `new_cuda` computes on
-    // CUDA's per-thread default stream).
-    candle_core::Device::new_cuda_with_stream(ordinal).map_err(|e| {
-        CliError::Usage(format!(
-            "--device cuda: cannot open GPU {ordinal} (CUDA driver library libcuda.so.1): {e}"
-        ))
-    })
 }
 
 fn mib(b: u64) -> String {
