@@ -21,6 +21,7 @@ pub mod process;
 pub mod run;
 pub mod runtime;
 pub mod strategy;
+pub mod threads;
 pub mod trace;
 pub mod train;
 

@@ -187,6 +187,8 @@ pub struct TrainReport {
     /// The run stopped early because a rank asked to ([`TrainHooks::stop_requested`]);
     /// `None` when it ran every step.
     pub stopped: Option<EarlyStop>,
+    /// The process's thread pools and the most threads it held at the end of a step.
+    pub threads: crate::threads::ThreadReport,
 }
 
 /// Where and why a run stopped before its last step.
@@ -441,6 +443,13 @@ pub fn train_prepared(
     let host_peak_per_rank = outcomes.iter().map(|x| x.host_peak).collect();
     // Every rank stopped at the same agreed step.
     let stopped = outcomes[0].stopped;
+    // The pools as this run sized them, with rank 0's count of the threads the process held.
+    let mut threads = crate::threads::ThreadReport::configured(
+        if one_process_rank { 1 } else { o.world_size },
+        threads,
+    );
+    threads.live_peak = outcomes[0].threads.live_peak;
+    threads.live_by_name = outcomes[0].threads.live_by_name.clone();
     Ok(TrainReport {
         model: model.name().to_string(),
         params: model.spec().numel().0,
@@ -488,6 +497,7 @@ pub fn train_prepared(
         device_memory,
         fingerprint: plan.fingerprint().to_string(),
         stopped,
+        threads,
     })
 }
 
@@ -535,6 +545,8 @@ struct RankOutcome {
     host_peak: u64,
     /// Where the ranks agreed to stop early, if they did.
     stopped: Option<EarlyStop>,
+    /// Rank 0: the process's threads counted after each step (others: no count).
+    threads: crate::threads::ThreadReport,
 }
 
 /// What every rank of a run shares: the model, the plan, the engine configuration, the
@@ -612,6 +624,7 @@ fn run_rank(ctx: &RankContext<'_>, comm: &dyn Communicator) -> Result<RankOutcom
         Ok(all.into_iter().find(|&x| x != 0.0).map(|x| x as u32))
     };
     let mut stopped = None;
+    let mut threads = crate::threads::ThreadReport::default();
     if start < o.steps {
         stopped = agree_stop(&mut e)?.map(|code| EarlyStop {
             after_step: start,
@@ -673,6 +686,7 @@ fn run_rank(ctx: &RankContext<'_>, comm: &dyn Communicator) -> Result<RankOutcom
             val_loss: v,
         };
         if rank == 0 {
+            threads.sample();
             progress(&rep);
         }
         steps.push(rep);
@@ -689,6 +703,7 @@ fn run_rank(ctx: &RankContext<'_>, comm: &dyn Communicator) -> Result<RankOutcom
         device_peak,
         host_peak,
         stopped,
+        threads,
     })
 }
 

@@ -551,7 +551,7 @@ fn communicators_streaming_from(
             world: world.clone(),
             rank,
             seq: Cell::new([0; 3]),
-            progress: ProgressQueue::new("threads", rank, format!("fsdp-rank-{rank}-comm")),
+            progress: ProgressQueue::new("threads", rank, format!("rank{rank}-comm")),
         })
         .collect())
 }

@@ -972,6 +972,7 @@ fn summary_json(r: &TrainReport, auto: Option<&AutoResolution>) -> serde_json::V
         "final_train_loss": r.final_train_loss,
         "final_val_loss": r.final_val_loss,
         "tokens_per_s": r.tokens_per_s,
+        "threads": r.threads,
         "seconds": r.seconds,
         "plan_peak_per_rank": r.plan_peak_per_rank,
         "plan_host_peak_per_rank": r.plan_host_peak_per_rank,
@@ -1033,6 +1034,7 @@ fn print_summary(r: &TrainReport, memory_report: bool) {
         r.seconds,
         r.comm_exposed_seconds
     );
+    outln!("{}", r.threads.summary_line());
     for (rank, peak) in r.measured_peak_per_rank.iter().enumerate() {
         let host = match r.host_peak_per_rank.get(rank) {
             Some(&h) if h > 0 => format!(

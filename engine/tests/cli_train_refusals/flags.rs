@@ -107,6 +107,49 @@ fn oversubscribed_threads_are_capped_with_a_warning() {
     assert!(started.elapsed().as_secs() < 60, "one step must not crawl");
 }
 
+/// Every pool of a training process obeys the capped `--threads-per-rank`, and the summary
+/// states their sizes: asked for 1000 threads per rank at W = 2, the process holds at most
+/// the main thread, 2 rank threads, 2 compute pools of `fair` threads, 2 communication
+/// progress threads and candle's `fair - 1` element-wise workers, counted from outside while
+/// it runs; the JSON summary's own count agrees. A pool sized from the request (candle's
+/// element-wise pool once was: 1,006 threads) fails both counts.
+#[test]
+fn every_thread_pool_obeys_the_cap_and_the_summary_states_the_sizes() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let fair = (cores / 2).max(1);
+    let mut a = SMALL.to_vec();
+    a.extend(["--world-size", "2", "--threads-per-rank", "1000"]);
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_fsdp"))
+        .args(&a)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let peak = peak_threads(&mut child);
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let summary: serde_json::Value =
+        serde_json::from_str(stdout.lines().last().expect("a summary line")).unwrap();
+    let t = &summary["threads"];
+    assert_eq!(t["ranks"], 2, "{t}");
+    assert_eq!(t["compute_per_rank"], fair, "{t}");
+    assert_eq!(t["gemm"], fair, "{t}");
+    assert_eq!(t["elementwise"], fair, "{t}");
+    let bound = 1 + 2 + 2 * fair + 2 + (fair - 1);
+    assert_eq!(t["live_by_name"]["rankN-computeN"], 2 * fair, "{t}");
+    let live = t["live_peak"].as_u64().expect("a live count on Linux") as usize;
+    assert!(
+        live <= bound,
+        "summary counted {live} threads, at most {bound}: {t}"
+    );
+    assert!(
+        peak <= bound,
+        "{peak} threads seen from outside, at most {bound}: {t}"
+    );
+    assert!(peak > 2 * fair, "the poll saw the pools: {peak}");
+}
+
 /// The most threads the process `pid` holds until it exits (`/proc/PID/status`, polled).
 fn peak_threads(child: &mut std::process::Child) -> usize {
     let status = format!("/proc/{}/status", child.id());

@@ -866,7 +866,7 @@ impl MpiComm {
             rank: me,
             topology,
             seq: Cell::new([0; 3]),
-            progress: ProgressQueue::new("mpi", me, format!("fsdp-mpi-rank-{me}-comm")),
+            progress: ProgressQueue::new("mpi", me, format!("rank{me}-comm")),
             watchdog: Some(handle),
             universe: universe.clone(),
         }))
