@@ -1,13 +1,19 @@
 #!/usr/bin/env python3
-"""CPU training throughput of a Llama-family model in PyTorch: the reference figures that
-`cargo bench -p fsdp-suite --bench train` (workload `llama`) prints its ratios against.
-Run by hand (CI does not need PyTorch); results in benches/results/2026-12-01-llama-cpu.md.
+"""CPU training throughput of the bench models in PyTorch: the reference figures that
+`cargo bench -p fsdp-suite --bench train` and `benches/side_by_side.py` compare against.
+Run by hand (CI does not need PyTorch).
 
-The model is `transformers`' `LlamaForCausalLM` built from benches/llama-bench/config.json, the
-same config.json the Rust bench trains (`fsdp train --hf-config`): vocabulary 256 (bytes),
-d_model 512, 8 layers, 8 heads, 4 key/value heads (grouped-query attention), SwiGLU MLP 1376,
-RMSNorm eps 1e-5, rotary base 10000, untied head, no biases; 23,470,592 parameters. fp32, no
-dropout, `attn_implementation="sdpa"` (PyTorch's fused causal attention; what a user gets).
+Models (`--model`), each the same architecture `fsdp train` builds:
+- `llama`: `transformers`' `LlamaForCausalLM` from benches/llama-bench/config.json, the
+  config.json the Rust bench trains (`fsdp train --hf-config`): vocabulary 256 (bytes),
+  d_model 512, 8 layers, 8 heads, 4 key/value heads (grouped-query attention), SwiGLU MLP 1376,
+  RMSNorm eps 1e-5, rotary base 10000, untied head, no biases; 23,470,592 parameters.
+- `mini`, `base`: `GPT2LMHeadModel` of the byte-level presets `fsdp train --model mini|base`
+  trains: vocabulary 256, 1024 learned positions, d_model 256 / 768, 4 / 6 layers, 4 / 12
+  heads, MLP 4 x d_model, tanh GELU, LayerNorm eps 1e-5, biases, untied head; 3,552,768 /
+  43,708,416 parameters.
+fp32, no dropout, `attn_implementation="sdpa"` (PyTorch's fused causal attention; what a user
+gets).
 
 Training step as `fsdp train`'s defaults: summed-over-tokens cross-entropy divided by the
 global token count, AdamW lr 1e-3 (betas 0.9/0.95, eps 1e-8, weight decay 0.1; `foreach`
@@ -22,9 +28,9 @@ Modes:
   `--micro-batch` (the same global batch).
 
 Timing: `--warmup` steps, then `--steps` steps timed on rank 0 (wall clock, after a barrier).
-Prints one JSON line per mode (`"bench": "pytorch_llama_cpu"`, `tokens_per_s`).
+Prints one JSON line per mode (`"bench": "pytorch_cpu"`, `model`, `mode`, `tokens_per_s`).
 
-  /work/venv/bin/python benches/pytorch_llama_cpu.py --modes fsdp2,single --steps 6
+  python benches/pytorch_cpu.py --model llama --modes fsdp2,single --steps 6
 """
 
 import argparse
@@ -36,17 +42,46 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def build(threads):
+GPT_PRESETS = {"mini": (256, 4, 4), "base": (768, 6, 12)}
+
+
+def build(name, threads):
+    """The model `name` in training mode and its decoder blocks (the FSDP units)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    cfg = LlamaConfig.from_json_file(os.path.join(HERE, "llama-bench", "config.json"))
-    cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg).float()
+    if name == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig.from_json_file(os.path.join(HERE, "llama-bench", "config.json"))
+        cfg._attn_implementation = "sdpa"
+        model = LlamaForCausalLM(cfg).float()
+        blocks = list(model.model.layers)
+    elif name in GPT_PRESETS:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        d, layers, heads = GPT_PRESETS[name]
+        cfg = GPT2Config(
+            vocab_size=256,
+            n_positions=1024,
+            n_embd=d,
+            n_layer=layers,
+            n_head=heads,
+            activation_function="gelu_new",
+            layer_norm_epsilon=1e-5,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            tie_word_embeddings=False,
+        )
+        cfg._attn_implementation = "sdpa"
+        model = GPT2LMHeadModel(cfg).float()
+        blocks = list(model.transformer.h)
+    else:
+        raise SystemExit(f"unknown model {name}: use mini, base or llama")
     model.train()
-    return model, cfg
+    return model, blocks
 
 
 def batches(seq_len, micro_batch, rank, steps):
@@ -97,13 +132,14 @@ def optimizer(model):
     )
 
 
-def report(mode, times, warmup, tokens_per_step, extra):
+def report(model, mode, times, warmup, tokens_per_step, extra):
     counted = times[warmup:]
     secs = sum(counted)
     print(
         json.dumps(
             {
-                "bench": "pytorch_llama_cpu",
+                "bench": "pytorch_cpu",
+                "model": model,
                 "mode": mode,
                 "global_tokens_per_step": tokens_per_step,
                 "step_ms": 1e3 * secs / len(counted),
@@ -117,12 +153,12 @@ def report(mode, times, warmup, tokens_per_step, extra):
 
 
 def single(args):
-    model, _ = build(args.threads)
+    model, _ = build(args.model, args.threads)
     opt = optimizer(model)
     mb = 2 * args.micro_batch
     data = batches(args.seq_len, mb, 0, args.warmup + args.steps)
     times = train_steps(model, opt, data, mb * args.seq_len, 1.0)
-    report("single", times, args.warmup, mb * args.seq_len, {"threads": args.threads})
+    report(args.model, "single", times, args.warmup, mb * args.seq_len, {"threads": args.threads})
 
 
 def fsdp2_rank(rank, world, args, port):
@@ -133,22 +169,23 @@ def fsdp2_rank(rank, world, args, port):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    model, _ = build(1)
-    for layer in model.model.layers:
-        fully_shard(layer)
+    model, blocks = build(args.model, 1)
+    for block in blocks:
+        fully_shard(block)
     fully_shard(model)
     opt = optimizer(model)
     data = batches(args.seq_len, args.micro_batch, rank, args.warmup + args.steps)
     global_tokens = world * args.micro_batch * args.seq_len
     times = train_steps(model, opt, data, global_tokens, 1.0, barrier=dist.barrier)
     if rank == 0:
-        report("fsdp2", times, args.warmup, global_tokens, {"world_size": world, "threads": 1})
+        report(args.model, "fsdp2", times, args.warmup, global_tokens, {"world_size": world, "threads": 1})
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama", help="mini, base or llama")
     ap.add_argument("--modes", default="fsdp2,single")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--micro-batch", type=int, default=4, help="per rank at W=2")

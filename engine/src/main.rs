@@ -35,38 +35,8 @@ fn size_compute_threads(world_size: usize, threads_per_rank: Option<usize>) {
     }
 }
 
-/// Keeps glibc malloc from returning memory to the kernel between tensor operations: candle
-/// allocates a fresh buffer for each operation, and memory given back is faulted in and
-/// zeroed by the kernel again on its next use (`clear_page` was 7.6% of a Llama step's CPU
-/// samples on one thread).
-///
-/// - `M_MMAP_THRESHOLD` and `M_TRIM_THRESHOLD` at 1 GiB: buffers of 128 KiB or more (glibc's
-///   default mmap threshold) would each be an `mmap` + page faults + `munmap`, and the top of
-///   the heap would be trimmed on every large free.
-/// - `M_ARENA_MAX` = 1: one arena for every thread. A rank's compute runs on a pool thread, and
-///   a thread other than `main` gets its own arena made of 64 MiB heaps, which glibc unmaps as
-///   soon as one is empty whatever the trim threshold (`heap_trim` in glibc's `arena.c`): one
-///   Llama step (d 512, 8 layers, micro-batch 8 x 256) unmapped and re-mapped such a heap and
-///   took about 27,000 page faults. With one arena that step's faults after the first steps
-///   fall to the first touch of the peak, the process peak resident memory to 0.91x, and the
-///   whole run's wall time to 0.93x (one process, 2 threads; 0.97x on `base`, 1.00x at W=2).
-///   The arena's lock is taken once per allocation, a few thousand times a step.
-///
-/// The process heap peak (counted by [`CountingAllocator`], in bytes requested) is unchanged;
-/// resident memory may stay at its high-water mark. No-op on non-glibc targets.
-fn tune_allocator() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: `mallopt` only changes glibc allocator parameters; called before any thread
-    // is started.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
-        libc::mallopt(libc::M_ARENA_MAX, 1);
-    }
-}
-
 fn main() -> ExitCode {
-    tune_allocator();
+    fsdp::memory::tune_allocator();
     let cli = Cli::parse();
     // Training's work is the model and its checkpoints; every other command's is its output.
     let output_is_the_work = !matches!(cli.command, Command::Train(_) | Command::Launch(_));
