@@ -10,6 +10,7 @@ use candle_core::Tensor;
 pub use fsdp_kernels::optim::{AdamWConfig, SgdConfig};
 use fsdp_kernels::span::Span;
 use fsdp_kernels::tensor::{AdamWTensors, TensorKernels};
+use rayon::prelude::*;
 
 /// The optimizer of a run.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -93,10 +94,10 @@ impl Optimizer {
 pub const MIN_ELEMENTS_PER_THREAD: usize = 1 << 15;
 
 impl Optimizer {
-    /// [`Optimizer::step_shard`] on up to `threads` threads (the offloaded optimizer step on the
-    /// CPU): the shard's `n` elements are cut into contiguous chunks (at least
+    /// [`Optimizer::step_shard`] on up to `threads` threads (the optimizer step of a shard in
+    /// host memory): the shard's `n` elements are cut into contiguous chunks (at least
     /// [`MIN_ELEMENTS_PER_THREAD`] each), each chunk's part of `spans` shifted to it, and each
-    /// chunk stepped by the same kernel on its own scoped thread. The update of an element
+    /// chunk stepped by the same kernel as a task of the current rayon pool. The update of an element
     /// depends only on that element and the step's scalars, so the result is bitwise the
     /// one-thread result (`tests`: `threaded_step_is_bitwise_the_serial_step`).
     ///
@@ -146,27 +147,21 @@ impl Optimizer {
                 rest = b;
             }
         }
-        let results: Vec<Result<()>> = std::thread::scope(|sc| {
-            let handles: Vec<_> = p_parts
-                .into_iter()
-                .zip(s_parts)
-                .enumerate()
-                .map(|(i, (p, mut st))| {
-                    let r = bounds[i]..bounds[i + 1];
-                    let g = &grad[r.clone()];
-                    let sp = cut(r);
-                    sc.spawn(move || self.step_shard(p, g, &mut st, &sp, step))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(EngineError::Config("an optimizer thread panicked".into()))
-                    })
-                })
-                .collect()
-        });
+        // Each chunk is a task in the current rayon pool (the rank's compute pool: idle while
+        // its rank steps the optimizer), so the step adds no thread to the process.
+        let tasks: Vec<_> = p_parts
+            .into_iter()
+            .zip(s_parts)
+            .enumerate()
+            .map(|(i, (p, st))| (p, st, bounds[i]..bounds[i + 1]))
+            .collect();
+        let results: Vec<Result<()>> = tasks
+            .into_par_iter()
+            .map(|(p, mut st, r)| {
+                let g = &grad[r.clone()];
+                self.step_shard(p, g, &mut st, &cut(r), step)
+            })
+            .collect();
         results.into_iter().collect()
     }
 }

@@ -357,7 +357,15 @@ impl FlatShard {
                     opt.step_shard_threads(p, grad, &mut state, spans, step, o.threads)?;
                     refresh(o, p, dev.as_deref())
                 }
-                None => opt.step_shard(p, grad, &mut state, spans, step),
+                // On the rank's compute threads (bitwise one thread's).
+                None => opt.step_shard_threads(
+                    p,
+                    grad,
+                    &mut state,
+                    spans,
+                    step,
+                    rayon::current_num_threads(),
+                ),
             },
             Master::Flat(F32Buf::Dev(..)) => Err(EngineError::Config(
                 "a shard's master and gradient live on different devices".into(),
@@ -370,8 +378,10 @@ impl FlatShard {
                     let mut st: Vec<&mut [f32]> =
                         state.iter_mut().map(|s| &mut s[r.clone()]).collect();
                     let g = &grad[r.clone()];
+                    // On the rank's compute threads (bitwise one thread's).
+                    let threads = rayon::current_num_threads();
                     mut_f32(t, |x| {
-                        if let Err(e) = opt.step_shard(x, g, &mut st, &sp, step) {
+                        if let Err(e) = opt.step_shard_threads(x, g, &mut st, &sp, step, threads) {
                             err = Some(e);
                         }
                     })?;
