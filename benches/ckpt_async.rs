@@ -105,7 +105,7 @@ fn main() {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let rows: Vec<serde_json::Value> = ["sync", "async"]
         .iter()
-        .map(|m| child::run(CHILD, m, (cores / 2).max(1)))
+        .map(|m| child::run(CHILD, m, 2, (cores / 2).max(1)))
         .collect();
     println!();
     println!(

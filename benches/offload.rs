@@ -89,6 +89,7 @@ fn main() {
             let v = child::run(
                 CHILD,
                 &format!("{strategy},{placement},{steps}"),
+                2,
                 (cores / 2).max(1),
             );
             rows.push((strategy, placement, v));

@@ -103,6 +103,7 @@ fn main() {
         rows.push(child::run(
             CHILD,
             &format!("{w},{p},{dt}"),
+            w,
             (cores / w).max(1),
         ));
     }

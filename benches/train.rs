@@ -204,6 +204,7 @@ fn main() {
                 rows[i].push(child::run(
                     CHILD,
                     &format!("{},{},{w},{s},{mb},{steps},{t}", wl.model, wl.seq_len),
+                    *w,
                     *t,
                 ));
             }

@@ -14,17 +14,20 @@ static ALLOC: CountingAllocator = CountingAllocator::new();
 /// Sizes candle's process-wide CPU thread pools for `world_size` rank threads before any tensor
 /// operation runs: gemm threads (`RAYON_NUM_THREADS`) get `--threads-per-rank`, default
 /// `cores / W`, so W ranks on a few cores do not oversubscribe them. Candle's spinning barrier
-/// pool for element-wise ops (`CANDLE_NUM_THREADS`, created once on first use) gets
-/// `--threads-per-rank` when given, else 1: its workers spin between the many small
-/// element-wise ops and take cycles from gemm (mini, W = 1 on 2 busy cores: whole-process wall
-/// time 0.88-0.98x, CPU time 0.88-0.96x with 1). A request is first capped as the run caps
-/// it ([`fsdp::preflight::cap_threads`]: at most cores / ranks), so no pool is sized from
-/// a request the run then lowers. Variables the user already set are left alone.
+/// pool for element-wise ops (`CANDLE_NUM_THREADS`, created once on first use, one pool for
+/// the whole process) gets only the cores the ranks' compute threads leave free, plus the
+/// calling thread: 1 when W x threads per rank fill the cores. Its workers spin between the
+/// many small element-wise ops and take cycles from the GEMMs of the compute threads (mini,
+/// W = 1 on 2 busy cores: whole-process wall time 0.88-0.98x with 1; the Llama of
+/// `benches/llama-bench`, one process with `--threads-per-rank 2`: step time about 0.95x with 1
+/// instead of 2). A request is first capped as the run caps it
+/// ([`fsdp::preflight::cap_threads`]: at most cores / ranks), so no pool is sized from a
+/// request the run then lowers. Variables the user already set are left alone.
 fn size_compute_threads(world_size: usize, threads_per_rank: Option<usize>) {
     let cores = fsdp::preflight::cores();
     let threads_per_rank = fsdp::preflight::cap_threads(threads_per_rank, world_size, cores).0;
     let gemm = threads_per_rank.unwrap_or((cores / world_size.max(1)).max(1));
-    let elementwise = threads_per_rank.unwrap_or(1);
+    let elementwise = fsdp::preflight::elementwise_threads(world_size, gemm, cores);
     for (var, n) in [
         ("RAYON_NUM_THREADS", gemm),
         ("CANDLE_NUM_THREADS", elementwise),

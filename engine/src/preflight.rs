@@ -462,6 +462,15 @@ pub fn cap_threads(
     }
 }
 
+/// Threads of candle's process-wide element-wise pool (`CANDLE_NUM_THREADS`, the calling
+/// thread included) beside `ranks` rank pools of `threads_per_rank` compute threads on
+/// `cores` cores: the cores those pools leave free, plus the calling thread, so 1 when they
+/// fill the cores. The pool's workers spin between element-wise ops; on cores the compute
+/// threads use they take cycles from the GEMMs.
+pub fn elementwise_threads(ranks: usize, threads_per_rank: usize, cores: usize) -> usize {
+    cores.saturating_sub(ranks.max(1).saturating_mul(threads_per_rank)) + 1
+}
+
 /// CPU cores this process may run on (`available_parallelism`, 1 where unknown).
 pub fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -474,6 +483,15 @@ fn mib(b: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn elementwise_pool_gets_the_cores_the_ranks_leave_free() {
+        assert_eq!(elementwise_threads(1, 2, 2), 1);
+        assert_eq!(elementwise_threads(2, 1, 2), 1);
+        assert_eq!(elementwise_threads(1, 1, 2), 2);
+        assert_eq!(elementwise_threads(2, 2, 8), 5);
+        assert_eq!(elementwise_threads(4, 1, 2), 1);
+    }
 
     #[test]
     fn threads_are_capped_at_cores_over_ranks() {
