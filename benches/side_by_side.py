@@ -19,8 +19,11 @@ base and llama; PyTorch's own is printed beside it), full shard at W=2 against F
 The ratios of medians are printed; so are the ratio ranges over rounds (each round's runs
 paired), so a ratio inside the machine's noise reads as such.
 
-  python benches/side_by_side.py --rounds 3            # build first: cargo build --release -p fsdp
-  python benches/side_by_side.py --models base --rounds 1 --json
+  python3 benches/side_by_side.py --rounds 3           # build first: cargo build --release -p fsdp
+  python3 benches/side_by_side.py --models base --rounds 1 --json
+
+Without `torch` and `transformers` it says so and prints the fsdp-rs rows only. Bad arguments
+exit 2.
 
 Environment: FSDP_BIN (default target/release/fsdp). Nothing here is needed by the tests.
 """
@@ -124,13 +127,20 @@ def main():
     ap.add_argument("--warmup", type=int, default=2, help="steps not counted")
     ap.add_argument("--json", action="store_true", help="also print one JSON line per cell")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.warmup < 0:
+        ap.error(f"--warmup must be at least 0, got {args.warmup}")
     binary = os.environ.get("FSDP_BIN", os.path.join(ROOT, "target", "release", "fsdp"))
     if not os.path.exists(binary):
-        raise SystemExit(f"{binary} not found: cargo build --release -p fsdp (or set FSDP_BIN)")
+        ap.error(f"{binary} not found: cargo build --release -p fsdp (or set FSDP_BIN)")
     models = args.models.split(",")
     for m in models:
         if m not in MODELS:
-            raise SystemExit(f"unknown model {m}: use {', '.join(MODELS)}")
+            ap.error(f"unknown model {m}: use {', '.join(MODELS)}")
+    fewest = min(MODELS[m][3] for m in models)
+    if args.warmup >= fewest:
+        ap.error(f"--warmup {args.warmup} leaves no step to count (runs of {fewest} steps)")
     have_torch = torch_available()
     if not have_torch:
         print("PyTorch or transformers does not import here: fsdp-rs rows only", flush=True)

@@ -22,18 +22,43 @@ static ALLOC: CountingAllocator = CountingAllocator::new();
 /// `benches/llama-bench`, one process with `--threads-per-rank 2`: step time about 0.95x with 1
 /// instead of 2). A request is first capped as the run caps it
 /// ([`fsdp::preflight::cap_threads`]: at most cores / ranks), so no pool is sized from a
-/// request the run then lowers. Variables the user already set are left alone.
+/// request the run then lowers. Variables the user already set are left alone, with a note
+/// on standard error when they differ from these sizes or are not a positive number.
 fn size_compute_threads(world_size: usize, threads_per_rank: Option<usize>) {
     let cores = fsdp::preflight::cores();
     let threads_per_rank = fsdp::preflight::cap_threads(threads_per_rank, world_size, cores).0;
     let gemm = threads_per_rank.unwrap_or((cores / world_size.max(1)).max(1));
     let elementwise = fsdp::preflight::elementwise_threads(world_size, gemm, cores);
-    for (var, n) in [
-        ("RAYON_NUM_THREADS", gemm),
-        ("CANDLE_NUM_THREADS", elementwise),
+    let per_core = format!("one way per core ({cores})");
+    for (var, n, what, fallback) in [
+        (
+            "RAYON_NUM_THREADS",
+            gemm,
+            "ways each GEMM is split",
+            per_core.as_str(),
+        ),
+        (
+            "CANDLE_NUM_THREADS",
+            elementwise,
+            "threads of the element-wise pool",
+            "as many as the GEMM's split",
+        ),
     ] {
-        if std::env::var_os(var).is_none() {
-            std::env::set_var(var, n.to_string());
+        match std::env::var_os(var) {
+            None => std::env::set_var(var, n.to_string()),
+            // The user's setting stands; say when it is not what this run would choose.
+            Some(v) => match v.to_str().and_then(|t| t.trim().parse::<usize>().ok()) {
+                Some(u) if u > 0 && u == n => {}
+                Some(u) if u > 0 => fsdp::output::print_err(&format!(
+                    "note: {var}={u} from the environment sets the {what} (this run would use \
+                     {n} on {cores} core(s)); unset it to let fsdp size it\n"
+                )),
+                _ => fsdp::output::print_err(&format!(
+                    "note: {var}={} from the environment is not a positive number: candle then \
+                     uses {fallback} for the {what}; unset it or give a positive number\n",
+                    v.to_string_lossy()
+                )),
+            },
         }
     }
 }

@@ -14,6 +14,9 @@ fn fsdp(args: &[&str]) -> Output {
         .expect("run fsdp")
 }
 
+/// A profile of 2 rank threads, asked for 1000 compute threads each: the request is lowered
+/// to cores / ranks with `fsdp train`'s warning (it once built two pools of 1000 threads and
+/// measured the scheduler), and the profile's sources name the threads really measured.
 #[test]
 fn calibrated_profile_is_complete_and_plans_a_step() {
     let d = tempfile::tempdir().unwrap();
@@ -23,6 +26,8 @@ fn calibrated_profile_is_complete_and_plans_a_step() {
         "calibrate",
         "--world-size",
         "2",
+        "--threads-per-rank",
+        "1000",
         "--compute-fit",
         "off",
         "--name",
@@ -36,7 +41,21 @@ fn calibrated_profile_is_complete_and_plans_a_step() {
         "{}",
         String::from_utf8_lossy(&o.stderr)
     );
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let fair = (cores / 2).max(1);
+    let err = String::from_utf8_lossy(&o.stderr);
+    if cores < 2000 {
+        assert!(
+            err.contains("warning: --threads-per-rank 1000 x 2 rank(s) = 2,000 compute threads")
+                && err.contains(&format!("using {fair} per rank")),
+            "{err}"
+        );
+    }
     let text = std::fs::read_to_string(&path).unwrap();
+    assert!(
+        text.contains(&format!("2 rank threads, {fair} compute threads each")),
+        "{text}"
+    );
     let prof = HardwareProfile::from_json(&text, p).unwrap();
     assert_eq!(prof.name, "here");
     assert_eq!(prof.ranks_per_node, 2);

@@ -46,7 +46,8 @@ pub struct CalibrateArgs {
     /// train at. `--device cuda` measures one GPU: 1.
     #[arg(long)]
     pub world_size: Option<usize>,
-    /// Compute threads per rank (default: cores / world size, as `fsdp train`; CPU only).
+    /// Compute threads per rank (default: cores / world size, as `fsdp train`; CPU only). More
+    /// than cores / ranks are lowered to that, with a warning, as in `fsdp train`.
     #[arg(long, value_parser = super::checks::at_least_one)]
     pub threads_per_rank: Option<usize>,
     /// The device to measure: `cpu` (rank threads and the thread backend), or `cuda` (GPU 0
@@ -109,8 +110,7 @@ pub fn run(a: CalibrateArgs) -> Result<(), CliError> {
              cores measure the scheduler, not the hardware; give at most {most}"
         )));
     }
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = a.threads_per_rank.unwrap_or((cores / world_size).max(1));
+    let threads = capped_threads(a.threads_per_rank, world_size, cores);
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let name = a
         .name
@@ -133,6 +133,18 @@ pub fn run(a: CalibrateArgs) -> Result<(), CliError> {
     write_profile(&a, &profile)
 }
 
+/// The compute threads per rank for `ranks` ranks on this node, capped as `fsdp train` caps
+/// them ([`crate::preflight::cap_threads`]: at most cores / ranks, with its warning on
+/// standard error): the sizes candle's pools were given before this runs
+/// (`size_compute_threads` in `main.rs`) and the rank pools measured here agree.
+fn capped_threads(requested: Option<usize>, ranks: usize, cores: usize) -> usize {
+    let (threads, warning) = crate::preflight::cap_threads(requested, ranks, cores);
+    if let Some(w) = warning {
+        crate::output::print_err(&format!("{w}\n"));
+    }
+    threads.unwrap_or((cores / ranks.max(1)).max(1))
+}
+
 /// Runs `fsdp calibrate --backend mpi` as one process of an MPI job: every process measures
 /// at once, the rates are averaged over them, and rank 0 writes the profile.
 fn run_mpi(a: &CalibrateArgs) -> Result<(), CliError> {
@@ -141,8 +153,7 @@ fn run_mpi(a: &CalibrateArgs) -> Result<(), CliError> {
     let world_size = o.world_size;
     let local =
         crate::preflight::launcher_local_ranks(|k| std::env::var(k).ok()).map_or(1, |n| n as usize);
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = a.threads_per_rank.unwrap_or((cores / local).max(1));
+    let threads = capped_threads(a.threads_per_rank, local, crate::preflight::cores());
     let opts = crate::calibrate::CalibrateOptions {
         world_size,
         threads_per_rank: threads,

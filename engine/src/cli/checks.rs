@@ -73,10 +73,15 @@ pub fn seconds(s: &str) -> Result<f64, String> {
 ///
 /// Errors: the rule and the fix, for clap's message.
 pub fn at_least_one(s: &str) -> Result<usize, String> {
-    let v: usize = s
-        .trim()
-        .parse()
-        .map_err(|_| format!("`{s}` is not a whole number; give an integer >= 1"))?;
+    let t = s.trim();
+    let v: usize = t.parse().map_err(|_| match t.parse::<i128>() {
+        Ok(n) if n < 1 => format!("`{s}` must be at least 1"),
+        Ok(_) => format!(
+            "`{s}` is too large; give an integer from 1 to {}",
+            usize::MAX
+        ),
+        Err(_) => format!("`{s}` is not a whole number; give an integer >= 1"),
+    })?;
     if v == 0 {
         return Err("must be at least 1".into());
     }
@@ -241,6 +246,23 @@ pub fn check_data_tokenizer(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counts_say_why_a_value_is_refused() {
+        assert_eq!(at_least_one(" 3 "), Ok(3));
+        assert_eq!(at_least_one("0"), Err("must be at least 1".to_string()));
+        assert_eq!(
+            at_least_one("-1"),
+            Err("`-1` must be at least 1".to_string())
+        );
+        assert_eq!(
+            at_least_one("abc"),
+            Err("`abc` is not a whole number; give an integer >= 1".to_string())
+        );
+        assert!(at_least_one("99999999999999999999999")
+            .unwrap_err()
+            .contains("is too large"));
+    }
 
     #[test]
     fn parsers_refuse_out_of_range_values() {

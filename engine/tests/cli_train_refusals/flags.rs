@@ -151,6 +151,36 @@ fn every_thread_pool_obeys_the_cap_and_the_summary_states_the_sizes() {
     assert!(peak > 2 * fair, "the poll saw the pools: {peak}");
 }
 
+/// Thread settings a user already put in the environment stand, and the run says so when they
+/// differ from its own sizes or are not a positive number (candle falls back to its own
+/// default then), and the summary counts what they made.
+#[test]
+fn environment_thread_settings_are_named_when_they_differ() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut a = SMALL.to_vec();
+    a.extend(["--world-size", "2"]);
+    let (code, err) = fsdp(&a, &[("CANDLE_NUM_THREADS", "8")]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains(
+            "note: CANDLE_NUM_THREADS=8 from the environment sets the threads of the \
+                      element-wise pool"
+        ),
+        "{err}"
+    );
+    let (code, err) = fsdp(&a, &[("RAYON_NUM_THREADS", "abc")]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("note: RAYON_NUM_THREADS=abc from the environment is not a positive number"),
+        "{err}"
+    );
+    // A setting equal to the run's own size says nothing.
+    let fair = (cores / 2).max(1).to_string();
+    let (code, err) = fsdp(&a, &[("RAYON_NUM_THREADS", fair.as_str())]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!err.contains("RAYON_NUM_THREADS"), "{err}");
+}
+
 /// The most threads the process `pid` holds until it exits (`/proc/PID/status`, polled).
 fn peak_threads(child: &mut std::process::Child) -> usize {
     let status = format!("/proc/{}/status", child.id());
