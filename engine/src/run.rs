@@ -15,12 +15,12 @@
 //! A new run setting is one field of [`TrainOptions`], read by
 //! [`crate::options::plan_config`] (what the planner sees) and the driver (what the engine does).
 
-use crate::checkpoint::check_init_from;
 use crate::model::decoder::Decoder;
 use crate::options::{model_of, validate, TrainOptions};
 use crate::preflight::{self, RankMemory};
 use crate::runtime::Placement;
 use crate::strategy::{self, AutoResolution, Budget};
+use fsdp_checkpoints::CkptError;
 use fsdp_planner::{ShardPlan, Strategy};
 
 /// The error of [`prepare`] (defined with the engine's errors, where every stage reaches it).
@@ -125,4 +125,82 @@ pub fn prepare(req: RunRequest) -> Result<PreparedRun, RunError> {
         plan,
         auto,
     })
+}
+
+/// Checks `--init-from` against the run's model before any rank starts: opens the weight
+/// files (headers only) and binds every tensor to a parameter strictly
+/// ([`crate::init::FileWeights::open`]). Each rank later reads only its own shards' bytes.
+///
+/// Errors: [`RunError::Refused`] naming the file and the tensor: a missing, unexpected
+/// or mis-shaped tensor (with the model's name and how to name the right configuration), a
+/// stored `lm_head.weight` that differs from the embedding a tying config makes it (naming
+/// both and the `tie_word_embeddings` fix), a truncated or malformed file, a per-rank shard
+/// file.
+pub fn check_init_from(
+    o: &TrainOptions,
+    model: &crate::model::decoder::Decoder,
+) -> Result<(), RunError> {
+    let Some(p) = &o.init_from else {
+        return Ok(());
+    };
+    match crate::init::FileWeights::open(p, crate::runtime::StagedModel::spec(model)) {
+        Ok(_) => Ok(()),
+        Err(
+            e @ (CkptError::MissingKey { .. }
+            | CkptError::UnexpectedKey { .. }
+            | CkptError::ShapeMismatch { .. }),
+        ) => {
+            let model_desc = format!(
+                "model {}{}",
+                model.name(),
+                o.hf_config
+                    .as_ref()
+                    .map(|c| format!(" (from {})", c.display()))
+                    .unwrap_or_else(|| " (a preset)".into())
+            );
+            // What the files hold, to point at the right model.
+            let family = fsdp_checkpoints::WeightFiles::open(p).ok().map(|w| {
+                let names = w.tensors();
+                if names.iter().any(|t| t.name.contains("model.layers.")) {
+                    "Llama-family names (model.layers.N....)"
+                } else if names
+                    .iter()
+                    .any(|t| t.name.starts_with("transformer.") || t.name.starts_with("h."))
+                {
+                    "GPT-2 names"
+                } else {
+                    "names of another model"
+                }
+            });
+            let sibling = p
+                .parent()
+                .map(|d| d.join(fsdp_checkpoints::hfdir::CONFIG_FILE))
+                .filter(|c| !p.is_dir() && c.is_file() && o.hf_config.as_deref() != Some(c));
+            let fix = match (&sibling, o.hf_config.is_some()) {
+                (Some(c), _) => format!(
+                    "pass the config.json beside them (--hf-config {}), or their directory as \
+                     --init-from",
+                    c.display()
+                ),
+                (None, true) => "pass the config.json they were saved with (--hf-config)".into(),
+                (None, false) => "name their model: --hf-config with the config.json they were \
+                     saved with, --model with the preset they were trained as, or their model \
+                     directory as --init-from"
+                    .into(),
+            };
+            let why = if matches!(e, CkptError::MissingKey { .. }) {
+                "Either the weights are incomplete (a file or an index entry missing) or they \
+                 belong to another model than"
+            } else {
+                "The weights belong to another model than"
+            };
+            Err(RunError::Refused(format!(
+                "{e}. {why} {model_desc}{}: {fix}",
+                family
+                    .map(|f| format!("; the files hold {f}"))
+                    .unwrap_or_default()
+            )))
+        }
+        Err(e) => Err(e.into()),
+    }
 }

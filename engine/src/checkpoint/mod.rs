@@ -12,7 +12,7 @@ pub mod save;
 
 pub use convert::{ckpt_to_engine, engine_to_ckpt};
 pub use resume::{
-    check_init_from, choose_resume, hf_config_text, passed_over, step_dirs, CheckpointConfig,
-    CheckpointHooks, ResumeFrom, SaveCallback, SaveReport, StepDir, HF_CONFIG_KEY,
+    choose_resume, hf_config_text, passed_over, step_dirs, CheckpointConfig, CheckpointHooks,
+    ResumeFrom, SaveCallback, SaveReport, StepDir, HF_CONFIG_KEY,
 };
 pub use save::{free_bytes, OnSaveError, SaveStats};
