@@ -210,8 +210,13 @@ pub fn measured_trace(spans: &[TraceSpan], world_size: u64) -> Value {
 /// The trace document of a prediction (`fsdp plan --time --trace`).
 pub fn predicted_trace(pred: &StepPrediction) -> Value {
     chrome_trace(&predicted_spans(pred), [0], |_| {
+        let ranks = if pred.skew_wait_s > 0.0 {
+            "the mean rank, waiting for the slowest"
+        } else {
+            "every rank alike"
+        };
         format!(
-            "predicted step on {} (rank 0 of {}; every rank alike)",
+            "predicted step on {} (rank 0 of {}; {ranks})",
             pred.hardware, pred.world_size
         )
     })

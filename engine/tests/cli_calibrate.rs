@@ -164,6 +164,9 @@ fn one_rank_calibrates_without_collectives_and_fits_the_compute_model_per_dtype(
     let src = &prof.sources["collectives.intra_node.all_gather.bus_bandwidth_bytes_per_s"];
     assert!(src.contains("not measured: one rank"), "{src}");
     assert_eq!(prof.overlap_slowdown, 0.0);
+    // One rank waits for no one: no skew, and the JSON leaves the field out.
+    assert_eq!(prof.rank_skew, 0.0);
+    assert!(!prof.sources.contains_key("rank_skew"));
     // The fitted profile predicts: its f32 fit is what a plan computing in f32 uses.
     let o = fsdp(&["plan", "--model", "mini", "--time", "--hardware", p]);
     assert_eq!(
@@ -171,6 +174,50 @@ fn one_rank_calibrates_without_collectives_and_fits_the_compute_model_per_dtype(
         Some(0),
         "{}",
         String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[test]
+fn two_ranks_fit_the_rank_skew_to_the_reference_jobs_waits() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("two.json");
+    let p = path.to_str().unwrap();
+    let o = fsdp(&["calibrate", "--world-size", "2", "-o", p]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let prof = HardwareProfile::from_json(&std::fs::read_to_string(&path).unwrap(), p).unwrap();
+    // Fitted on the grid of `fit_skew`, inside its bound; its source says how.
+    let k = prof.rank_skew;
+    assert!((0.0..=fsdp::calibrate::fit::MAX_SKEW).contains(&k), "{k}");
+    assert!(((k * 1e4).round() - k * 1e4).abs() < 1e-6, "{k}");
+    if k > 0.0 {
+        let src = &prof.sources["rank_skew"];
+        assert!(
+            src.starts_with("measured ") && src.contains("every rank") && src.contains("waits"),
+            "{src}"
+        );
+    }
+    // A plan at W = 2 on it pays the skew: the slowest rank paces the step.
+    let o = fsdp(&[
+        "plan",
+        "--model",
+        "mini",
+        "--world-size",
+        "2",
+        "--time",
+        "--hardware",
+        p,
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    assert_eq!(
+        out.contains("waiting for the slowest rank"),
+        k > 0.0,
+        "skew {k}: {out}"
     );
 }
 

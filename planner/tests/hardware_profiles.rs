@@ -219,6 +219,14 @@ fn implausible_numbers_are_refused_naming_path_value_and_range() {
              plausible range of a latency, 0..1 s",
         ),
         (
+            edited(|v| v["rank_skew"] = (-0.1).into()),
+            "`rank_skew` must not be negative, got -0.1; a rank skew is plausible in 0..1",
+        ),
+        (
+            edited(|v| v["rank_skew"] = 1.5.into()),
+            "`rank_skew` is 1.5, outside the plausible range of a rank skew, 0..1",
+        ),
+        (
             edited(|v| v["ranks_per_node"] = 1025.into()),
             "`ranks_per_node` is 1025, outside the plausible range of a rank count, 1..1024",
         ),
@@ -235,6 +243,7 @@ fn numbers_on_the_plausible_bounds_load() {
     let v = edited(|v| {
         v["elementwise_flops_per_s"] = 1e6.into();
         v["overlap_slowdown"] = 10.0.into();
+        v["rank_skew"] = 1.0.into();
         v["ranks_per_node"] = 1024.into();
         v["memory_bandwidth_bytes_per_s"] = 1e15.into();
         v["host"]["link_bytes_per_s"] = 1e6.into();
@@ -246,6 +255,7 @@ fn numbers_on_the_plausible_bounds_load() {
     });
     let p = HardwareProfile::from_json(&v.to_string(), "bounds.json").unwrap();
     assert_eq!(p.overlap_slowdown, 10.0);
+    assert_eq!(p.rank_skew, 1.0);
     assert_eq!(p.ranks_per_node, 1024);
     assert_eq!(p.gemm.bf16.unwrap().points[7].flops, 1e20);
 }

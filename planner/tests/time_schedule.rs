@@ -342,3 +342,69 @@ fn generic_specs_and_missing_dtypes_are_refused() {
     let e = predict(&p, &profile(1e9, 1e9, 0.0), &bad_rpn).unwrap_err();
     assert!(e.to_string().contains("ranks per node"), "{e}");
 }
+
+/// `profile` with `rank_skew` set.
+fn skewed(busbw: f64, skew: f64) -> HardwareProfile {
+    let mut p = profile(busbw, busbw, 0.0);
+    p.rank_skew = skew;
+    p.validate("synthetic").unwrap();
+    p
+}
+
+#[test]
+fn rank_skew_paces_the_step_at_the_slowest_rank() {
+    // Collectives nearly free (1e15 bytes/s): the slowest rank never waits, so it finishes
+    // its step after (1 + k) times the simulated rank's work, and the simulated rank waits
+    // exactly that difference for it.
+    let p = plan(&spec(), &config(2, Strategy::FullShard, 1)).unwrap();
+    let even = run(&p, &skewed(1e15, 0.0));
+    let k = 0.25;
+    let t = run(&p, &skewed(1e15, k));
+    assert!(
+        close(t.step_s, (1.0 + k) * even.step_s),
+        "{} vs {}",
+        t.step_s,
+        even.step_s
+    );
+    assert!(close(t.skew_wait_s, k * even.step_s));
+    assert!(close(
+        t.exposed_comm_s,
+        even.exposed_comm_s + k * even.step_s
+    ));
+    // The compute spans are the simulated rank's own: unchanged.
+    assert!(close(t.compute_s, even.compute_s));
+    assert_eq!(even.skew_wait_s, 0.0);
+    // One rank has no one to wait for.
+    let one = plan(&spec(), &config(1, Strategy::NoShard, 1)).unwrap();
+    assert_eq!(
+        run(&one, &skewed(1e15, k)).step_s,
+        run(&one, &skewed(1e15, 0.0)).step_s
+    );
+}
+
+#[test]
+fn rank_skew_and_exposed_communication_do_not_add_up_twice() {
+    // Communication longer than compute: the gathers are the critical path whichever rank
+    // issues them last; the skew delays each gather's start by what the slowest rank lags,
+    // so the step grows by at most the skew's share of the compute thread's work (the even
+    // step less its waits).
+    let busbw = 1e7;
+    let p = plan(&spec(), &config(2, Strategy::FullShard, 1)).unwrap();
+    let even = run(&p, &skewed(busbw, 0.0));
+    let k = 0.1;
+    let t = run(&p, &skewed(busbw, k));
+    assert!(
+        even.exposed_comm_s > even.compute_s,
+        "the case needs slow communication"
+    );
+    assert!(t.step_s > even.step_s);
+    assert!(t.step_s <= even.step_s + k * (even.step_s - even.exposed_comm_s) + 1e-9);
+    // The skew's waits are a part of the exposed communication, never more.
+    assert!(t.skew_wait_s > 0.0 && t.skew_wait_s <= t.exposed_comm_s);
+    // The bottleneck still names communication.
+    assert!(
+        t.bottleneck.starts_with("communication-bound"),
+        "{}",
+        t.bottleneck
+    );
+}

@@ -313,6 +313,7 @@ pub fn calibrate_cuda(dev: &Device, o: &CudaCalibrateOptions) -> Result<Hardware
             optimizer_bytes_per_s: host_copy,
         },
         overlap_slowdown: fb.overlap_slowdown,
+        rank_skew: 0.0,
         // One device-to-device copy size and no compute fit: the analytical model as is on
         // the GPU (the fit's reference jobs run the CPU's fused ops).
         memory_bandwidth_curve: Vec::new(),

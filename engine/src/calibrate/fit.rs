@@ -72,9 +72,25 @@ pub struct FitSample {
     pub parts: ComputeParts,
 }
 
+/// What one reference job's trace says of its ranks' waits, for the rank skew fit
+/// ([`fit_skew`]).
+#[derive(Debug, Clone)]
+pub struct JobWaits {
+    /// The reference's preset.
+    pub model: &'static str,
+    /// The job's plan (what the time model predicts from).
+    pub plan: fsdp_planner::ShardPlan,
+    /// The job's time-model inputs.
+    pub inputs: fsdp_planner::time::TimeInputs,
+    /// Median seconds per counted step a rank's compute thread waited (wait spans).
+    pub wait_s: f64,
+    /// Median seconds per counted step of a rank's compute-thread spans other than waits.
+    pub busy_s: f64,
+}
+
 /// Trains every reference on `world_size` rank threads of `threads_per_rank` compute threads,
 /// computing in `dtype` (`param_dtype`; gradients reduced in f32), reads its trace and
-/// returns the samples (see the module doc). With `process = Some((rank, factory))` this
+/// returns the samples (see the module doc) and each job's waits. With `process = Some((rank, factory))` this
 /// process is one rank of a multi-process job (MPI): every process calls this at once, each
 /// trains as its rank and fits to its own rank's spans.
 ///
@@ -86,9 +102,10 @@ pub fn measure_references(
     threads_per_rank: usize,
     dtype: fsdp_types::DType,
     process: Option<(usize, crate::train::CommFactory<'_>)>,
-) -> Result<Vec<FitSample>, String> {
+) -> Result<(Vec<FitSample>, Vec<JobWaits>), String> {
     let dir = tempfile_dir()?;
     let mut samples = Vec::new();
+    let mut waits = Vec::new();
     for r in REFERENCES {
         let trace = dir.join(format!("{}.json", r.model));
         let o = TrainOptions {
@@ -134,6 +151,14 @@ pub fn measure_references(
         let doc: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| format!("{}: {e}", trace.display()))?;
         let (fwd, bwd) = unit_times(&doc, parts.len())?;
+        let (wait_s, busy_s) = rank_waits(&doc)?;
+        waits.push(JobWaits {
+            model: r.model,
+            inputs: crate::options::time_inputs(&o),
+            plan,
+            wait_s,
+            busy_s,
+        });
         for (k, p) in parts.iter().enumerate() {
             samples.push(FitSample {
                 name: format!("{} forward {}", r.model, p.label),
@@ -156,7 +181,90 @@ pub fn measure_references(
         }
     }
     let _ = std::fs::remove_dir(&dir);
-    Ok(samples)
+    Ok((samples, waits))
+}
+
+/// The median over counted (rank, step) pairs of the compute thread's seconds in wait spans,
+/// and of its seconds in its other spans, over the ranks the trace holds (medians, as the
+/// median step `fsdp train` measures: one step slowed by the machine does not move it).
+fn rank_waits(doc: &serde_json::Value) -> Result<(f64, f64), String> {
+    let events = doc["traceEvents"]
+        .as_array()
+        .ok_or("the trace has no traceEvents")?;
+    let mut per: BTreeMap<(u64, u64), (f64, f64)> = BTreeMap::new();
+    for e in events {
+        let step = e["args"]["step"].as_u64().unwrap_or(0);
+        if e["ph"] != "X" || e["tid"].as_u64() != Some(0) || step <= SKIPPED_STEPS {
+            continue;
+        }
+        let key = (e["pid"].as_u64().unwrap_or(0), step);
+        let dur = e["dur"].as_f64().unwrap_or(0.0) * 1e-6;
+        let w = per.entry(key).or_default();
+        if e["cat"] == "wait" {
+            w.0 += dur;
+        } else {
+            w.1 += dur;
+        }
+    }
+    if per.is_empty() {
+        return Err("the trace has no counted compute-thread spans".into());
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok((
+        median(per.values().map(|x| x.0).collect()),
+        median(per.values().map(|x| x.1).collect()),
+    ))
+}
+
+/// The largest rank skew [`fit_skew`] considers: the slowest rank half again as slow as the
+/// mean one.
+pub const MAX_SKEW: f64 = 0.5;
+
+/// Fits the profile's `rank_skew` (see [`fsdp_planner::time::HardwareProfile::rank_skew`]):
+/// the value in `0..=MAX_SKEW` for which the time model's exposed communication of each
+/// reference job (with `profile`'s compute fit) comes closest to the job's measured mean
+/// wait per rank and step, each job's error relative to its measured step (compute plus
+/// waits), least squares. A grid of 0.0025, then 0.0001 around the best point; the
+/// prediction is deterministic and grows with the skew, so the grid finds the minimum.
+///
+/// Errors: a message when a job cannot be predicted on `profile`.
+pub fn fit_skew(profile: &HardwareProfile, jobs: &[JobWaits]) -> Result<f64, String> {
+    let mut p = profile.clone();
+    let mut cost = |k: f64| -> Result<f64, String> {
+        p.rank_skew = k;
+        let mut c = 0.0;
+        for j in jobs {
+            let pred =
+                fsdp_planner::time::predict(&j.plan, &p, &j.inputs).map_err(|e| e.to_string())?;
+            let step = (j.busy_s + j.wait_s).max(f64::MIN_POSITIVE);
+            c += ((pred.exposed_comm_s - j.wait_s) / step).powi(2);
+        }
+        Ok(c)
+    };
+    let mut best = (0.0, cost(0.0)?);
+    let coarse = 0.0025;
+    for i in 1..=(MAX_SKEW / coarse).round() as usize {
+        let k = i as f64 * coarse;
+        let c = cost(k)?;
+        if c < best.1 {
+            best = (k, c);
+        }
+    }
+    let centre = best.0;
+    for i in -25i32..=25 {
+        let k = centre + f64::from(i) * 1e-4;
+        if !(0.0..=MAX_SKEW).contains(&k) {
+            continue;
+        }
+        let c = cost(k)?;
+        if c < best.1 {
+            best = (k, c);
+        }
+    }
+    Ok(best.0)
 }
 
 fn tempfile_dir() -> Result<std::path::PathBuf, String> {
@@ -463,5 +571,74 @@ mod tests {
             close(b[1].unwrap(), 200e-6) && close(b[2].unwrap(), 300e-6),
             "{b:?}"
         );
+    }
+
+    /// A reference-like job on the built-in H200 profile: `tiny` at W = 2, full shard.
+    fn job(k_true: f64, profile: &HardwareProfile) -> JobWaits {
+        let o = TrainOptions {
+            model: "tiny".into(),
+            world_size: 2,
+            strategy: Strategy::FullShard,
+            micro_batch: 6,
+            seq_len: 96,
+            ..TrainOptions::default()
+        };
+        let model = crate::train::model_of(&o).unwrap();
+        let plan = fsdp_planner::plan(
+            crate::runtime::StagedModel::spec(&model),
+            &crate::train::plan_config(&o),
+        )
+        .unwrap();
+        let inputs = crate::options::time_inputs(&o);
+        let mut p = profile.clone();
+        p.rank_skew = k_true;
+        let t = fsdp_planner::time::predict(&plan, &p, &inputs).unwrap();
+        JobWaits {
+            model: "tiny",
+            plan,
+            inputs,
+            wait_s: t.exposed_comm_s,
+            busy_s: t.step_s - t.exposed_comm_s,
+        }
+    }
+
+    #[test]
+    fn the_skew_fit_recovers_the_skew_that_made_the_waits() {
+        let h200 = fsdp_planner::time::builtin_profile("h200").unwrap();
+        for k in [0.0, 0.0437, 0.18] {
+            let got = fit_skew(&h200, &[job(k, &h200)]).unwrap();
+            assert!((got - k).abs() <= 1e-4, "planted {k}, fitted {got}");
+        }
+        // Waits longer than any skew up to the bound explains: the bound, not more.
+        let mut j = job(0.0, &h200);
+        j.wait_s = 10.0 * j.busy_s;
+        assert_eq!(fit_skew(&h200, &[j]).unwrap(), MAX_SKEW);
+    }
+
+    #[test]
+    fn rank_waits_takes_the_median_over_every_rank_and_counted_step() {
+        let span = |pid: u64, tid: u64, cat: &str, step: u64, us: f64| {
+            serde_json::json!({"ph": "X", "pid": pid, "tid": tid, "cat": cat, "ts": 0.0,
+                "dur": us, "args": {"step": step}})
+        };
+        let doc = serde_json::json!({"traceEvents": [
+            // Not counted: a skipped step, the communication thread, a metadata event.
+            span(0, 0, "wait", SKIPPED_STEPS, 9e6),
+            span(0, 1, "all_gather", SKIPPED_STEPS + 1, 9e6),
+            {"ph": "M", "pid": 0, "tid": 0, "name": "thread_name"},
+            // Rank 0 step 3: 10 ms waits (two spans), 100 ms other; rank 1 step 3: 30 ms
+            // waits, 80 ms other; rank 1 step 4: 200 ms waits (a slow moment), 90 ms other.
+            span(0, 0, "wait", SKIPPED_STEPS + 1, 4e3),
+            span(0, 0, "wait", SKIPPED_STEPS + 1, 6e3),
+            span(0, 0, "forward", SKIPPED_STEPS + 1, 1e5),
+            span(1, 0, "wait", SKIPPED_STEPS + 1, 3e4),
+            span(1, 0, "backward", SKIPPED_STEPS + 1, 8e4),
+            span(1, 0, "wait", SKIPPED_STEPS + 2, 2e5),
+            span(1, 0, "backward", SKIPPED_STEPS + 2, 9e4),
+        ]});
+        let (w, b) = rank_waits(&doc).unwrap();
+        assert!((w - 0.030).abs() < 1e-12, "{w}");
+        assert!((b - 0.090).abs() < 1e-12, "{b}");
+        assert!(rank_waits(&serde_json::json!({"traceEvents": []})).is_err());
     }
 }

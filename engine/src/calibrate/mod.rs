@@ -518,6 +518,7 @@ pub fn calibrate(
             optimizer_bytes_per_s: copy,
         },
         overlap_slowdown: ranks[0].overlap_slowdown,
+        rank_skew: 0.0,
         memory_bandwidth_curve,
         compute_fit: Default::default(),
         sources,
@@ -534,14 +535,18 @@ pub fn calibrate(
                 )
             })
             .collect();
+        let mut f32_waits = Vec::new();
         for dt in [DType::F32, DType::BF16, DType::F16] {
-            let samples = fit::measure_references(
+            let (samples, waits) = fit::measure_references(
                 &p,
                 w,
                 o.threads_per_rank.max(1),
                 dt,
                 process.map(|x| (x.rank, x.factory)),
             )?;
+            if dt == DType::F32 {
+                f32_waits = waits;
+            }
             let f = fit::fit(&samples)?;
             p.sources.insert(
                 format!("compute_fit.{}", dt.name()),
@@ -554,6 +559,17 @@ pub fn calibrate(
                 )),
             );
             p.compute_fit.set(dt, f);
+        }
+        if w > 1 {
+            p.rank_skew = fit::fit_skew(&p, &f32_waits)?;
+            p.sources.insert(
+                "rank_skew".into(),
+                measured(&format!(
+                    "the value in 0..{} for which the time model's exposed communication of the f32 reference jobs above comes closest to their measured waits (median over ranks and counted steps{}), least squares relative to each job's step",
+                    fit::MAX_SKEW,
+                    if process.is_some() { ", this process's rank" } else { ", every rank" }
+                )),
+            );
         }
         p.validate("fsdp calibrate")
             .map_err(|e| format!("the fitted profile is not valid: {e}"))?;

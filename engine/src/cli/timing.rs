@@ -153,9 +153,14 @@ fn tokens(x: f64) -> String {
 /// communication, MFU with its formula and peak, per-phase times and the bottleneck.
 pub fn render_prediction(p: &StepPrediction) -> String {
     let mut o = String::new();
+    let ranks = if p.skew_wait_s > 0.0 {
+        "the mean rank simulated, paced by the slowest (the profile's rank skew)"
+    } else {
+        "one rank simulated, every rank alike"
+    };
     let _ = writeln!(
         o,
-        "predicted step on {} (W={}; one rank simulated, every rank alike):",
+        "predicted step on {} (W={}; {ranks}):",
         p.hardware, p.world_size
     );
     let _ = writeln!(
@@ -170,9 +175,17 @@ pub fn render_prediction(p: &StepPrediction) -> String {
         "  compute          {:>10}   forward, recompute and backward (slowed while a collective runs)",
         format_seconds(p.compute_s)
     );
+    let skew = if p.skew_wait_s > 0.0 {
+        format!(
+            " ({} of it waiting for the slowest rank)",
+            format_seconds(p.skew_wait_s)
+        )
+    } else {
+        String::new()
+    };
     let _ = writeln!(
         o,
-        "  exposed comm     {:>10}   compute thread blocked; communication thread busy {}",
+        "  exposed comm     {:>10}   compute thread blocked{skew}; communication thread busy {}",
         format_seconds(p.exposed_comm_s),
         format_seconds(p.comm_busy_s)
     );

@@ -58,8 +58,10 @@
 //!
 //! Assumptions and what is ignored: every rank does the same work (the plan makes shard
 //! lengths equal, and every rank runs the same micro-batch shape), so one rank's timeline is
-//! every rank's and a collective starts when the simulated rank issues it (no straggler
-//! skew); a group's collectives are modelled from the worst-placed group of its kind;
+//! every rank's, except that the ranks do not compute equally fast: the profile's
+//! `rank_skew` makes the slowest rank's compute that fraction longer than the simulated
+//! (mean) rank's, and a collective starts when the slowest rank issues it (see the
+//! `timeline` module); with no skew, when the simulated rank does; a group's collectives are modelled from the worst-placed group of its kind;
 //! collectives of different groups do not contend for links; kernel launch overheads beyond
 //! the GEMM curve's small sizes, the allocator, the data loader, logging and checkpointing
 //! are not modelled; backward computes weight gradients for every matrix of a unit holding a
@@ -79,7 +81,7 @@ pub use profile::{
     builtin_profile, BandwidthPoint, CollectiveCost, Collectives, ComputeFit, ComputeFits,
     CurvePoint, GemmCurve, GemmRates, HardwareProfile, HostLink, LinkCollectives, PlausibleRange,
     BANDWIDTH, BUILTIN_PROFILE_NAMES, CALL_FLOPS, FLOP_RATE, LATENCY, PROFILE_SCHEMA,
-    RANKS_PER_NODE, SLOWDOWN,
+    RANKS_PER_NODE, SKEW, SLOWDOWN,
 };
 pub use step::{predict, use_compute_parts, ComputeParts, UseParts};
 
@@ -277,8 +279,12 @@ pub struct StepPrediction {
     pub tokens_per_s: f64,
     /// Seconds the compute thread ran forward, recompute and backward (with the slowdown).
     pub compute_s: f64,
-    /// Seconds the compute thread was blocked on collectives (exposed communication).
+    /// Seconds the compute thread was blocked on collectives (exposed communication),
+    /// [`StepPrediction::skew_wait_s`] included.
     pub exposed_comm_s: f64,
+    /// Of `exposed_comm_s`, the seconds the simulated (mean) rank waited for the slowest rank
+    /// (the profile's `rank_skew`; 0 without one).
+    pub skew_wait_s: f64,
     /// Seconds the communication thread was busy.
     pub comm_busy_s: f64,
     /// Seconds of the optimizer phase's work (division, norm, clip, optimizer; not its waits).

@@ -30,6 +30,8 @@
 //!   },
 //!   "overlap_slowdown": float,                  // compute runs 1 + this slower while a
 //!                                               // collective is in flight (0 = free overlap)
+//!   "rank_skew": float,                         // optional (0): the slowest rank's compute
+//!                                               // exceeds the mean rank's by this fraction
 //!   "memory_bandwidth_curve": [                 // optional: bandwidth by bytes one pass
 //!     {"bytes": float, "bytes_per_s": float}    // moves (caches); linear in log10(bytes)
 //!   ],
@@ -61,6 +63,7 @@
 //! | [`BANDWIDTH`] | `memory_bandwidth_bytes_per_s`, `collectives.*.*.bus_bandwidth_bytes_per_s`, `host.*` | 1e6..1e15 bytes/s | 10 Mb/s Ethernet is 1.25e6; HBM3e of an H200 is 4.8e12, NVLink 4.5e11 per direction, so 1 PB/s leaves 200x |
 //! | [`LATENCY`] | `collectives.*.*.latency_s`, `collectives.*.*.step_latency_s` | 0..1 s | NCCL's model is microseconds and a TCP round trip across a data center milliseconds; a second per call is a unit mistake |
 //! | [`SLOWDOWN`] | `overlap_slowdown` | 0..10 | compute 11x slower while a collective runs is a broken measurement (NCCL's channels take about 1/8 of an H200's SMs: 0.12) |
+//! | [`SKEW`] | `rank_skew` | 0..1 | the slowest rank twice as slow as the mean rank is a broken machine or measurement, not a skew to plan with |
 //! | [`RANKS_PER_NODE`] | `ranks_per_node` | 1..1024 | `fsdp launch` starts at most 1024 processes per node; 8 GPUs, or one rank per core of the largest hosts, is the rule |
 //!
 //! Built in: `h100-sxm`, `h200`, `a100-80gb` (`planner/profiles/*.json`), from NVIDIA's
@@ -342,6 +345,15 @@ pub struct HardwareProfile {
     pub host: HostLink,
     /// Fraction by which compute slows while a collective is in flight (>= 0).
     pub overlap_slowdown: f64,
+    /// Fraction by which the slowest rank's compute exceeds the mean rank's (optional; 0 when
+    /// absent, and on a world of one rank). Every collective waits for its last rank, so a
+    /// synchronous step runs at the slowest rank's pace: the other ranks wait for it at their
+    /// collectives (what the engine measures as exposed communication). On a shared CPU host
+    /// the ranks' threads do not run equally fast (another tenant, the kernel, time slices
+    /// when ranks outnumber cores); `fsdp calibrate` measures it from its reference jobs'
+    /// waits at its world size.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub rank_skew: f64,
     /// Memory bandwidth by bytes moved in one pass (optional; `fsdp calibrate` measures it):
     /// a pass whose bytes fit a cache runs faster than `memory_bandwidth_bytes_per_s`. Empty:
     /// every pass runs at `memory_bandwidth_bytes_per_s`.
@@ -426,6 +438,19 @@ pub const SLOWDOWN: PlausibleRange = PlausibleRange {
     max: 10.0,
     unit: "",
     kind: "a slowdown",
+};
+
+/// Whether a number is 0 (an optional field left out of the JSON).
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
+}
+
+/// The rank skew (a fraction of the mean rank's compute): 0..1.
+pub const SKEW: PlausibleRange = PlausibleRange {
+    min: 0.0,
+    max: 1.0,
+    unit: "",
+    kind: "a rank skew",
 };
 
 /// Ranks per node: 1..1024 (`fsdp launch`'s limit of processes per node).
@@ -646,6 +671,7 @@ impl HardwareProfile {
             &BANDWIDTH,
         )?;
         check("overlap_slowdown", self.overlap_slowdown, &SLOWDOWN)?;
+        check("rank_skew", self.rank_skew, &SKEW)?;
         self.validate_calibration(origin)
     }
 
@@ -791,6 +817,9 @@ impl HardwareProfile {
         v.push("host.link_bytes_per_s".into());
         v.push("host.optimizer_bytes_per_s".into());
         v.push("overlap_slowdown".into());
+        if self.rank_skew != 0.0 {
+            v.push("rank_skew".into());
+        }
         if !self.memory_bandwidth_curve.is_empty() {
             v.push("memory_bandwidth_curve".into());
         }

@@ -552,7 +552,10 @@ pub fn predict(
     let mut sim = Sim {
         plan,
         p: profile,
-        tl: Timeline::new(profile.overlap_slowdown),
+        tl: Timeline::new(
+            profile.overlap_slowdown,
+            if w > 1 { profile.rank_skew } else { 0.0 },
+        ),
         state: vec![UnitState::Sharded; plan.units.len()],
         pd: cfg.param_dtype.size_bytes() as f64,
         rd: cfg.reduce_dtype.size_bytes() as f64,
@@ -707,8 +710,10 @@ pub fn predict(
             None,
         );
     }
+    sim.tl.finish();
     let step_s = sim.tl.now();
     let tl = sim.tl;
+    let skew_wait_s = tl.skew_wait;
 
     // Summaries.
     let sum_kind = |kinds: &[SpanKind]| -> f64 {
@@ -786,7 +791,13 @@ pub fn predict(
     };
     let bottleneck = bottleneck_line(
         step_s,
-        [compute_s, exposed_comm_s, optimizer_s, host_copy_s, copy_s],
+        [
+            compute_s,
+            exposed_comm_s - skew_wait_s,
+            optimizer_s,
+            host_copy_s,
+            copy_s,
+        ],
         &collectives,
         &uses,
         trainable_shard,
@@ -803,6 +814,7 @@ pub fn predict(
         },
         compute_s,
         exposed_comm_s,
+        skew_wait_s,
         comm_busy_s,
         optimizer_s,
         host_copy_s,

@@ -6,7 +6,18 @@
 //! waiting for it blocks the compute thread until it completes (exposed communication).
 //! While any collective runs, compute work progresses `1 + overlap_slowdown` times slower
 //! (the two share memory bandwidth and cores; on a GPU, SMs and HBM). Collectives are not
-//! slowed by compute. The integration is exact (piecewise constant speed), so a result
+//! slowed by compute.
+//!
+//! Rank skew (the profile's `rank_skew`, `k`): the simulated rank is the mean rank, and the
+//! slowest rank's compute takes `1 + k` times as long. The simulation keeps how far the
+//! slowest rank is behind the simulated one at the current point of the program (`lag`,
+//! grown by `k` times every compute span): a collective starts only when the slowest rank
+//! issues it (`lag` after the simulated rank), and a wait that blocks the simulated rank
+//! until the collective ends brings the two together again (the lag left is what the
+//! slowest rank still had to compute when the collective ended, often 0). At the end of the
+//! step the simulated rank waits out what is left ([`Timeline::finish`]: the next step's
+//! first collective). A wait's first `lag` seconds are counted as waiting for the slowest
+//! rank, the rest as the collective's exposed time. The integration is exact (piecewise constant speed), so a result
 //! depends only on the inputs.
 
 use super::{CollectiveKind, GroupKind, Span, SpanKind, Track};
@@ -32,6 +43,10 @@ pub(super) struct Timeline {
     slow: f64,
     comm_free: f64,
     first_live: usize,
+    skew: f64,
+    lag: f64,
+    /// Seconds the compute thread waited for the slowest rank (see the module doc).
+    pub skew_wait: f64,
     pub issued: Vec<Issued>,
     pub spans: Vec<Span>,
     pub phase: Phase,
@@ -39,12 +54,17 @@ pub(super) struct Timeline {
 }
 
 impl Timeline {
-    pub fn new(overlap_slowdown: f64) -> Self {
+    /// A timeline whose compute runs `1 + overlap_slowdown` slower while a collective runs
+    /// and whose slowest rank computes `1 + rank_skew` times as long (0 on one rank).
+    pub fn new(overlap_slowdown: f64, rank_skew: f64) -> Self {
         Timeline {
             now: 0.0,
             slow: 1.0 + overlap_slowdown,
             comm_free: 0.0,
             first_live: 0,
+            skew: rank_skew,
+            lag: 0.0,
+            skew_wait: 0.0,
             issued: Vec::new(),
             spans: Vec::new(),
             phase: Phase::Forward,
@@ -97,6 +117,7 @@ impl Timeline {
             i += 1;
         }
         self.now = t;
+        self.lag += self.skew * (t - start);
         self.push_span(Track::Compute, kind, name, unit, start, t, None);
     }
 
@@ -111,7 +132,8 @@ impl Timeline {
         bytes: f64,
         seconds: f64,
     ) -> usize {
-        let start = self.now.max(self.comm_free);
+        // It starts when its last rank, the slowest, has issued it.
+        let start = (self.now + self.lag).max(self.comm_free);
         let end = start + seconds;
         self.comm_free = end;
         let name = format!("{} {label}", kind.name());
@@ -138,16 +160,33 @@ impl Timeline {
     }
 
     /// Blocks the compute thread until collective `id` completes; the blocked time is its
-    /// exposed communication (a wait span when positive).
+    /// exposed communication (a wait span when positive), its first `lag` seconds the wait
+    /// for the slowest rank.
     pub fn wait(&mut self, id: usize) {
         let end = self.issued[id].end;
         if end > self.now {
             let start = self.now;
-            self.issued[id].exposed += end - start;
+            let skew = (end - start).min(self.lag);
+            self.skew_wait += skew;
+            self.issued[id].exposed += end - start - skew;
+            self.lag = (start + self.lag - end).max(0.0);
             let c = &self.issued[id];
             let name = format!("wait {} {}", c.kind.name(), c.label);
             let unit = c.unit;
             self.push_span(Track::Compute, SpanKind::Wait, name, unit, start, end, None);
+            self.now = end;
+        }
+    }
+
+    /// Ends the step: the simulated rank waits for the slowest rank to finish its step (the
+    /// next step's first collective), a wait span when the lag is positive.
+    pub fn finish(&mut self) {
+        if self.lag > 0.0 {
+            let (start, end) = (self.now, self.now + self.lag);
+            self.skew_wait += self.lag;
+            self.lag = 0.0;
+            let name = "wait for the slowest rank".to_string();
+            self.push_span(Track::Compute, SpanKind::Wait, name, None, start, end, None);
             self.now = end;
         }
     }
