@@ -88,6 +88,49 @@ fn train_hardware_summary_compares_median_step_with_the_prediction() {
 }
 
 #[test]
+fn train_summary_states_the_predicted_wait_for_the_slowest_rank() {
+    // The A100 profile with a rank skew of 0.25, as a file.
+    let d = tempfile::tempdir().unwrap();
+    let mut prof = builtin_profile("a100-80gb").unwrap();
+    prof.rank_skew = 0.25;
+    let path = d.path().join("skewed.json");
+    std::fs::write(&path, serde_json::to_string(&prof).unwrap()).unwrap();
+    let cfg = PlanConfig {
+        micro_batch: 2,
+        seq_len: 32,
+        ..PlanConfig::new(2)
+    };
+    let p = fsdp_planner::plan(&preset("tiny").unwrap(), &cfg).unwrap();
+    let want = predict(&p, &prof, &TimeInputs::default()).unwrap();
+    assert!(want.skew_wait_s > 0.0);
+    let mut args = RUN.to_vec();
+    args.extend(["--hardware", path.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&fsdp_train(&args).stdout).to_string();
+    assert!(
+        text.contains(&format!(
+            "({} of it waiting for the slowest rank)",
+            fsdp_planner::time::format_seconds(want.skew_wait_s)
+        )),
+        "{text}"
+    );
+    args.push("--json");
+    let o = fsdp_train(&args);
+    let summary: Value = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["summary"] == true)
+        .unwrap();
+    let t = &summary["step_time"];
+    // The profile went through JSON: equal to the last bits that text keeps.
+    let near = |v: &Value, want: f64| (v.as_f64().unwrap() - want).abs() <= 1e-12 * want;
+    assert!(near(&t["predicted_skew_wait_s"], want.skew_wait_s), "{t}");
+    assert!(
+        near(&t["predicted_exposed_comm_s"], want.exposed_comm_s),
+        "{t}"
+    );
+}
+
+#[test]
 fn train_summary_prints_mfu_only_with_a_profile() {
     let o = fsdp_train(&RUN);
     let out = String::from_utf8_lossy(&o.stdout);

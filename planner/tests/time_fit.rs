@@ -130,6 +130,35 @@ fn a_compute_fit_scales_gemm_and_elementwise_time_and_adds_a_cost_per_op() {
 }
 
 #[test]
+fn a_gemm_scale_under_one_never_prices_a_gemm_above_the_peak() {
+    // The flat curve runs at the peak, so a GEMM scale of 0.5 would halve GEMM time below
+    // what the peak allows (MFU over 100%); the time is the peak's instead.
+    let p = tiny_plan();
+    let bw = 1e10;
+    let c = 3e-6;
+    let fitted = profile(
+        bw,
+        &format!(
+            r#", "compute_fit": {{"f32": {{"gemm_scale": 0.5, "elementwise_scale": 1, "op_overhead_s": {c:e}, "rms_relative_error": 0.01, "samples": 9}}}}"#
+        ),
+    )
+    .unwrap();
+    let t = predict(&p, &fitted, &TimeInputs::default()).unwrap();
+    for (k, u) in t.uses.iter().enumerate() {
+        let (g, e, n) = forward_by_hand(&p, k);
+        let want = g / RATE + e / bw + c * n;
+        assert!(
+            (u.forward_s - want).abs() <= 1e-12 * want,
+            "{k}: {} vs {want}",
+            u.forward_s
+        );
+    }
+    // (HFU also counts the elementwise FLOPs, which this profile runs at 1e14 FLOP/s, above
+    // its GEMM peak, so only MFU is bounded here.)
+    assert!(t.mfu < 1.0, "MFU {}", t.mfu);
+}
+
+#[test]
 fn memory_time_follows_the_bandwidth_curve_linear_in_log_bytes() {
     let curve = r#", "memory_bandwidth_curve": [{"bytes": 1e3, "bytes_per_s": 1e9}, {"bytes": 1e5, "bytes_per_s": 1e8}]"#;
     let p = profile(5e7, curve).unwrap();

@@ -399,8 +399,30 @@ fn rank_skew_and_exposed_communication_do_not_add_up_twice() {
     );
     assert!(t.step_s > even.step_s);
     assert!(t.step_s <= even.step_s + k * (even.step_s - even.exposed_comm_s) + 1e-9);
-    // The skew's waits are a part of the exposed communication, never more.
+    // The skew's waits are a part of the exposed communication, never more, and the spans
+    // say which part: those named for the slowest rank sum to `skew_wait_s`, the others to
+    // the collectives' exposed time.
     assert!(t.skew_wait_s > 0.0 && t.skew_wait_s <= t.exposed_comm_s);
+    let waits = |slowest: bool| -> f64 {
+        t.spans
+            .iter()
+            .filter(|s| s.kind == SpanKind::Wait)
+            .filter(|s| s.name.starts_with("wait for the slowest rank") == slowest)
+            .map(|s| s.end_s - s.start_s)
+            .sum()
+    };
+    assert!(
+        close(waits(true), t.skew_wait_s),
+        "{} vs {}",
+        waits(true),
+        t.skew_wait_s
+    );
+    let exposed: f64 = t.collectives.iter().map(|c| c.exposed_s).sum();
+    assert!(
+        close(waits(false), exposed),
+        "{} vs {exposed}",
+        waits(false)
+    );
     // The bottleneck still names communication.
     assert!(
         t.bottleneck.starts_with("communication-bound"),

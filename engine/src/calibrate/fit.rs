@@ -483,6 +483,7 @@ mod tests {
                 gemm_s: g,
                 elementwise_s: e,
                 ops: n,
+                gemm_peak_s: 0.0,
             },
         }
     }

@@ -259,6 +259,9 @@ pub struct StepComparison {
     /// Predicted seconds per step the compute thread waits for collectives (exposed
     /// communication; the measured counterpart is each step's `comm_exposed_seconds`).
     pub predicted_exposed_comm_s: f64,
+    /// Of `predicted_exposed_comm_s`, the seconds the mean rank waits for the slowest (the
+    /// profile's `rank_skew`; 0 without one).
+    pub predicted_skew_wait_s: f64,
     /// Measured seconds per step: the median step time of the run excluding its first step
     /// (which pays one-time allocations); the only step when the run had one.
     pub measured_s: f64,
@@ -306,6 +309,7 @@ pub fn compare(pred: &StepPrediction, step_seconds: &[f64]) -> Option<StepCompar
         hardware: pred.hardware.clone(),
         predicted_s: pred.step_s,
         predicted_exposed_comm_s: pred.exposed_comm_s,
+        predicted_skew_wait_s: pred.skew_wait_s,
         measured_s,
         measured_steps: counted.len(),
         first_excluded,
@@ -325,8 +329,16 @@ pub fn render_comparison(c: &StepComparison) -> String {
     } else {
         "the only step".to_string()
     };
+    let skew = if c.predicted_skew_wait_s > 0.0 {
+        format!(
+            " ({} of it waiting for the slowest rank)",
+            format_seconds(c.predicted_skew_wait_s)
+        )
+    } else {
+        String::new()
+    };
     format!(
-        "step time on {}: predicted {}/step, measured {} ({:+.1}%; {which})\n\
+        "step time on {}: predicted {}/step{skew}, measured {} ({:+.1}%; {which})\n\
          measured {} tokens/s | MFU {} (model FLOPs by {}; peak {} per rank from the profile)\n",
         c.hardware,
         format_seconds(c.predicted_s),
@@ -358,6 +370,7 @@ pub fn comparison_json(c: &StepComparison) -> serde_json::Value {
         "hardware": c.hardware,
         "predicted_step_s": c.predicted_s,
         "predicted_exposed_comm_s": c.predicted_exposed_comm_s,
+        "predicted_skew_wait_s": c.predicted_skew_wait_s,
         "measured_step_s": c.measured_s,
         "measured_steps": c.measured_steps,
         "first_step_excluded": c.first_excluded,

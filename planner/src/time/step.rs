@@ -105,13 +105,17 @@ pub struct ComputeParts {
     pub elementwise_s: f64,
     /// Number of ops.
     pub ops: f64,
+    /// Seconds of the GEMMs at the dtype's peak: the least their fitted time can be.
+    pub gemm_peak_s: f64,
 }
 
 impl ComputeParts {
-    /// Seconds under `fit`: `gemm_scale gemm_s + elementwise_scale elementwise_s +
-    /// op_overhead_s ops`.
+    /// Seconds under `fit`: `max(gemm_scale gemm_s, gemm_peak_s) + elementwise_scale
+    /// elementwise_s + op_overhead_s ops`. A GEMM scale under 1 (reference jobs that ran
+    /// faster than calibrate's GEMM measurement) never prices a GEMM above the profile's
+    /// peak, so MFU stays under 100%.
     pub fn seconds(&self, fit: &ComputeFit) -> f64 {
-        fit.gemm_scale * self.gemm_s
+        (fit.gemm_scale * self.gemm_s).max(self.gemm_peak_s)
             + fit.elementwise_scale * self.elementwise_s
             + fit.op_overhead_s * self.ops
     }
@@ -136,7 +140,10 @@ fn parts(ops: &[OpCost], curve: &GemmCurve, p: &HardwareProfile) -> ComputeParts
     let mut c = ComputeParts::default();
     for o in ops {
         match o.kind {
-            OpKind::Gemm => c.gemm_s += curve.seconds(o.flops),
+            OpKind::Gemm => {
+                c.gemm_s += curve.seconds(o.flops);
+                c.gemm_peak_s += o.flops / curve.peak_flops_per_s;
+            }
             OpKind::Elementwise => {
                 c.elementwise_s += p
                     .memory_seconds(o.bytes)

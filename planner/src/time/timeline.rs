@@ -160,8 +160,8 @@ impl Timeline {
     }
 
     /// Blocks the compute thread until collective `id` completes; the blocked time is its
-    /// exposed communication (a wait span when positive), its first `lag` seconds the wait
-    /// for the slowest rank.
+    /// exposed communication, its first `lag` seconds the wait for the slowest rank (a span
+    /// `wait for the slowest rank (...)`), the rest the collective's own (`wait ...`).
     pub fn wait(&mut self, id: usize) {
         let end = self.issued[id].end;
         if end > self.now {
@@ -171,9 +171,19 @@ impl Timeline {
             self.issued[id].exposed += end - start - skew;
             self.lag = (start + self.lag - end).max(0.0);
             let c = &self.issued[id];
-            let name = format!("wait {} {}", c.kind.name(), c.label);
+            let what = format!("{} {}", c.kind.name(), c.label);
             let unit = c.unit;
-            self.push_span(Track::Compute, SpanKind::Wait, name, unit, start, end, None);
+            // Two spans: the wait for the slowest rank, then the collective's own.
+            if skew > 0.0 {
+                let name = format!("wait for the slowest rank ({what})");
+                let mid = start + skew;
+                self.push_span(Track::Compute, SpanKind::Wait, name, unit, start, mid, None);
+            }
+            if end - start > skew {
+                let name = format!("wait {what}");
+                let mid = start + skew;
+                self.push_span(Track::Compute, SpanKind::Wait, name, unit, mid, end, None);
+            }
             self.now = end;
         }
     }
