@@ -53,7 +53,10 @@ fn calibrated_profile_is_complete_and_plans_a_step() {
     }
     let text = std::fs::read_to_string(&path).unwrap();
     assert!(
-        text.contains(&format!("2 rank threads, {fair} compute threads each")),
+        text.contains(&format!(
+            "2 rank threads, {fair} compute thread{} each",
+            if fair == 1 { "" } else { "s" }
+        )),
         "{text}"
     );
     let prof = HardwareProfile::from_json(&text, p).unwrap();

@@ -418,9 +418,14 @@ pub fn calibrate(
     let copy = mean(&|r: &RankRates| r.copy_bytes_per_s);
     let host = hostname();
     let date = utc_date();
+    let threads_word = if o.threads_per_rank == 1 {
+        "compute thread"
+    } else {
+        "compute threads"
+    };
     let measured = |what: &str| {
         format!(
-            "measured {date} on {host} by `{}` ({w} {ranks_word}, {} compute threads each): {what}",
+            "measured {date} on {host} by `{}` ({w} {ranks_word}, {} {threads_word} each): {what}",
             o.command, o.threads_per_rank
         )
     };
@@ -497,7 +502,7 @@ pub fn calibrate(
         schema: PROFILE_SCHEMA.to_string(),
         name: o.name.clone(),
         description: format!(
-            "{host}: {w} {ranks_word} of {} compute threads, measured by fsdp calibrate on {date}",
+            "{host}: {w} {ranks_word} of {} {threads_word}, measured by fsdp calibrate on {date}",
             o.threads_per_rank
         ),
         ranks_per_node: w as u64,

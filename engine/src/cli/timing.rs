@@ -149,6 +149,18 @@ fn tokens(x: f64) -> String {
     fsdp_types::group_thousands(x.round() as u64)
 }
 
+/// ` (12.0 ms of it waiting for the slowest rank)`, or nothing without a rank skew.
+fn skew_note(skew_wait_s: f64) -> String {
+    if skew_wait_s > 0.0 {
+        format!(
+            " ({} of it waiting for the slowest rank)",
+            format_seconds(skew_wait_s)
+        )
+    } else {
+        String::new()
+    }
+}
+
 /// The text block of a prediction (`fsdp plan --time`): step time, tokens/s, exposed
 /// communication, MFU with its formula and peak, per-phase times and the bottleneck.
 pub fn render_prediction(p: &StepPrediction) -> String {
@@ -175,14 +187,7 @@ pub fn render_prediction(p: &StepPrediction) -> String {
         "  compute          {:>10}   forward, recompute and backward (slowed while a collective runs)",
         format_seconds(p.compute_s)
     );
-    let skew = if p.skew_wait_s > 0.0 {
-        format!(
-            " ({} of it waiting for the slowest rank)",
-            format_seconds(p.skew_wait_s)
-        )
-    } else {
-        String::new()
-    };
+    let skew = skew_note(p.skew_wait_s);
     let _ = writeln!(
         o,
         "  exposed comm     {:>10}   compute thread blocked{skew}; communication thread busy {}",
@@ -329,14 +334,7 @@ pub fn render_comparison(c: &StepComparison) -> String {
     } else {
         "the only step".to_string()
     };
-    let skew = if c.predicted_skew_wait_s > 0.0 {
-        format!(
-            " ({} of it waiting for the slowest rank)",
-            format_seconds(c.predicted_skew_wait_s)
-        )
-    } else {
-        String::new()
-    };
+    let skew = skew_note(c.predicted_skew_wait_s);
     format!(
         "step time on {}: predicted {}/step{skew}, measured {} ({:+.1}%; {which})\n\
          measured {} tokens/s | MFU {} (model FLOPs by {}; peak {} per rank from the profile)\n",
