@@ -117,7 +117,12 @@ fn oversubscribed_threads_are_capped_with_a_warning() {
 fn every_thread_pool_obeys_the_cap_and_the_summary_states_the_sizes() {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let fair = (cores / 2).max(1);
+    // Three steps: rank 0 counts after each step, and after the last one rank 1 may already
+    // have ended (its threads gone); after the first two it waits in the next step's
+    // collectives, alive.
     let mut a = SMALL.to_vec();
+    let at = a.iter().position(|&x| x == "--steps").unwrap();
+    a[at + 1] = "3";
     a.extend(["--world-size", "2", "--threads-per-rank", "1000"]);
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_fsdp"))
         .args(&a)
