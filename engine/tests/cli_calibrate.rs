@@ -128,19 +128,25 @@ fn positions(model: &str) -> u64 {
         .len() as u64
 }
 
-#[test]
-fn one_rank_calibrates_without_collectives_and_fits_the_compute_model_per_dtype() {
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("one.json");
-    let p = path.to_str().unwrap();
-    let o = fsdp(&["calibrate", "--world-size", "1", "-o", p]);
+/// `fsdp calibrate --world-size W -o path` with the compute fit (the default); the profile it
+/// wrote, after checking the command succeeded.
+fn calibrate_with_fit(world_size: &str, path: &str) -> HardwareProfile {
+    let o = fsdp(&["calibrate", "--world-size", world_size, "-o", path]);
     assert_eq!(
         o.status.code(),
         Some(0),
         "{}",
         String::from_utf8_lossy(&o.stderr)
     );
-    let prof = HardwareProfile::from_json(&std::fs::read_to_string(&path).unwrap(), p).unwrap();
+    HardwareProfile::from_json(&std::fs::read_to_string(path).unwrap(), path).unwrap()
+}
+
+#[test]
+fn one_rank_calibrates_without_collectives_and_fits_the_compute_model_per_dtype() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("one.json");
+    let p = path.to_str().unwrap();
+    let prof = calibrate_with_fit("1", p);
     assert_eq!(prof.ranks_per_node, 1);
     // Each reference job gives every position's forward and backward.
     let samples: u64 = fsdp::calibrate::fit::REFERENCES
@@ -185,14 +191,7 @@ fn two_ranks_fit_the_rank_skew_to_the_reference_jobs_waits() {
     let d = tempfile::tempdir().unwrap();
     let path = d.path().join("two.json");
     let p = path.to_str().unwrap();
-    let o = fsdp(&["calibrate", "--world-size", "2", "-o", p]);
-    assert_eq!(
-        o.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let prof = HardwareProfile::from_json(&std::fs::read_to_string(&path).unwrap(), p).unwrap();
+    let prof = calibrate_with_fit("2", p);
     // Fitted on the grid of `fit_skew`, inside its bound; its source says how.
     let k = prof.rank_skew;
     assert!((0.0..=fsdp::calibrate::fit::MAX_SKEW).contains(&k), "{k}");

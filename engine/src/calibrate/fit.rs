@@ -15,6 +15,9 @@
 //! share of the step). Coefficients are kept non-negative (the subset of terms with
 //! the smallest residual whose solution is non-negative; `gemm_scale` always included).
 //!
+//! The same jobs' waits give the profile's `rank_skew` ([`fit_skew`]): at `W >= 2` the ranks
+//! do not compute equally fast, and every collective waits for the slowest.
+//!
 //! The references are small models at shapes unlike `fsdp train`'s defaults, so a
 //! prediction for another model or shape is out of sample; the sweep in
 //! `benches/time_sweep.rs` measures that error.
@@ -76,8 +79,6 @@ pub struct FitSample {
 /// ([`fit_skew`]).
 #[derive(Debug, Clone)]
 pub struct JobWaits {
-    /// The reference's preset.
-    pub model: &'static str,
     /// The job's plan (what the time model predicts from).
     pub plan: fsdp_planner::ShardPlan,
     /// The job's time-model inputs.
@@ -90,8 +91,8 @@ pub struct JobWaits {
 
 /// Trains every reference on `world_size` rank threads of `threads_per_rank` compute threads,
 /// computing in `dtype` (`param_dtype`; gradients reduced in f32), reads its trace and
-/// returns the samples (see the module doc) and each job's waits. With `process = Some((rank, factory))` this
-/// process is one rank of a multi-process job (MPI): every process calls this at once, each
+/// returns the samples (see the module doc) and each job's waits. With `process =
+/// Some((rank, factory))` this process is one rank of a multi-process job (MPI): every process calls this at once, each
 /// trains as its rank and fits to its own rank's spans.
 ///
 /// Errors: a message when a reference job fails or its trace cannot be read or does not
@@ -153,7 +154,6 @@ pub fn measure_references(
         let (fwd, bwd) = unit_times(&doc, parts.len())?;
         let (wait_s, busy_s) = rank_waits(&doc)?;
         waits.push(JobWaits {
-            model: r.model,
             inputs: crate::options::time_inputs(&o),
             plan,
             wait_s,
@@ -225,7 +225,7 @@ pub const MAX_SKEW: f64 = 0.5;
 
 /// Fits the profile's `rank_skew` (see [`fsdp_planner::time::HardwareProfile::rank_skew`]):
 /// the value in `0..=MAX_SKEW` for which the time model's exposed communication of each
-/// reference job (with `profile`'s compute fit) comes closest to the job's measured mean
+/// reference job (with `profile`'s compute fit) comes closest to the job's measured median
 /// wait per rank and step, each job's error relative to its measured step (compute plus
 /// waits), least squares. A grid of 0.0025, then 0.0001 around the best point; the
 /// prediction is deterministic and grows with the skew, so the grid finds the minimum.
@@ -595,7 +595,6 @@ mod tests {
         p.rank_skew = k_true;
         let t = fsdp_planner::time::predict(&plan, &p, &inputs).unwrap();
         JobWaits {
-            model: "tiny",
             plan,
             inputs,
             wait_s: t.exposed_comm_s,

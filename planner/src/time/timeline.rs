@@ -17,8 +17,10 @@
 //! slowest rank still had to compute when the collective ended, often 0). At the end of the
 //! step the simulated rank waits out what is left ([`Timeline::finish`]: the next step's
 //! first collective). A wait's first `lag` seconds are counted as waiting for the slowest
-//! rank, the rest as the collective's exposed time. The integration is exact (piecewise constant speed), so a result
-//! depends only on the inputs.
+//! rank, the rest as the collective's exposed time.
+//!
+//! The integration is exact (piecewise constant speed), so a result depends only on the
+//! inputs.
 
 use super::{CollectiveKind, GroupKind, Span, SpanKind, Track};
 use crate::memory::Phase;
