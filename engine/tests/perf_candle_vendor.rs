@@ -1,4 +1,5 @@
-//! Checks of the two patches of the vendored candle-core (`vendor/README.md`).
+//! Checks of the patches of the vendored candle-core (`vendor/README.md`); patches 5-7 in the
+//! submodules.
 //!
 //! 1. x86 bf16/f16 element-wise add (vectorised body and scalar tail, two-tensor and
 //!    tensor-plus-scalar kernels) gives, bit for bit, `half`'s scalar arithmetic (widen to f32,
@@ -262,3 +263,7 @@ fn wrong_gradient_shape_or_dtype_is_still_an_error() {
 /// binary to keep the number of test executables (and CI link time) down.
 #[path = "perf_candle_vendor/gemm.rs"]
 mod gemm;
+
+/// The tiled copy of a transposed matrix (patch 7).
+#[path = "perf_candle_vendor/transpose.rs"]
+mod transpose;

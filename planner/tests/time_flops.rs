@@ -254,3 +254,75 @@ fn palm_formula_of_gpt2_and_llama() {
     let e = palm_flops_per_token(&Architecture::Generic, 10, 10).unwrap_err();
     assert!(e.to_string().contains("config.json"), "{e}");
 }
+
+/// Bytes of the ops whose name ends in `.dW.transpose`.
+fn transpose_bytes(ops: &[fsdp_planner::time::flops::OpCost]) -> f64 {
+    ops.iter()
+        .filter(|o| o.name.ends_with(".dW.transpose"))
+        .map(|o| {
+            assert_eq!(o.kind, OpKind::Elementwise, "{}", o.name);
+            assert_eq!(o.flops, 0.0, "{}", o.name);
+            o.bytes
+        })
+        .sum()
+}
+
+#[test]
+fn weights_stored_out_by_in_pay_a_transposed_gradient_copy() {
+    // A Llama linear is `x W^T` with `W` stored `[out, in]`: its weight gradient comes out of
+    // the matmul as `[in, out]` and is copied transposed into `W`'s layout, one read and one
+    // write per weight element. GPT-2's block weights are stored `[in, out]` (no copy).
+    let c = small_llama();
+    let spec = llama_spec("llama-gqa", &c);
+    let matrices: u64 = spec.units[1]
+        .params
+        .iter()
+        .filter(|p| p.shape.len() == 2)
+        .map(|p| p.numel().0)
+        .sum();
+    for (dtype, size) in [(DType::F32, 4.0), (DType::BF16, 2.0)] {
+        let shape = OpShape {
+            micro_batch: 2,
+            seq_len: 64,
+            dtype,
+            attention: BLOCK,
+        };
+        let trainable = Grads {
+            input: true,
+            weights: true,
+        };
+        let bwd = backward_ops(&spec.arch, UseRole::Block, &shape, trainable).unwrap();
+        assert_eq!(transpose_bytes(&bwd), 2.0 * size * matrices as f64);
+        assert_eq!(
+            bwd.iter()
+                .filter(|o| o.name.ends_with(".dW.transpose"))
+                .count(),
+            7
+        );
+        let frozen = Grads {
+            input: true,
+            weights: false,
+        };
+        let bwd = backward_ops(&spec.arch, UseRole::Block, &shape, frozen).unwrap();
+        assert_eq!(transpose_bytes(&bwd), 0.0);
+        // The LM head `[V, D]` likewise.
+        let head = backward_ops(&spec.arch, UseRole::Head, &shape, trainable).unwrap();
+        assert_eq!(transpose_bytes(&head), 2.0 * size * 256.0 * 256.0);
+        // No forward op copies.
+        let fwd = forward_ops(&spec.arch, UseRole::Block, &shape).unwrap();
+        assert_eq!(transpose_bytes(&fwd), 0.0);
+    }
+    let gpt = gpt2_spec("gpt2", &openai_gpt2_config("gpt2").unwrap()).arch;
+    let shape = OpShape {
+        micro_batch: 1,
+        seq_len: 64,
+        dtype: DType::F32,
+        attention: BLOCK,
+    };
+    let g = Grads {
+        input: true,
+        weights: true,
+    };
+    let bwd = backward_ops(&gpt, UseRole::Block, &shape, g).unwrap();
+    assert_eq!(transpose_bytes(&bwd), 0.0);
+}

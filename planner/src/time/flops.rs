@@ -14,6 +14,10 @@
 //!   in Large Transformer Models", sec. 4). The weight gradients are counted when the unit
 //!   holds a trainable parameter (per unit, as the engine decides which stages run backward;
 //!   a unit mixing frozen and trainable matrices is counted as trainable).
+//! - A weight stored `[out, in]` (torch's layout: the Llama block's projections and every LM
+//!   head) is applied as `x W^T`; its weight gradient comes out of the matmul `[in, out]` and
+//!   is copied transposed into `W`'s layout, an elementwise op of one read and one write per
+//!   weight element (`<name>.dW.transpose`). GPT-2's block weights are stored `[in, out]`.
 //! - Attention is counted as the engine computes it. Per (sequence, head) pair, the scores
 //!   `Q K^T` and the weighted sum `P V` are each `2 hd E` FLOPs, `E` the score entries
 //!   computed ([`attention_entries`]): the fused CPU attention (`ActivationModel::Fused`)
@@ -280,6 +284,15 @@ impl Ops<'_> {
             }
         }
     }
+    /// Backward of a linear layer whose weight is stored `[o, i]` (torch's layout) and applied
+    /// as `x W^T`: as [`Ops::linear_bwd`], plus the copy that stores the `[i, o]` product
+    /// `X^T dY` as `W`'s `[o, i]` gradient (a transpose: one read and one write per weight).
+    fn linear_t_bwd(&mut self, name: &str, n: f64, i: f64, o: f64, bias: bool, g: Grads) {
+        self.linear_bwd(name, n, i, o, bias, g);
+        if g.weights {
+            self.elem(&format!("{name}.dW.transpose"), i * o, 0.0, 2.0);
+        }
+    }
 }
 
 /// The attention core's shape: heads, head dim, and score entries per pair.
@@ -516,13 +529,13 @@ pub fn backward_ops(
                 entries: e,
             };
             ops.bwd("residual_2", n * d, RESIDUAL_ADD);
-            ops.linear_bwd("mlp.down_proj", n, f, d, false, grads);
+            ops.linear_t_bwd("mlp.down_proj", n, f, d, false, grads);
             ops.bwd("mlp.act", n * f, SWIGLU);
-            ops.linear_bwd("mlp.up_proj", n, d, f, false, grads);
-            ops.linear_bwd("mlp.gate_proj", n, d, f, false, grads);
+            ops.linear_t_bwd("mlp.up_proj", n, d, f, false, grads);
+            ops.linear_t_bwd("mlp.gate_proj", n, d, f, false, grads);
             ops.bwd("post_attention_layernorm", n * d, RMS_NORM);
             ops.bwd("residual_1", n * d, RESIDUAL_ADD);
-            ops.linear_bwd("attn.o_proj", n, q, d, false, grads);
+            ops.linear_t_bwd("attn.o_proj", n, q, d, false, grads);
             attn.backward(&mut ops, b);
             ops.elem(
                 "attn.rope",
@@ -530,21 +543,21 @@ pub fn backward_ops(
                 ROPE_FLOPS * (q + kv),
                 (q + 2.0 * kv) + 3.0 * q,
             );
-            ops.linear_bwd("attn.v_proj", n, d, kv, c.qkv_bias, grads);
-            ops.linear_bwd("attn.k_proj", n, d, kv, c.qkv_bias, grads);
-            ops.linear_bwd("attn.q_proj", n, d, q, c.qkv_bias, grads);
+            ops.linear_t_bwd("attn.v_proj", n, d, kv, c.qkv_bias, grads);
+            ops.linear_t_bwd("attn.k_proj", n, d, kv, c.qkv_bias, grads);
+            ops.linear_t_bwd("attn.q_proj", n, d, q, c.qkv_bias, grads);
             ops.bwd("input_layernorm", n * d, RMS_NORM);
         }
         (Architecture::Gpt2(c), UseRole::Head) => {
             let (d, v) = (c.d_model as f64, c.vocab_size as f64);
             ops.bwd("cross_entropy", n * v, CROSS_ENTROPY);
-            ops.linear_bwd("lm_head", n, d, v, false, grads);
+            ops.linear_t_bwd("lm_head", n, d, v, false, grads);
             ops.bwd("ln_f", n * d, LAYER_NORM);
         }
         (Architecture::Llama(c), UseRole::Head) => {
             let (d, v) = (c.d_model as f64, c.vocab_size as f64);
             ops.bwd("cross_entropy", n * v, CROSS_ENTROPY);
-            ops.linear_bwd("lm_head", n, d, v, false, grads);
+            ops.linear_t_bwd("lm_head", n, d, v, false, grads);
             ops.bwd("norm", n * d, RMS_NORM);
         }
     }
