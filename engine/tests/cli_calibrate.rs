@@ -51,6 +51,28 @@ fn calibrated_profile_is_complete_and_plans_a_step() {
             "{err}"
         );
     }
+    // What it does before the silence of measuring, and what it wrote; standard output
+    // stays empty with -o.
+    assert!(
+        err.contains(&format!(
+            "calibrating this host with 2 rank thread(s) of {fair} compute thread(s) (GEMM \
+             rates, copy bandwidth, collectives);"
+        )),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!("wrote profile here to {p} (")),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!("`fsdp plan --time --hardware {p}`")),
+        "{err}"
+    );
+    assert!(
+        o.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
     let text = std::fs::read_to_string(&path).unwrap();
     assert!(
         text.contains(&format!(

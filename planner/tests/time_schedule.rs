@@ -287,7 +287,18 @@ fn one_rank_issues_no_collective() {
     let parts = t.compute_s + t.optimizer_s + t.copy_s + t.host_copy_s;
     assert!(close(t.step_s, parts));
     assert!(
-        t.bottleneck.starts_with("compute-bound"),
+        t.bottleneck
+            .starts_with("compute-bound: forward and backward "),
+        "{}",
+        t.bottleneck
+    );
+    // Only a plan that recomputes names the recompute.
+    let mut c = config(1, Strategy::NoShard, 1);
+    c.activation_checkpointing = Some(true);
+    let t = run(&plan(&spec(), &c).unwrap(), &profile(1e9, 1e9, 0.0));
+    assert!(
+        t.bottleneck
+            .starts_with("compute-bound: forward, recompute and backward "),
         "{}",
         t.bottleneck
     );

@@ -123,6 +123,10 @@ pub fn run(a: CalibrateArgs) -> Result<(), CliError> {
         name,
         compute_fit: a.compute_fit == OnOff::On,
     };
+    announce(
+        &format!("this host with {world_size} rank thread(s) of {threads} compute thread(s)"),
+        opts.compute_fit,
+    );
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
@@ -164,6 +168,12 @@ fn run_mpi(a: &CalibrateArgs) -> Result<(), CliError> {
             .unwrap_or_else(|| format!("calibrated-{}", host_name())),
         compute_fit: a.compute_fit == OnOff::On,
     };
+    if mpi.rank() == 0 {
+        announce(
+            &format!("{world_size} MPI processes of {threads} compute thread(s)"),
+            opts.compute_fit,
+        );
+    }
     let profile = mpi.with_world(|comm, factory| {
         let p = crate::calibrate::ProcessRank {
             comm,
@@ -207,11 +217,13 @@ fn run_cuda(a: &CalibrateArgs) -> Result<(), CliError> {
             .clone()
             .unwrap_or_else(|| format!("calibrated-{}-gpu", host_name())),
     };
+    announce("CUDA device 0", false);
     let profile = crate::calibrate::cuda::calibrate_cuda(&dev, &opts).map_err(CliError::Failed)?;
     write_profile(a, &profile)
 }
 
-/// Writes `profile` as pretty JSON to `-o FILE`, else standard output.
+/// Writes `profile` as pretty JSON to `-o FILE`, else standard output. With `-o`, one line
+/// on standard error says what was written and how to use it (standard output stays empty).
 fn write_profile(
     a: &CalibrateArgs,
     profile: &fsdp_planner::time::HardwareProfile,
@@ -220,13 +232,39 @@ fn write_profile(
         .map_err(|e| CliError::Failed(format!("serializing the profile: {e}")))?;
     text.push('\n');
     match &a.output {
-        Some(p) => std::fs::write(p, text)
-            .map_err(|e| CliError::Failed(format!("cannot write {}: {e}", p.display()))),
+        Some(p) => {
+            std::fs::write(p, text)
+                .map_err(|e| CliError::Failed(format!("cannot write {}: {e}", p.display())))?;
+            crate::output::print_err(&format!(
+                "wrote profile {} to {} ({}): `fsdp plan --time --hardware {}` predicts a step \
+                 on it, `fsdp train --hardware {}` compares a run with it\n",
+                profile.name,
+                p.display(),
+                profile.description,
+                p.display(),
+                p.display()
+            ));
+            Ok(())
+        }
         None => {
             crate::output::print_out(&text);
             Ok(())
         }
     }
+}
+
+/// The line `fsdp calibrate` prints on standard error before it measures, so the half
+/// minute of silence that follows is explained.
+fn announce(what: &str, reference_jobs: bool) {
+    let jobs = if reference_jobs {
+        ", short reference training jobs"
+    } else {
+        ""
+    };
+    crate::output::print_err(&format!(
+        "calibrating {what} (GEMM rates, copy bandwidth, collectives{jobs}); this takes a \
+         minute or so\n"
+    ));
 }
 
 fn host_name() -> String {

@@ -101,10 +101,18 @@ pub fn profile_device(p: &HardwareProfile) -> ProfileDevice {
 /// sharing of them. `None` for any other profile or when the counts agree.
 pub fn calibrated_ranks_note(p: &HardwareProfile, ranks: u64) -> Option<String> {
     (profile_device(p) == ProfileDevice::Cpu && p.ranks_per_node != ranks).then(|| {
+        let skew = if p.rank_skew > 0.0 {
+            format!(
+                " and its rank skew ({}) is how much slower the slowest of those ranks ran",
+                p.rank_skew
+            )
+        } else {
+            String::new()
+        };
         format!(
             "note: the {} profile was calibrated with {} rank thread(s) on its host; this \
              plan has {ranks} per host, and on a CPU each rank's rates are its share of the \
-             cores: `fsdp calibrate --world-size {ranks}` measures the profile for it",
+             cores{skew}: `fsdp calibrate --world-size {ranks}` measures the profile for it",
             p.name, p.ranks_per_node
         )
     })
@@ -161,6 +169,16 @@ fn skew_note(skew_wait_s: f64) -> String {
     }
 }
 
+/// The phases on a prediction's compute thread: forward and backward, and the recomputed
+/// forward when a unit recomputes (activation checkpointing).
+fn compute_phases(p: &StepPrediction) -> &'static str {
+    if p.uses.iter().any(|u| u.recompute_s > 0.0) {
+        "forward, recompute and backward"
+    } else {
+        "forward and backward"
+    }
+}
+
 /// The text block of a prediction (`fsdp plan --time`): step time, tokens/s, exposed
 /// communication, MFU with its formula and peak, per-phase times and the bottleneck.
 pub fn render_prediction(p: &StepPrediction) -> String {
@@ -184,8 +202,9 @@ pub fn render_prediction(p: &StepPrediction) -> String {
     );
     let _ = writeln!(
         o,
-        "  compute          {:>10}   forward, recompute and backward (slowed while a collective runs)",
-        format_seconds(p.compute_s)
+        "  compute          {:>10}   {} (slowed while a collective runs)",
+        format_seconds(p.compute_s),
+        compute_phases(p)
     );
     let skew = skew_note(p.skew_wait_s);
     let _ = writeln!(
@@ -337,7 +356,8 @@ pub fn render_comparison(c: &StepComparison) -> String {
     let skew = skew_note(c.predicted_skew_wait_s);
     format!(
         "step time on {}: predicted {}/step{skew}, measured {} ({:+.1}%; {which})\n\
-         measured {} tokens/s | MFU {} (model FLOPs by {}; peak {} per rank from the profile)\n",
+         measured {} tokens/s at that step | MFU {} (model FLOPs by {}; peak {} per rank from \
+         the profile)\n",
         c.hardware,
         format_seconds(c.predicted_s),
         format_seconds(c.measured_s),
@@ -432,6 +452,18 @@ mod tests {
             )
         );
         assert_eq!(calibrated_ranks_note(&gpu, 4), None);
+        // A fitted rank skew is named as one of the numbers that depend on the ranks.
+        cpu.rank_skew = 0.05;
+        assert_eq!(
+            calibrated_ranks_note(&cpu, 4).as_deref(),
+            Some(
+                "note: the here profile was calibrated with 2 rank thread(s) on its host; this \
+                 plan has 4 per host, and on a CPU each rank's rates are its share of the \
+                 cores and its rank skew (0.05) is how much slower the slowest of those ranks \
+                 ran: `fsdp calibrate --world-size 4` measures the profile for it"
+            )
+        );
+        cpu.rank_skew = 0.0;
         // A built-in's name with other numbers, or a hand-written file, does not say.
         let mut edited = gpu.clone();
         edited.overlap_slowdown += 0.5;

@@ -1029,8 +1029,10 @@ fn print_summary(r: &TrainReport, memory_report: bool) {
         }
     );
     outln!(
-        "{} tokens/s | {:.1} s | communication exposed (rank 0): {:.2} s",
+        "{} tokens/s over all {} steps (the first included) | {:.1} s | communication exposed \
+         (rank 0): {:.2} s",
         fsdp_types::group_thousands(r.tokens_per_s.round() as u64),
+        r.steps.len(),
         r.seconds,
         r.comm_exposed_seconds
     );

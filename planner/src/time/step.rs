@@ -895,8 +895,13 @@ fn bottleneck_line(
                 )
             })
             .unwrap_or_default();
+        let phases = if uses.iter().any(|u| u.recompute_s > 0.0) {
+            "forward, recompute and backward"
+        } else {
+            "forward and backward"
+        };
         return format!(
-            "compute-bound: forward, recompute and backward {} of a {step} step{which}",
+            "compute-bound: {phases} {} of a {step} step{which}",
             format_seconds(compute)
         );
     }
