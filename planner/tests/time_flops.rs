@@ -134,6 +134,16 @@ fn small_llama() -> LlamaConfig {
     }
 }
 
+/// Elements of the first block's 2-D parameters (its weight matrices).
+fn block_matrices(spec: &fsdp_planner::ModelSpec) -> u64 {
+    spec.units[1]
+        .params
+        .iter()
+        .filter(|p| p.shape.len() == 2)
+        .map(|p| p.numel().0)
+        .sum()
+}
+
 #[test]
 fn llama_gqa_swiglu_block_equals_the_hand_count() {
     let c = small_llama();
@@ -152,12 +162,7 @@ fn llama_gqa_swiglu_block_equals_the_hand_count() {
     // q, k, v, o projections (k and v only 2 heads wide) and gate, up, down.
     let linear = 2.0 * n * (d * q + 2.0 * d * kv + q * d + 3.0 * d * ffn);
     // The block's matrices from the spec agree with that width count.
-    let matrices: u64 = spec.units[1]
-        .params
-        .iter()
-        .filter(|p| p.shape.len() == 2)
-        .map(|p| p.numel().0)
-        .sum();
+    let matrices = block_matrices(&spec);
     assert_eq!(2.0 * n * matrices as f64, linear);
     // Attention over all 8 query heads (k and v repeated), block-causal entries.
     let e = block_causal_brute(t);
@@ -274,12 +279,7 @@ fn weights_stored_out_by_in_pay_a_transposed_gradient_copy() {
     // write per weight element. GPT-2's block weights are stored `[in, out]` (no copy).
     let c = small_llama();
     let spec = llama_spec("llama-gqa", &c);
-    let matrices: u64 = spec.units[1]
-        .params
-        .iter()
-        .filter(|p| p.shape.len() == 2)
-        .map(|p| p.numel().0)
-        .sum();
+    let matrices = block_matrices(&spec);
     for (dtype, size) in [(DType::F32, 4.0), (DType::BF16, 2.0)] {
         let shape = OpShape {
             micro_batch: 2,
