@@ -169,16 +169,6 @@ fn skew_note(skew_wait_s: f64) -> String {
     }
 }
 
-/// The phases on a prediction's compute thread: forward and backward, and the recomputed
-/// forward when a unit recomputes (activation checkpointing).
-fn compute_phases(p: &StepPrediction) -> &'static str {
-    if p.uses.iter().any(|u| u.recompute_s > 0.0) {
-        "forward, recompute and backward"
-    } else {
-        "forward and backward"
-    }
-}
-
 /// The text block of a prediction (`fsdp plan --time`): step time, tokens/s, exposed
 /// communication, MFU with its formula and peak, per-phase times and the bottleneck.
 pub fn render_prediction(p: &StepPrediction) -> String {
@@ -204,7 +194,7 @@ pub fn render_prediction(p: &StepPrediction) -> String {
         o,
         "  compute          {:>10}   {} (slowed while a collective runs)",
         format_seconds(p.compute_s),
-        compute_phases(p)
+        fsdp_planner::time::compute_phases(&p.uses)
     );
     let skew = skew_note(p.skew_wait_s);
     let _ = writeln!(

@@ -209,6 +209,16 @@ pub struct Span {
     pub bytes: Option<f64>,
 }
 
+/// The phases on a prediction's compute thread, in words: forward and backward, with the
+/// recomputed forward named only when a use recomputes (activation checkpointing).
+pub fn compute_phases(uses: &[UseTime]) -> &'static str {
+    if uses.iter().any(|u| u.recompute_s > 0.0) {
+        "forward, recompute and backward"
+    } else {
+        "forward and backward"
+    }
+}
+
 /// Compute time of one schedule position (use), per micro-batch, at full speed (without the
 /// overlap slowdown).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

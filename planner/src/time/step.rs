@@ -895,13 +895,9 @@ fn bottleneck_line(
                 )
             })
             .unwrap_or_default();
-        let phases = if uses.iter().any(|u| u.recompute_s > 0.0) {
-            "forward, recompute and backward"
-        } else {
-            "forward and backward"
-        };
         return format!(
-            "compute-bound: {phases} {} of a {step} step{which}",
+            "compute-bound: {} {} of a {step} step{which}",
+            super::compute_phases(uses),
             format_seconds(compute)
         );
     }
