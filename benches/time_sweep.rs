@@ -6,8 +6,8 @@
 //!    cores; a VM's speed drifts by tens of percent over minutes, so a round predicts from
 //!    its own calibration, and the summary also gives every round's error against the first
 //!    round's profiles), each with its compute fit and rank skew from reference jobs
-//!    (`tiny`, `llama-tiny`, `small` at their own shapes: see `engine/src/calibrate/fit.rs`;
-//!    the sweep's models and shapes are other ones); for the MPI rows `mpirun -n W fsdp
+//!    (`tiny`, `llama-tiny`, `small`, `mini` at their own shapes: see `engine/src/calibrate/fit.rs`;
+//!    `mini` also runs in the sweep, at other shapes; the other sweep models are not references); for the MPI rows `mpirun -n W fsdp
 //!    calibrate --backend mpi` (MPI's collectives, reference jobs as MPI processes).
 //! 2. Every configuration of [`configs`] (GPT-2 presets `mini`, `small`, `base` and the Llama
 //!    of `benches/llama-bench/config.json` and `llama-mini`; W = 1, 2, 4; full shard,

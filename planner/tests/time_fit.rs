@@ -14,13 +14,28 @@ const RATE: f64 = 2e9;
 /// A profile with a flat GEMM rate, elementwise work at `bw` bytes/s (and a huge FLOP rate),
 /// and `extra` JSON members appended.
 fn profile(bw: f64, extra: &str) -> Result<HardwareProfile, fsdp_planner::PlanError> {
+    profile_with_curve(
+        &format!(r#"{{"flops": 1, "flops_per_s": {RATE:e}}}"#),
+        RATE,
+        bw,
+        extra,
+    )
+}
+
+/// As [`profile`], with the f32 GEMM curve's `points` (JSON objects) and peak.
+fn profile_with_curve(
+    points: &str,
+    peak: f64,
+    bw: f64,
+    extra: &str,
+) -> Result<HardwareProfile, fsdp_planner::PlanError> {
     let c = r#"{"latency_s": 0, "step_latency_s": 0, "bus_bandwidth_bytes_per_s": 1e10}"#;
     let level = format!(r#"{{"all_gather": {c}, "reduce_scatter": {c}, "all_reduce": {c}}}"#);
     let text = format!(
         r#"{{
   "schema": "fsdp-hardware/1", "name": "synthetic", "description": "constructed",
   "ranks_per_node": 8,
-  "gemm": {{"f32": {{"peak_flops_per_s": {RATE:e}, "points": [{{"flops": 1, "flops_per_s": {RATE:e}}}]}}}},
+  "gemm": {{"f32": {{"peak_flops_per_s": {peak:e}, "points": [{points}]}}}},
   "memory_bandwidth_bytes_per_s": {bw:e}, "elementwise_flops_per_s": 1e14,
   "collectives": {{"intra_node": {level}, "inter_node": {level}}},
   "host": {{"link_bytes_per_s": 1e10, "optimizer_bytes_per_s": 1e10}},
@@ -220,4 +235,76 @@ fn implausible_calibrated_numbers_are_refused_by_their_path() {
         let e = profile(1e10, extra).unwrap_err().to_string();
         assert!(e.contains(field), "{field}: {e}");
     }
+}
+
+#[test]
+fn fused_attention_gemms_are_priced_per_pair_and_row_block() {
+    // A curve of two points: calls of 1e5 FLOPs run at 1 GFLOP/s, calls of 1e9 at 100,
+    // linear in log FLOPs between.
+    let (lo, hi): ((f64, f64), (f64, f64)) = ((1e5, 1e9), (1e9, 1e11));
+    let prof = profile_with_curve(
+        &format!(
+            r#"{{"flops": {:e}, "flops_per_s": {:e}}}, {{"flops": {:e}, "flops_per_s": {:e}}}"#,
+            lo.0, lo.1, hi.0, hi.1
+        ),
+        hi.1,
+        1e10,
+        "",
+    )
+    .unwrap();
+    let rate = |f: f64| {
+        let x = ((f.log10() - lo.0.log10()) / (hi.0.log10() - lo.0.log10())).clamp(0.0, 1.0);
+        lo.1 + x * (hi.1 - lo.1)
+    };
+    // tiny: d 128, 4 heads of 32; micro-batch 3, T = 130: row blocks of 64, 64 and 2 rows.
+    let mut c = PlanConfig::new(1);
+    c.micro_batch = 3;
+    c.seq_len = 130;
+    let p = plan(&preset("tiny").unwrap(), &c).unwrap();
+    let k = p
+        .schedule
+        .forward
+        .iter()
+        .position(|s| s.role == fsdp_planner::schedule::UseRole::Block)
+        .unwrap();
+    let shape = |attention| OpShape {
+        micro_batch: 3,
+        seq_len: 130,
+        dtype: DType::F32,
+        attention,
+    };
+    let fused = flops::AttentionCount::of(ActivationModel::Fused);
+    let ops = flops::forward_ops(&p.arch, p.schedule.forward[k].role, &shape(fused)).unwrap();
+    let calls = 3.0 * 4.0 * 3.0; // sequences x heads x row blocks
+    let mut want = 0.0;
+    for o in ops.iter().filter(|o| o.kind == OpKind::Gemm) {
+        let c = if o.name.starts_with("attn.scores") || o.name.starts_with("attn.context") {
+            calls
+        } else {
+            1.0
+        };
+        assert_eq!(o.calls, c, "{}", o.name);
+        want += c * (o.flops / c) / rate(o.flops / c);
+    }
+    let parts = use_compute_parts(&p, &prof).unwrap();
+    let got = parts[k].forward.gemm_s;
+    assert!((got - want).abs() <= 1e-12 * want, "{got} vs {want}");
+    // Priced as one call of the summed FLOPs, the attention would cost far less.
+    let one_call: f64 = ops
+        .iter()
+        .filter(|o| o.kind == OpKind::Gemm)
+        .map(|o| o.flops / rate(o.flops))
+        .sum();
+    assert!(got > 1.2 * one_call, "{got} vs {one_call}");
+    // The composite path's attention is one batched matmul.
+    let full = flops::forward_ops(
+        &p.arch,
+        p.schedule.forward[k].role,
+        &shape(flops::AttentionCount::Full),
+    )
+    .unwrap();
+    assert!(full
+        .iter()
+        .filter(|o| o.kind == OpKind::Gemm)
+        .all(|o| o.calls == 1.0));
 }

@@ -54,8 +54,8 @@ pub const ATTN_BLOCK_ROWS: u64 = 64;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OpKind {
-    /// One matrix multiplication (or one batch of them, counted as one call of their total
-    /// size): time = FLOPs / the profile's GEMM rate for the dtype at this call's FLOPs.
+    /// Matrix multiplications: time = [`OpCost::calls`] x (the FLOPs of one call / the
+    /// profile's GEMM rate for the dtype at that call's FLOPs).
     Gemm,
     /// Any other op: time = max(bytes / memory bandwidth, FLOPs / elementwise rate).
     Elementwise,
@@ -73,6 +73,13 @@ pub struct OpCost {
     /// Bytes read plus written (elementwise ops; 0 for GEMMs, whose time comes from the GEMM
     /// rate curve).
     pub bytes: f64,
+    /// GEMMs: how many equal calls the FLOPs are split into; each is priced at the curve's
+    /// rate for its own size (`flops / calls`). 1 for one matmul (or one batched matmul,
+    /// cuBLAS's strided batched GEMM); for the fused CPU attention, one call per (sequence,
+    /// head) pair and row block, each a single-threaded GEMM of a few hundred thousand FLOPs
+    /// (priced at the mean call size). 1 for elementwise ops; absent or under 1 reads as 1.
+    #[serde(default)]
+    pub calls: f64,
 }
 
 /// FLOPs per element and elements moved (read + written) per element of an elementwise op,
@@ -207,6 +214,18 @@ pub fn attention_entries(t: u64, count: AttentionCount) -> f64 {
     }
 }
 
+/// GEMM calls per (sequence, head) pair of each attention product for a sequence of `t`
+/// tokens: for [`AttentionCount::BlockCausal`] one per row block (`ceil(t / block_rows)`:
+/// the fused CPU attention multiplies each pair's blocks with single-threaded GEMMs, pairs
+/// in parallel), `None` for [`AttentionCount::Full`] (the composite path's one batched
+/// matmul over every pair).
+pub fn attention_calls(t: u64, count: AttentionCount) -> Option<f64> {
+    match count {
+        AttentionCount::Full => None,
+        AttentionCount::BlockCausal { block_rows } => Some(t.div_ceil(block_rows.max(1)) as f64),
+    }
+}
+
 /// The shape of one micro-batch on one rank and what its ops compute in.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct OpShape {
@@ -248,14 +267,17 @@ impl Ops<'_> {
             kind: OpKind::Gemm,
             flops: 2.0 * m * k * n,
             bytes: 0.0,
+            calls: 1.0,
         });
     }
-    fn gemm_flops(&mut self, name: &str, flops: f64) {
+    /// A GEMM of `flops` split into `calls` equal calls.
+    fn gemm_calls(&mut self, name: &str, flops: f64, calls: f64) {
         self.out.push(OpCost {
             name: name.to_string(),
             kind: OpKind::Gemm,
             flops,
             bytes: 0.0,
+            calls,
         });
     }
     /// An elementwise op over `elems` elements with `flops` and `moved` per element.
@@ -265,6 +287,7 @@ impl Ops<'_> {
             kind: OpKind::Elementwise,
             flops: elems * flops,
             bytes: elems * moved * self.shape.dtype.size_bytes() as f64,
+            calls: 1.0,
         });
     }
     fn fwd(&mut self, name: &str, elems: f64, c: ElemCost) {
@@ -300,24 +323,32 @@ struct Attn {
     heads: f64,
     hd: f64,
     entries: f64,
+    /// GEMM calls per (sequence, head) pair and product ([`attention_calls`]), or `None`
+    /// for one batched call over every pair.
+    calls_per_pair: Option<f64>,
 }
 
 impl Attn {
     fn forward(&self, ops: &mut Ops<'_>, b: f64) {
         let pairs = b * self.heads;
         let mm = 2.0 * self.hd * self.entries * pairs;
-        ops.gemm_flops("attn.scores", mm);
+        let calls = self.calls(pairs);
+        ops.gemm_calls("attn.scores", mm, calls);
         ops.fwd("attn.softmax", self.entries * pairs, SOFTMAX);
-        ops.gemm_flops("attn.context", mm);
+        ops.gemm_calls("attn.context", mm, calls);
+    }
+    fn calls(&self, pairs: f64) -> f64 {
+        self.calls_per_pair.map_or(1.0, |c| c * pairs)
     }
     fn backward(&self, ops: &mut Ops<'_>, b: f64) {
         let pairs = b * self.heads;
         let mm = 2.0 * self.hd * self.entries * pairs;
-        ops.gemm_flops("attn.context.dP", mm);
-        ops.gemm_flops("attn.context.dV", mm);
+        let calls = self.calls(pairs);
+        ops.gemm_calls("attn.context.dP", mm, calls);
+        ops.gemm_calls("attn.context.dV", mm, calls);
         ops.bwd("attn.softmax", self.entries * pairs, SOFTMAX);
-        ops.gemm_flops("attn.scores.dQ", mm);
-        ops.gemm_flops("attn.scores.dK", mm);
+        ops.gemm_calls("attn.scores.dQ", mm, calls);
+        ops.gemm_calls("attn.scores.dK", mm, calls);
     }
 }
 
@@ -383,6 +414,7 @@ fn gpt2_block_forward(ops: &mut Ops<'_>, c: &Gpt2Config, n: f64, b: f64, e: f64)
         heads,
         hd: d / heads,
         entries: e,
+        calls_per_pair: attention_calls(ops.shape.seq_len, ops.shape.attention),
     };
     ops.fwd("ln_1", n * d, LAYER_NORM);
     ops.gemm("attn.qkv", n, d, 3.0 * d);
@@ -427,6 +459,7 @@ fn llama_block_forward(ops: &mut Ops<'_>, c: &LlamaConfig, n: f64, b: f64, e: f6
         heads: c.n_head as f64,
         hd,
         entries: e,
+        calls_per_pair: attention_calls(ops.shape.seq_len, ops.shape.attention),
     };
     ops.fwd("input_layernorm", n * d, RMS_NORM);
     ops.gemm("attn.q_proj", n, d, q);
@@ -507,6 +540,7 @@ pub fn backward_ops(
                 heads,
                 hd: d / heads,
                 entries: e,
+                calls_per_pair: attention_calls(shape.seq_len, shape.attention),
             };
             ops.bwd("residual_2", n * d, RESIDUAL_ADD);
             ops.linear_bwd("mlp.proj", n, 4.0 * d, d, c.bias, grads);
@@ -527,6 +561,7 @@ pub fn backward_ops(
                 heads: c.n_head as f64,
                 hd,
                 entries: e,
+                calls_per_pair: attention_calls(shape.seq_len, shape.attention),
             };
             ops.bwd("residual_2", n * d, RESIDUAL_ADD);
             ops.linear_t_bwd("mlp.down_proj", n, f, d, false, grads);
