@@ -66,7 +66,10 @@ pub enum PlanError {
     },
     /// A hardware profile (`fsdp-hardware/1` JSON, [`crate::time::HardwareProfile`]) with a
     /// missing, unknown, negative, zero or non-finite value, or a malformed document.
-    #[error("hardware profile {origin}: `{field}` {problem}")]
+    #[error(
+        "hardware profile {origin}: `{field}` {problem}; fix it, or measure this machine again \
+         with `fsdp calibrate -o FILE`"
+    )]
     BadProfile {
         /// Where the profile came from (a file name, or `built-in NAME`).
         origin: String,

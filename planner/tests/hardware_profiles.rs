@@ -13,7 +13,10 @@ const H100: &str = include_str!("../profiles/h100-sxm.json");
 fn refused(v: &Value) -> String {
     let e = HardwareProfile::from_json(&v.to_string(), "test.json").unwrap_err();
     assert!(matches!(e, PlanError::BadProfile { .. }), "{e:?}");
-    e.to_string()
+    let e = e.to_string();
+    // Every refusal says how to get a good profile.
+    assert!(e.ends_with("with `fsdp calibrate -o FILE`"), "{e}");
+    e
 }
 
 fn h100() -> Value {
