@@ -262,13 +262,7 @@ struct Ops<'a> {
 
 impl Ops<'_> {
     fn gemm(&mut self, name: &str, m: f64, k: f64, n: f64) {
-        self.out.push(OpCost {
-            name: name.to_string(),
-            kind: OpKind::Gemm,
-            flops: 2.0 * m * k * n,
-            bytes: 0.0,
-            calls: 1.0,
-        });
+        self.gemm_calls(name, 2.0 * m * k * n, 1.0);
     }
     /// A GEMM of `flops` split into `calls` equal calls.
     fn gemm_calls(&mut self, name: &str, flops: f64, calls: f64) {
@@ -323,27 +317,25 @@ struct Attn {
     heads: f64,
     hd: f64,
     entries: f64,
-    /// GEMM calls per (sequence, head) pair and product ([`attention_calls`]), or `None`
-    /// for one batched call over every pair.
-    calls_per_pair: Option<f64>,
 }
 
 impl Attn {
     fn forward(&self, ops: &mut Ops<'_>, b: f64) {
         let pairs = b * self.heads;
         let mm = 2.0 * self.hd * self.entries * pairs;
-        let calls = self.calls(pairs);
+        let calls = Self::calls(ops, pairs);
         ops.gemm_calls("attn.scores", mm, calls);
         ops.fwd("attn.softmax", self.entries * pairs, SOFTMAX);
         ops.gemm_calls("attn.context", mm, calls);
     }
-    fn calls(&self, pairs: f64) -> f64 {
-        self.calls_per_pair.map_or(1.0, |c| c * pairs)
+    /// The calls of one attention product over `pairs` pairs ([`attention_calls`]).
+    fn calls(ops: &Ops<'_>, pairs: f64) -> f64 {
+        attention_calls(ops.shape.seq_len, ops.shape.attention).map_or(1.0, |c| c * pairs)
     }
     fn backward(&self, ops: &mut Ops<'_>, b: f64) {
         let pairs = b * self.heads;
         let mm = 2.0 * self.hd * self.entries * pairs;
-        let calls = self.calls(pairs);
+        let calls = Self::calls(ops, pairs);
         ops.gemm_calls("attn.context.dP", mm, calls);
         ops.gemm_calls("attn.context.dV", mm, calls);
         ops.bwd("attn.softmax", self.entries * pairs, SOFTMAX);
@@ -414,7 +406,6 @@ fn gpt2_block_forward(ops: &mut Ops<'_>, c: &Gpt2Config, n: f64, b: f64, e: f64)
         heads,
         hd: d / heads,
         entries: e,
-        calls_per_pair: attention_calls(ops.shape.seq_len, ops.shape.attention),
     };
     ops.fwd("ln_1", n * d, LAYER_NORM);
     ops.gemm("attn.qkv", n, d, 3.0 * d);
@@ -459,7 +450,6 @@ fn llama_block_forward(ops: &mut Ops<'_>, c: &LlamaConfig, n: f64, b: f64, e: f6
         heads: c.n_head as f64,
         hd,
         entries: e,
-        calls_per_pair: attention_calls(ops.shape.seq_len, ops.shape.attention),
     };
     ops.fwd("input_layernorm", n * d, RMS_NORM);
     ops.gemm("attn.q_proj", n, d, q);
@@ -540,7 +530,6 @@ pub fn backward_ops(
                 heads,
                 hd: d / heads,
                 entries: e,
-                calls_per_pair: attention_calls(shape.seq_len, shape.attention),
             };
             ops.bwd("residual_2", n * d, RESIDUAL_ADD);
             ops.linear_bwd("mlp.proj", n, 4.0 * d, d, c.bias, grads);
@@ -561,7 +550,6 @@ pub fn backward_ops(
                 heads: c.n_head as f64,
                 hd,
                 entries: e,
-                calls_per_pair: attention_calls(shape.seq_len, shape.attention),
             };
             ops.bwd("residual_2", n * d, RESIDUAL_ADD);
             ops.linear_t_bwd("mlp.down_proj", n, f, d, false, grads);
