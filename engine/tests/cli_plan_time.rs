@@ -427,3 +427,49 @@ fn a_missing_profile_file_is_named_as_a_file_and_an_unwritable_trace_before_work
     );
     assert!(!e.contains(".tmp-"), "{e}");
 }
+
+/// HFU below MFU reads as a contradiction unless the table says why: the PaLM count takes
+/// every one of the T x T attention scores, the engine computes only the causal blocks.
+/// Recompute under activation checkpointing lifts HFU above MFU, and then no reason is given.
+#[test]
+fn plan_time_explains_hfu_below_mfu_by_the_causal_attention() {
+    let base = [
+        "--model",
+        "mini",
+        "--world-size",
+        "2",
+        "--seq-len",
+        "128",
+        "--micro-batch",
+        "4",
+        "--time",
+        "--hardware",
+        "h100-sxm",
+    ];
+    let why = "below MFU because the model FLOPs count every one of the T x T attention scores";
+    for (ckpt, hfu_below) in [("off", true), ("on", false)] {
+        let mut args = base.to_vec();
+        args.extend(["--activation-checkpointing", ckpt]);
+        let mut json = args.clone();
+        json.extend(["--format", "json"]);
+        let t = &ok_json(&json)["time"];
+        let (mfu, hfu) = (t["mfu"].as_f64().unwrap(), t["hfu"].as_f64().unwrap());
+        assert_eq!(
+            hfu < mfu,
+            hfu_below,
+            "checkpointing {ckpt}: MFU {mfu}, HFU {hfu}"
+        );
+        let o = fsdp(&args);
+        assert_eq!(o.status.code(), Some(0));
+        let out = String::from_utf8_lossy(&o.stdout);
+        let line = out
+            .lines()
+            .find(|l| l.trim_start().starts_with("HFU"))
+            .unwrap_or_else(|| panic!("no HFU line: {out}"));
+        assert_eq!(
+            line.contains(why),
+            hfu_below,
+            "checkpointing {ckpt}: {line}"
+        );
+    }
+}

@@ -230,9 +230,14 @@ pub fn render_prediction(p: &StepPrediction) -> String {
     );
     let _ = writeln!(
         o,
-        "  HFU              {:>10}   counted FLOPs {:.3e}/step (recompute and computed attention included)",
+        "  HFU              {:>10}   counted FLOPs {:.3e}/step (recompute included; attention only where computed){}",
         pct(p.hfu),
-        p.hardware_flops_per_step
+        p.hardware_flops_per_step,
+        if p.hfu < p.mfu {
+            "; below MFU because the model FLOPs count every one of the T x T attention scores and a causal step computes about half"
+        } else {
+            ""
+        }
     );
     let phases: Vec<String> = p
         .phases
