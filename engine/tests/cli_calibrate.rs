@@ -109,6 +109,18 @@ fn calibrated_profile_is_complete_and_plans_a_step() {
         [16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 32768.0].map(|k| k * 4096.0)
     );
     assert!(prof.compute_fit.is_empty());
+    // The engine's own passes after the backward, measured: the norm's sum of squares (one
+    // dependent f64 chain: below 1e11 elements/s on any CPU core) and AdamW.
+    let norm = prof.norm_elements_per_s.expect("the norm's rate measured");
+    assert!(norm > 1e5 && norm < 1e11, "{norm}");
+    let adamw = prof.optimizer_bytes_per_s.expect("AdamW's rate measured");
+    assert!(adamw > 1e6 && adamw.is_finite(), "{adamw}");
+    assert!(
+        prof.sources["optimizer_bytes_per_s"]
+            .contains(&format!("on the rank's {fair} compute thread(s)")),
+        "{}",
+        prof.sources["optimizer_bytes_per_s"]
+    );
     // It describes a CPU: `fsdp train --device cuda --hardware` with it says so.
     assert_eq!(
         profile_device(&prof),

@@ -4,7 +4,9 @@
 
 use fsdp_planner::presets::preset;
 use fsdp_planner::time::flops::{self, Grads, OpKind, OpShape};
-use fsdp_planner::time::{predict, use_compute_parts, ComputeFit, HardwareProfile, TimeInputs};
+use fsdp_planner::time::{
+    predict, use_compute_parts, ComputeFit, HardwareProfile, StepPrediction, TimeInputs,
+};
 use fsdp_planner::{plan, ActivationModel, PlanConfig, ShardPlan};
 use fsdp_types::DType;
 
@@ -230,6 +232,13 @@ fn implausible_calibrated_numbers_are_refused_by_their_path() {
             r#", "compute_fit": {"f32": {"gemm_scale": 1, "elementwise_scale": 1, "op_overhead_s": 0, "rms_relative_error": 0, "samples": 1, "extra": 2}}"#,
             "compute_fit.f32",
         ),
+        (r#", "norm_elements_per_s": 0"#, "norm_elements_per_s"),
+        (r#", "norm_elements_per_s": 1e16"#, "norm_elements_per_s"),
+        (r#", "optimizer_bytes_per_s": -1"#, "optimizer_bytes_per_s"),
+        (
+            r#", "optimizer_bytes_per_s": "fast""#,
+            "optimizer_bytes_per_s",
+        ),
     ];
     for (extra, field) in cases {
         let e = profile(1e10, extra).unwrap_err().to_string();
@@ -307,4 +316,92 @@ fn fused_attention_gemms_are_priced_per_pair_and_row_block() {
         .iter()
         .filter(|o| o.kind == OpKind::Gemm)
         .all(|o| o.calls == 1.0));
+}
+
+/// Seconds of the predicted spans named `name` (summed), and how many there are.
+fn spans_named(t: &StepPrediction, name: &str) -> (f64, usize) {
+    t.spans
+        .iter()
+        .filter(|s| s.name == name)
+        .fold((0.0, 0), |(sum, n), s| (sum + s.end_s - s.start_s, n + 1))
+}
+
+/// The passes after the backward at the profile's measured rates. On a CPU the gradient
+/// norm's sum of squares is one dependent f64 chain (slower than the bandwidth) and AdamW
+/// runs on the rank's compute threads (faster than one thread's copy); without the rates both
+/// are memory-bound passes. The divide before the norm, the zeroing after the update, and
+/// the finite check of every unit's contribution before its reduction stay memory-bound.
+#[test]
+fn norm_and_optimizer_run_at_the_profiles_measured_rates() {
+    let p = tiny_plan();
+    let bw = 1e10;
+    let n: f64 = p
+        .units
+        .iter()
+        .flat_map(|u| &u.flat_params)
+        .filter(|f| f.trainable)
+        .map(|f| f.shard_numel().0 as f64)
+        .sum();
+    // Span lengths are differences of times since the step's start: 1e-9, not 1e-12.
+    let close = |got: f64, want: f64, what: &str| {
+        assert!((got - want).abs() <= 1e-9 * want, "{what}: {got} vs {want}")
+    };
+    let flat = predict(&p, &profile(bw, "").unwrap(), &TimeInputs::default()).unwrap();
+    close(
+        spans_named(&flat, "gradient scale and norm").0,
+        12.0 * n / bw,
+        "norm, memory-bound",
+    );
+    close(
+        spans_named(&flat, "optimizer step").0,
+        32.0 * n / bw,
+        "AdamW, memory-bound",
+    );
+    let rated = profile(
+        bw,
+        r#", "norm_elements_per_s": 1e8, "optimizer_bytes_per_s": 4e10"#,
+    )
+    .unwrap();
+    let t = predict(&p, &rated, &TimeInputs::default()).unwrap();
+    close(
+        spans_named(&t, "gradient scale and norm").0,
+        8.0 * n / bw + n / 1e8,
+        "norm at its rate",
+    );
+    close(
+        spans_named(&t, "optimizer step").0,
+        28.0 * n / 4e10 + 4.0 * n / bw,
+        "AdamW at its rate",
+    );
+    // A norm rate above the bandwidth's: the read still takes the bandwidth's time.
+    let fast = profile(bw, r#", "norm_elements_per_s": 1e14"#).unwrap();
+    let t = predict(&p, &fast, &TimeInputs::default()).unwrap();
+    close(
+        spans_named(&t, "gradient scale and norm").0,
+        12.0 * n / bw,
+        "norm above the bandwidth",
+    );
+    // Offloaded, the step runs at the host optimizer threads' rate, not the device's.
+    let mut c = p.config.clone();
+    c.offload = Some(fsdp_planner::Offload::Optimizer);
+    let off = plan(&preset("tiny").unwrap(), &c).unwrap();
+    let t = predict(&off, &rated, &TimeInputs::default()).unwrap();
+    close(
+        spans_named(&t, "optimizer step").0,
+        32.0 * n / 1e10,
+        "offloaded AdamW at host.optimizer_bytes_per_s",
+    );
+    // One finite check per unit with a trainable flat parameter: its padded elements read
+    // once in reduce_dtype (f32 here).
+    for u in &p.units {
+        let padded: f64 = u
+            .flat_params
+            .iter()
+            .filter(|f| f.trainable)
+            .map(|f| f.padded_numel.0 as f64)
+            .sum();
+        let (s, count) = spans_named(&flat, &format!("finite check {}", u.name));
+        assert_eq!(count, 1, "{}", u.name);
+        close(s, 4.0 * padded / bw, &u.name);
+    }
 }

@@ -317,6 +317,10 @@ pub fn calibrate_cuda(dev: &Device, o: &CudaCalibrateOptions) -> Result<Hardware
         // One device-to-device copy size and no compute fit: the analytical model as is on
         // the GPU (the fit's reference jobs run the CPU's fused ops).
         memory_bandwidth_curve: Vec::new(),
+        // The device's norm and optimizer kernels are parallel and memory-bound: the copy
+        // bandwidth prices them.
+        norm_elements_per_s: None,
+        optimizer_bytes_per_s: None,
         compute_fit: Default::default(),
         sources,
     };

@@ -15,6 +15,10 @@
 //!   (`f` = `(n-1)/n`, all-reduce `2(n-1)/n`: nccl-tests' convention), the latency clamped at
 //!   0. One host has no network: the `inter_node` costs are the `intra_node` ones (the source
 //!   says so).
+//! - **Gradient norm and optimizer step**: the engine's own kernels on a shard of
+//!   [`STEP_ELEMENTS`] elements per rank: the sum of squares (one dependent f64 chain,
+//!   elements per second) and AdamW on the rank's compute threads (28 bytes moved per element:
+//!   parameter, gradient and both moments read, parameter and moments written).
 //! - **Host link**: on the CPU the "device" is host memory: the copy bandwidth.
 //! - **Overlap slowdown**: rank 0's f32 GEMM rate alone against its rate while an all-reduce
 //!   of 16 MiB runs on its progress thread (`alone / with - 1`, at least 0).
@@ -50,6 +54,10 @@ const COPY_MOVED_BYTES: [usize; 7] = [
     64 << 20,
     128 << 20,
 ];
+
+/// Elements of the gradient and optimizer shard the norm and the optimizer step are timed on
+/// (32 MiB of f32, past the last-level cache, as a training shard is).
+pub const STEP_ELEMENTS: usize = 8 << 20;
 
 /// Collective sizes, bytes of the whole array.
 const COLLECTIVE_BYTES: [usize; 5] = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20];
@@ -109,12 +117,16 @@ struct RankRates {
     /// Bytes per second of a copy pass per [`COPY_MOVED_BYTES`] size.
     copy_curve: Vec<f64>,
     elementwise_flops_per_s: f64,
+    /// Elements per second of the gradient norm's sum of squares.
+    norm_elements_per_s: f64,
+    /// Bytes moved per second by AdamW on the rank's compute threads.
+    optimizer_bytes_per_s: f64,
     /// (kind, bytes, seconds) of each collective size.
     collectives: Vec<(&'static str, usize, f64)>,
     overlap_slowdown: f64,
 }
 
-fn measure_rank(comm: &dyn Communicator) -> Result<RankRates, String> {
+fn measure_rank(comm: &dyn Communicator, threads: usize) -> Result<RankRates, String> {
     let e = |x: fsdp_comm::CommError| x.to_string();
     let w = comm.world_size();
     comm.barrier(Group::World).map_err(e)?;
@@ -161,6 +173,8 @@ fn measure_rank(comm: &dyn Communicator) -> Result<RankRates, String> {
     });
     let elementwise_flops_per_s = 2.0 * x.len() as f64 * calls as f64 / s;
     comm.barrier(Group::World).map_err(e)?;
+    let (norm_elements_per_s, optimizer_bytes_per_s) = measure_step_passes(threads)?;
+    comm.barrier(Group::World).map_err(e)?;
     let mut collectives = Vec::new();
     if w < 2 {
         // One rank: no peer to measure a collective or its overlap with.
@@ -169,6 +183,8 @@ fn measure_rank(comm: &dyn Communicator) -> Result<RankRates, String> {
             copy_bytes_per_s,
             copy_curve,
             elementwise_flops_per_s,
+            norm_elements_per_s,
+            optimizer_bytes_per_s,
             collectives,
             overlap_slowdown: 0.0,
         });
@@ -250,9 +266,54 @@ fn measure_rank(comm: &dyn Communicator) -> Result<RankRates, String> {
         copy_bytes_per_s,
         copy_curve,
         elementwise_flops_per_s,
+        norm_elements_per_s,
+        optimizer_bytes_per_s,
         collectives,
         overlap_slowdown,
     })
+}
+
+/// The rates of the engine's passes after the backward, on one rank's shard of
+/// [`STEP_ELEMENTS`] elements: (elements per second of [`fsdp_kernels::sum_squares`], the
+/// gradient norm's kernel; bytes per second of AdamW's step on a pool of `threads` threads,
+/// as the engine steps a shard on the rank's compute pool, 28 bytes moved per element).
+fn measure_step_passes(threads: usize) -> Result<(f64, f64), String> {
+    let n = STEP_ELEMENTS;
+    let grad = vec![1e-3f32; n];
+    let spans = [fsdp_kernels::Span::new(0, n, true)];
+    let mut err = None;
+    let (calls, s) = repeat(|| {
+        if let Err(x) = fsdp_kernels::sum_squares(std::hint::black_box(&grad), &spans) {
+            err = Some(x.to_string());
+        }
+    });
+    let norm = n as f64 * calls as f64 / s;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .build()
+        .map_err(|x| format!("thread pool: {x}"))?;
+    let opt = crate::optim::Optimizer::AdamW(crate::optim::AdamWConfig::default());
+    let (mut param, mut m, mut v) = (vec![0.5f32; n], vec![0f32; n], vec![0f32; n]);
+    let mut step = 0u64;
+    let (calls, s) = pool.install(|| {
+        repeat(|| {
+            step += 1;
+            if let Err(x) = opt.step_shard_threads(
+                &mut param,
+                &grad,
+                &mut [m.as_mut_slice(), v.as_mut_slice()],
+                &spans,
+                step,
+                rayon::current_num_threads(),
+            ) {
+                err = Some(x.to_string());
+            }
+        })
+    });
+    if let Some(x) = err {
+        return Err(format!("the gradient norm or optimizer step: {x}"));
+    }
+    Ok((norm, 28.0 * n as f64 * calls as f64 / s))
 }
 
 /// Least squares of `t = a + x / bw` over `(x, t)`: (latency `a` clamped at 0, `bw`).
@@ -293,6 +354,8 @@ fn encode(r: &RankRates) -> Vec<f64> {
     v.push(r.copy_bytes_per_s);
     v.extend(&r.copy_curve);
     v.push(r.elementwise_flops_per_s);
+    v.push(r.norm_elements_per_s);
+    v.push(r.optimizer_bytes_per_s);
     v.extend(r.collectives.iter().map(|c| c.2));
     v.push(r.overlap_slowdown);
     v
@@ -311,6 +374,8 @@ fn decode(r: &RankRates, v: &[f64]) -> RankRates {
         copy_bytes_per_s: next(),
         copy_curve: r.copy_curve.iter().map(|_| next()).collect(),
         elementwise_flops_per_s: next(),
+        norm_elements_per_s: next(),
+        optimizer_bytes_per_s: next(),
         collectives: r.collectives.iter().map(|c| (c.0, c.1, next())).collect(),
         overlap_slowdown: next(),
     }
@@ -333,14 +398,16 @@ pub fn calibrate(
     let ranks: Vec<RankRates> = match process {
         None => {
             let topo = Topology::new(w, 1).map_err(|e| e.to_string())?;
-            run_threads(topo, Duration::from_secs(120), |c| measure_rank(&c))
-                .into_iter()
-                .map(|r| r.map_err(|e| e.to_string()).and_then(|x| x))
-                .collect::<Result<_, _>>()?
+            run_threads(topo, Duration::from_secs(120), |c| {
+                measure_rank(&c, o.threads_per_rank)
+            })
+            .into_iter()
+            .map(|r| r.map_err(|e| e.to_string()).and_then(|x| x))
+            .collect::<Result<_, _>>()?
         }
         Some(p) => {
             // The mean over the processes: one all-reduce of every rank's numbers.
-            let mine = measure_rank(p.comm)?;
+            let mine = measure_rank(p.comm, o.threads_per_rank)?;
             let mut v = encode(&mine);
             p.comm
                 .all_reduce(Group::World, ReduceOp::Sum, (&mut v[..]).into())
@@ -475,6 +542,19 @@ pub fn calibrate(
         }
     }
     sources.insert(
+        "norm_elements_per_s".into(),
+        measured(&format!(
+            "the engine's gradient-norm kernel (sum of squares in one f64 accumulator, element order) over {STEP_ELEMENTS} f32 elements per rank, every rank at once, mean over ranks"
+        )),
+    );
+    sources.insert(
+        "optimizer_bytes_per_s".into(),
+        measured(&format!(
+            "the engine's AdamW step of {STEP_ELEMENTS} f32 elements per rank on the rank's {} compute thread(s), 28 bytes moved per element, every rank at once, mean over ranks",
+            o.threads_per_rank.max(1)
+        )),
+    );
+    sources.insert(
         "host.link_bytes_per_s".into(),
         measured("the CPU's device is host memory: the copy bandwidth"),
     );
@@ -525,6 +605,8 @@ pub fn calibrate(
         overlap_slowdown: ranks[0].overlap_slowdown,
         rank_skew: 0.0,
         memory_bandwidth_curve,
+        norm_elements_per_s: Some(mean(&|r: &RankRates| r.norm_elements_per_s)),
+        optimizer_bytes_per_s: Some(mean(&|r: &RankRates| r.optimizer_bytes_per_s)),
         compute_fit: Default::default(),
         sources,
     };

@@ -22,15 +22,18 @@
 //!   reduction is issued: a reduce-scatter over the shard group (`P_f * reduce_dtype` bytes),
 //!   or with a shard group of one an all-reduce over the replicate group; under
 //!   `grad_sync = last` (and always for shard-optimizer with accumulation) only in the last
-//!   micro-batch, after casting the f32 accumulation to `reduce_dtype`. With prefetch >= 1
+//!   micro-batch, after casting the f32 accumulation to `reduce_dtype`; before it is sent, the
+//!   rank's contribution is checked for non-finite elements (one read). With prefetch >= 1
 //!   and more than one rank ([`crate::schedule::overlaps_reductions`]) a reduction is
 //!   finished after the next backward use, else at once.
 //! - **Optimizer step**: the division of the gradient shards by the token count and their
-//!   sum of squares, the all-reduce of the loss and flags (world), the gradient-norm
+//!   sum of squares (at the profile's `norm_elements_per_s` when it has one: on a CPU one
+//!   dependent f64 chain, latency-bound), the all-reduce of the loss and flags (world), the gradient-norm
 //!   all-reduce over the shard group and the clip scaling ([`TimeInputs::clip_grad_norm`]),
 //!   the optimizer's pass over the shards (AdamW reads parameter, gradient and both moments
 //!   and writes three: 28 bytes per element; SGD 20 with momentum, 12 without; plus 4 to
-//!   zero the gradient), memory-bound. Offloaded (`PlanConfig::offload`), the post-processing
+//!   zero the gradient), memory-bound, or at the profile's `optimizer_bytes_per_s` when it
+//!   has one (measured on the rank's compute threads, which a CPU device splits it over). Offloaded (`PlanConfig::offload`), the post-processing
 //!   and the optimizer run at the host optimizer threads' rate, every reduced gradient shard
 //!   crosses the host link device to host, and the `param_dtype` shards cross back (under
 //!   `optimizer` after the step, under `params` before each all-gather).

@@ -35,6 +35,10 @@
 //!   "memory_bandwidth_curve": [                 // optional: bandwidth by bytes one pass
 //!     {"bytes": float, "bytes_per_s": float}    // moves (caches); linear in log10(bytes)
 //!   ],
+//!   "norm_elements_per_s": float,               // optional: the gradient norm's sum of
+//!                                               // squares, elements/s (else memory-bound)
+//!   "optimizer_bytes_per_s": float,             // optional: the optimizer step on the
+//!                                               // rank's compute threads (else the curve)
 //!   "compute_fit": {                            // optional: fitted by `fsdp calibrate`,
 //!     "bf16" | "f16" | "f32" | "f64": {         // per param_dtype, each optional
 //!       "gemm_scale": float, "elementwise_scale": float, "op_overhead_s": float,
@@ -60,7 +64,8 @@
 //! |---|---|---|---|
 //! | [`FLOP_RATE`] | `gemm.*.peak_flops_per_s`, `gemm.*.points[i].flops_per_s`, `elementwise_flops_per_s` | 1e6..1e18 FLOP/s | one core of a 1990s CPU does 1e7-1e8; an H200 does 9.9e14 dense BF16, so 1e18 (an exaFLOP/s per rank) leaves three orders of magnitude of headroom |
 //! | [`CALL_FLOPS`] | `gemm.*.points[i].flops` | 1..1e20 FLOPs | a call is at least one multiply-add pair; 1e20 FLOPs would be one GEMM running for over a day on an H200 |
-//! | [`BANDWIDTH`] | `memory_bandwidth_bytes_per_s`, `collectives.*.*.bus_bandwidth_bytes_per_s`, `host.*` | 1e6..1e15 bytes/s | 10 Mb/s Ethernet is 1.25e6; HBM3e of an H200 is 4.8e12, NVLink 4.5e11 per direction, so 1 PB/s leaves 200x |
+//! | [`BANDWIDTH`] | `memory_bandwidth_bytes_per_s`, `collectives.*.*.bus_bandwidth_bytes_per_s`, `host.*`, `optimizer_bytes_per_s` | 1e6..1e15 bytes/s | 10 Mb/s Ethernet is 1.25e6; HBM3e of an H200 is 4.8e12, NVLink 4.5e11 per direction, so 1 PB/s leaves 200x |
+//! | [`ELEMENT_RATE`] | `norm_elements_per_s` | 1e5..1e15 elements/s | one dependent f64 addition per element runs at 1e8-1e9 on a CPU core; an H200's HBM streams 1.2e12 f32 elements a second |
 //! | [`LATENCY`] | `collectives.*.*.latency_s`, `collectives.*.*.step_latency_s` | 0..1 s | NCCL's model is microseconds and a TCP round trip across a data center milliseconds; a second per call is a unit mistake |
 //! | [`SLOWDOWN`] | `overlap_slowdown` | 0..10 | compute 11x slower while a collective runs is a broken measurement (NCCL's channels take about 1/8 of an H200's SMs: 0.12) |
 //! | [`SKEW`] | `rank_skew` | 0..1 | the slowest rank twice as slow as the mean rank is a broken machine or measurement, not a skew to plan with |
@@ -359,6 +364,20 @@ pub struct HardwareProfile {
     /// every pass runs at `memory_bandwidth_bytes_per_s`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub memory_bandwidth_curve: Vec<BandwidthPoint>,
+    /// Elements per second of the gradient norm's sum of squares over the gradient shards
+    /// (optional; `fsdp calibrate` measures the engine's kernel). On a CPU device the sum is
+    /// one f64 accumulator added to in element order (bitwise reproducible), so it runs at the
+    /// latency of a dependent addition, not at the memory bandwidth. Absent: a memory-bound
+    /// pass reading 4 bytes per element.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub norm_elements_per_s: Option<f64>,
+    /// Bytes moved per second by the optimizer step of a shard on the device (optional;
+    /// `fsdp calibrate` measures the engine's AdamW on the rank's compute threads, which a
+    /// CPU device splits the shard over). Counted as the time model counts the step's bytes:
+    /// AdamW 32 per element (parameter, gradient, two moments). Absent: the memory bandwidth
+    /// curve. An offloaded step runs at `host.optimizer_bytes_per_s` either way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer_bytes_per_s: Option<f64>,
     /// The compute model's correction per `param_dtype`, fitted to measured training steps
     /// (optional; `fsdp calibrate` fits it on the CPU). Absent for a dtype: the analytical
     /// model as is.
@@ -422,6 +441,14 @@ pub const BANDWIDTH: PlausibleRange = PlausibleRange {
     max: 1e15,
     unit: "bytes/s",
     kind: "a bandwidth",
+};
+
+/// Elements per second of a pass over a buffer: 1e5..1e15.
+pub const ELEMENT_RATE: PlausibleRange = PlausibleRange {
+    min: 1e5,
+    max: 1e15,
+    unit: "elements/s",
+    kind: "an element rate",
 };
 
 /// Seconds of a collective's fixed or per-step latency: 0..1.
@@ -672,6 +699,12 @@ impl HardwareProfile {
         )?;
         check("overlap_slowdown", self.overlap_slowdown, &SLOWDOWN)?;
         check("rank_skew", self.rank_skew, &SKEW)?;
+        if let Some(v) = self.norm_elements_per_s {
+            check("norm_elements_per_s", v, &ELEMENT_RATE)?;
+        }
+        if let Some(v) = self.optimizer_bytes_per_s {
+            check("optimizer_bytes_per_s", v, &BANDWIDTH)?;
+        }
         self.validate_calibration(origin)
     }
 
@@ -822,6 +855,12 @@ impl HardwareProfile {
         }
         if !self.memory_bandwidth_curve.is_empty() {
             v.push("memory_bandwidth_curve".into());
+        }
+        if self.norm_elements_per_s.is_some() {
+            v.push("norm_elements_per_s".into());
+        }
+        if self.optimizer_bytes_per_s.is_some() {
+            v.push("optimizer_bytes_per_s".into());
         }
         for (dt, f) in self.compute_fit.entries() {
             if f.is_some() {

@@ -407,7 +407,8 @@ impl Sim<'_> {
     }
 
     /// `RankEngine::start_reduce`: per trainable flat parameter, the cast of an f32
-    /// accumulation (sync-last, 16-bit reduction), then a reduce-scatter over the shard group,
+    /// accumulation (sync-last, 16-bit reduction), the check of the rank's contribution for
+    /// non-finite elements (one read), then a reduce-scatter over the shard group,
     /// or an all-reduce over the replicate group with a shard group of one, or nothing on one
     /// rank.
     fn start_reduce(&mut self, u: usize, sync_last: bool) -> Vec<Option<usize>> {
@@ -422,6 +423,11 @@ impl Sim<'_> {
                     .compute(t, SpanKind::Copy, format!("cast gradient {label}"), Some(u));
             }
             let bytes = padded * self.rd;
+            // The rank's own contribution checked for a non-finite element before it is sent
+            // (one read), so a non-finite report can name the rank.
+            let t = self.mem(bytes);
+            self.tl
+                .compute(t, SpanKind::Copy, format!("finite check {label}"), Some(u));
             ids.push(if s > 1 {
                 Some(self.issue(
                     CollectiveKind::ReduceScatter,
@@ -678,7 +684,13 @@ pub fn predict(
             sim.mem(bytes)
         }
     };
-    let t = post(&sim, 12.0 * trainable_shard);
+    // The divide by the token count (read and write), then the sum of squares (a read; one
+    // dependent f64 chain on a CPU, at the profile's norm rate when it has one).
+    let squares = match profile.norm_elements_per_s {
+        Some(rate) => (trainable_shard / rate).max(post(&sim, 4.0 * trainable_shard)),
+        None => post(&sim, 4.0 * trainable_shard),
+    };
+    let t = post(&sim, 8.0 * trainable_shard) + squares;
     sim.tl.compute(
         t,
         SpanKind::Optimizer,
@@ -702,12 +714,18 @@ pub fn predict(
         sim.tl
             .compute(t, SpanKind::Optimizer, "clip gradients".into(), None);
     }
-    let per_elem = match cfg.optimizer {
-        Optimizer::AdamW => 28.0,
-        Optimizer::Sgd { momentum } if momentum != 0.0 => 20.0,
-        Optimizer::Sgd { .. } => 12.0,
-    } + 4.0;
-    let t = post(&sim, per_elem * trainable_shard);
+    // The update's bytes, then zeroing the gradient shards (4 per element).
+    let update = trainable_shard
+        * match cfg.optimizer {
+            Optimizer::AdamW => 28.0,
+            Optimizer::Sgd { momentum } if momentum != 0.0 => 20.0,
+            Optimizer::Sgd { .. } => 12.0,
+        };
+    let zero = 4.0 * trainable_shard;
+    let t = match (sim.offload, profile.optimizer_bytes_per_s) {
+        (Offload::None, Some(rate)) => update / rate + sim.mem(zero),
+        _ => post(&sim, update + zero),
+    };
     sim.tl
         .compute(t, SpanKind::Optimizer, "optimizer step".into(), None);
     if sim.offload == Offload::Optimizer {
