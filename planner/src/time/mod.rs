@@ -28,12 +28,14 @@
 //!   finished after the next backward use, else at once.
 //! - **Optimizer step**: the division of the gradient shards by the token count and their
 //!   sum of squares (at the profile's `norm_elements_per_s` when it has one: on a CPU one
-//!   dependent f64 chain, latency-bound), the all-reduce of the loss and flags (world), the gradient-norm
-//!   all-reduce over the shard group and the clip scaling ([`TimeInputs::clip_grad_norm`]),
-//!   the optimizer's pass over the shards (AdamW reads parameter, gradient and both moments
-//!   and writes three: 28 bytes per element; SGD 20 with momentum, 12 without; plus 4 to
-//!   zero the gradient), memory-bound, or at the profile's `optimizer_bytes_per_s` when it
-//!   has one (measured on the rank's compute threads, which a CPU device splits it over). Offloaded (`PlanConfig::offload`), the post-processing
+//!   dependent f64 chain, latency-bound), the all-reduce of the loss and flags (world), the
+//!   gradient-norm all-reduce over the shard group and the clip scaling
+//!   ([`TimeInputs::clip_grad_norm`]), the optimizer's pass over the shards (AdamW reads
+//!   parameter, gradient and both moments and writes three: 28 bytes per element; SGD 20
+//!   with momentum, 12 without), memory-bound or at the profile's `optimizer_bytes_per_s`
+//!   when it has one (measured on the rank's compute threads, which a CPU device splits the
+//!   step over), then 4 bytes per element to zero the gradient. Offloaded
+//!   (`PlanConfig::offload`), the post-processing
 //!   and the optimizer run at the host optimizer threads' rate, every reduced gradient shard
 //!   crosses the host link device to host, and the `param_dtype` shards cross back (under
 //!   `optimizer` after the step, under `params` before each all-gather).

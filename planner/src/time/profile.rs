@@ -373,9 +373,11 @@ pub struct HardwareProfile {
     pub norm_elements_per_s: Option<f64>,
     /// Bytes moved per second by the optimizer step of a shard on the device (optional;
     /// `fsdp calibrate` measures the engine's AdamW on the rank's compute threads, which a
-    /// CPU device splits the shard over). Counted as the time model counts the step's bytes:
-    /// AdamW 32 per element (parameter, gradient, two moments). Absent: the memory bandwidth
-    /// curve. An offloaded step runs at `host.optimizer_bytes_per_s` either way.
+    /// CPU device splits the shard over), counting the update's bytes read plus written: AdamW
+    /// 28 per element (parameter, gradient and both moments read; parameter and moments
+    /// written), SGD 20 with momentum, 12 without. Zeroing the gradient after it stays a
+    /// memory-bound pass. Absent: the memory bandwidth curve. An offloaded step runs at
+    /// `host.optimizer_bytes_per_s` either way.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optimizer_bytes_per_s: Option<f64>,
     /// The compute model's correction per `param_dtype`, fitted to measured training steps
