@@ -31,7 +31,7 @@ fn args(device: PlanDeviceArg, activations: ActivationsArg) -> PlanArgs {
         grad_sync: GradSyncArg::Every,
         prefetch: 1,
         alignment: 1,
-        device,
+        device: Some(device),
         activations,
         device_memory: None,
         format: Format::Json,

@@ -70,7 +70,7 @@ const BASE: [&str; 10] = [
 #[test]
 fn plan_time_json_is_the_prediction_of_the_same_plan() {
     let mut args = BASE.to_vec();
-    args.extend(["--format", "json"]);
+    args.extend(["--device", "cuda", "--format", "json"]);
     let plain = ok_json(&args);
     args.extend(["--time", "--hardware", "h100-sxm"]);
     let timed = ok_json(&args);
@@ -99,6 +99,8 @@ fn plan_time_json_is_the_prediction_of_the_same_plan() {
         grad_accum: 2,
         seq_len: 256,
         param_dtype: fsdp_types::DType::BF16,
+        // A GPU profile plans the GPU's step: the composite ops.
+        activations: fsdp_planner::ActivationModel::Composite,
         ..PlanConfig::new(4)
     };
     let p = fsdp_planner::plan(&fsdp_planner::preset("tiny").unwrap(), &cfg).unwrap();
@@ -172,6 +174,8 @@ fn plan_time_trace_has_one_event_per_predicted_span_and_is_deterministic() {
         grad_accum: 2,
         seq_len: 256,
         param_dtype: fsdp_types::DType::BF16,
+        // A GPU profile plans the GPU's step: the composite ops.
+        activations: fsdp_planner::ActivationModel::Composite,
         ..PlanConfig::new(4)
     };
     let p = fsdp_planner::plan(&fsdp_planner::preset("tiny").unwrap(), &cfg).unwrap();
@@ -264,6 +268,8 @@ fn plan_auto_with_hardware_keeps_the_fastest_plan_that_fits() {
             seq_len: 256,
             activation_checkpointing: Some(false),
             offload: Some(fsdp_planner::Offload::None),
+            // A GPU profile plans the GPU's step: the composite ops.
+            activations: fsdp_planner::ActivationModel::Composite,
             ..PlanConfig::new(4)
         };
         let p = fsdp_planner::plan(&spec, &cfg).unwrap();
@@ -372,6 +378,8 @@ fn plan_hardware_alone_implies_time_in_the_table_and_in_json() {
         grad_accum: 2,
         seq_len: 256,
         param_dtype: fsdp_types::DType::BF16,
+        // A GPU profile plans the GPU's step: the composite ops.
+        activations: fsdp_planner::ActivationModel::Composite,
         ..PlanConfig::new(4)
     };
     let p = fsdp_planner::plan(&fsdp_planner::preset("tiny").unwrap(), &cfg).unwrap();
@@ -445,6 +453,9 @@ fn plan_time_explains_hfu_below_mfu_by_the_causal_attention() {
         "--time",
         "--hardware",
         "h100-sxm",
+        // The CPU engine's step: its fused attention computes only the causal blocks.
+        "--device",
+        "cpu",
     ];
     let why = "below MFU because the model FLOPs count every one of the T x T attention scores";
     for (ckpt, hfu_below) in [("off", true), ("on", false)] {
@@ -472,4 +483,120 @@ fn plan_time_explains_hfu_below_mfu_by_the_causal_attention() {
             "checkpointing {ckpt}: {line}"
         );
     }
+}
+
+/// A GPU profile without `--device` plans the GPU's step (the composite ops), and says so: the
+/// CPU engine's fused attention, one small GEMM per (sequence, head) pair and row block,
+/// priced at an H100's per-call cost, predicted a step several times too slow. `--device
+/// cpu` keeps the CPU's step, with a note that the prediction is of another device.
+#[test]
+fn a_gpu_profile_plans_the_gpu_step_unless_the_device_is_given() {
+    let base = [
+        "--model",
+        "llama-mini",
+        "--world-size",
+        "8",
+        "--micro-batch",
+        "1",
+        "--seq-len",
+        "512",
+        "--param-dtype",
+        "bf16",
+        "--hardware",
+        "h100-sxm",
+        "--format",
+        "json",
+    ];
+    let run = |extra: &[&'static str]| {
+        let mut args = base.to_vec();
+        args.extend(extra);
+        let o = fsdp(&args);
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let v: Value = serde_json::from_slice(&o.stdout).expect("JSON");
+        (v, String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    let (inferred, note) = run(&[]);
+    let (cuda, cuda_note) = run(&["--device", "cuda"]);
+    let (cpu, cpu_note) = run(&["--device", "cpu"]);
+    assert!(
+        note.contains("the h100-sxm profile describes a GPU: planning the step of --device cuda"),
+        "{note}"
+    );
+    assert!(!cuda_note.contains("note:"), "{cuda_note}");
+    assert!(
+        cpu_note.contains("describes a GPU; this plan computes on the CPU"),
+        "{cpu_note}"
+    );
+    // Inferred is --device cuda, bit for bit; the CPU's step is another plan.
+    assert_eq!(inferred["fingerprint"], cuda["fingerprint"]);
+    assert_eq!(inferred["time"]["step_s"], cuda["time"]["step_s"]);
+    assert_ne!(inferred["fingerprint"], cpu["fingerprint"]);
+    let (g, c) = (
+        cuda["time"]["step_s"].as_f64().unwrap(),
+        cpu["time"]["step_s"].as_f64().unwrap(),
+    );
+    assert!(
+        c > 1.5 * g,
+        "the CPU ops' step {c} s against the GPU's {g} s"
+    );
+}
+
+/// `--trace` through a symbolic link writes the link's target and keeps the link, as a shell's
+/// `>` does. Renaming a finished temporary file over the path, right for a regular file,
+/// would replace the link itself (and, run as root with `--trace /dev/null`, the device node).
+#[cfg(unix)]
+#[test]
+fn trace_through_a_symlink_writes_its_target_and_keeps_the_link() {
+    let d = tempfile::tempdir().unwrap();
+    let target = d.path().join("real.json");
+    let link = d.path().join("link.json");
+    std::fs::write(&target, "old").unwrap();
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let o = fsdp(&[
+        "--model",
+        "tiny",
+        "--hardware",
+        "h100-sxm",
+        "--trace",
+        link.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let meta = std::fs::symlink_metadata(&link).unwrap();
+    assert!(meta.file_type().is_symlink(), "the link was replaced");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&target).unwrap()).unwrap();
+    assert!(!doc["traceEvents"].as_array().unwrap().is_empty());
+}
+
+/// `-o` and `--trace` naming one file would leave only the one written last: refused before
+/// any work, also when the two paths differ only by a link or `./`.
+#[test]
+fn plan_refuses_one_file_for_the_plan_and_the_trace() {
+    let d = tempfile::tempdir().unwrap();
+    let a = d.path().join("out.json");
+    let b = d.path().join(".").join("out.json");
+    let err = bad(
+        &[
+            "--model",
+            "tiny",
+            "--hardware",
+            "h100-sxm",
+            "-o",
+            a.to_str().unwrap(),
+            "--trace",
+            b.to_str().unwrap(),
+        ],
+        "name the same file",
+    );
+    assert!(err.contains("give the trace another path"), "{err}");
+    assert!(!a.exists(), "nothing written");
 }

@@ -158,9 +158,10 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 1)]
     pub alignment: u64,
     /// The device the run computes on (as `fsdp train --device`): `cuda` plans the
-    /// activations of the composite ops a GPU runs.
-    #[arg(long, value_enum, default_value_t = PlanDeviceArg::Cpu)]
-    pub device: PlanDeviceArg,
+    /// activations of the composite ops a GPU runs. Default: `cuda` with a `--hardware`
+    /// profile of a GPU (the built-in ones), else `cpu`.
+    #[arg(long, value_enum)]
+    pub device: Option<PlanDeviceArg>,
     /// Whose activations to plan: `auto` (from --device), `fused` (CPU only) or `composite`.
     #[arg(long, value_enum, default_value_t = ActivationsArg::Auto)]
     pub activations: ActivationsArg,
@@ -219,7 +220,7 @@ pub fn config_from_args(a: &PlanArgs) -> Result<PlanConfig, CliError> {
         .map(parse_device_memory)
         .transpose()?;
     let activations =
-        match (a.activations, a.device) {
+        match (a.activations, a.device.unwrap_or(PlanDeviceArg::Cpu)) {
             (ActivationsArg::Auto, PlanDeviceArg::Cpu)
             | (ActivationsArg::Fused, PlanDeviceArg::Cpu) => ActivationModel::Fused,
             (ActivationsArg::Auto, PlanDeviceArg::Cuda) | (ActivationsArg::Composite, _) => {
@@ -323,6 +324,18 @@ pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
             ));
         }
         crate::trace::check_trace_path("--trace", t)?;
+        if let Some(o) = args
+            .output
+            .as_deref()
+            .filter(|o| crate::output::same_path(o, t))
+        {
+            return Err(CliError::Usage(format!(
+                "-o {} and --trace {} name the same file: one would overwrite the other; give \
+                 the trace another path",
+                o.display(),
+                t.display()
+            )));
+        }
     }
     // A profile is given to be used: --hardware implies --time.
     let time = args.time || args.hardware.is_some();
@@ -336,6 +349,27 @@ pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
         .and_then(|h| super::timing::calibrated_ranks_note(h, args.world_size))
     {
         crate::output::errln!("{n}");
+    }
+    // The device the step is planned and predicted for: a GPU profile without --device plans
+    // the GPU's step (the CPU's fused ops priced at a GPU's rates would predict neither);
+    // a --device that the profile does not describe is planned as given, with a note.
+    if let Some(h) = &hardware {
+        match args.device {
+            None if super::timing::profile_device(h) == super::timing::ProfileDevice::Gpu => {
+                args.device = Some(PlanDeviceArg::Cuda);
+                crate::output::errln!(
+                    "note: the {} profile describes a GPU: planning the step of --device cuda \
+                     (the composite ops); give --device cpu to plan the CPU engine's step",
+                    h.name
+                );
+            }
+            Some(d) => {
+                if let Some(n) = super::timing::device_mismatch(h, d == PlanDeviceArg::Cuda) {
+                    crate::output::errln!("{}", n.replace("this run", "this plan"));
+                }
+            }
+            None => {}
+        }
     }
     let time_inputs = fsdp_planner::time::TimeInputs::default();
     // The model `fsdp train` would run (one read of a --hf-config): a Llama-family model with
