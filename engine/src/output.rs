@@ -198,6 +198,18 @@ pub fn log_fd() -> i32 {
     LOG_FD.load(Ordering::SeqCst)
 }
 
+/// Whether `a` and `b` name the same file: the same file when both exist (links and `..`
+/// resolved), else the same absolute path.
+pub fn same_path(a: &Path, b: &Path) -> bool {
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => match (std::path::absolute(a), std::path::absolute(b)) {
+            (Ok(x), Ok(y)) => x == y,
+            _ => a == b,
+        },
+    }
+}
+
 /// Refuses an output file `path` (given with `flag`) that cannot be written, before any work:
 /// a directory (the message suggests `flag <dir>/<example>`), a parent that is missing (the
 /// `mkdir -p` that fixes it) or not a directory, or a parent where this process cannot create

@@ -230,13 +230,20 @@ pub fn check_trace_path(flag: &str, path: &Path) -> Result<(), RunError> {
     crate::output::check_output_path(flag, path, "trace.json").map_err(RunError::Refused)
 }
 
-/// Writes a trace document to `path`: a temporary file beside it, then a rename, so a reader
-/// never sees half a trace and an earlier file is replaced whole or not at all.
+/// Writes a trace document to `path`. A new file or an earlier regular file: a temporary
+/// file beside it, then a rename, so a reader never sees half a trace and the earlier file is
+/// replaced whole or not at all. Anything else that exists at `path` (a symbolic link, a
+/// device such as `/dev/stdout` or `/dev/null`, a FIFO) is written through, as a shell's
+/// `>` does: renaming over it would replace the link or the device node itself.
 ///
 /// Errors: the I/O error, with the path.
 pub fn write_trace(path: &Path, doc: &Value) -> Result<(), String> {
     let mut text = serde_json::to_string(doc).map_err(|e| format!("serializing the trace: {e}"))?;
     text.push('\n');
+    if std::fs::symlink_metadata(path).is_ok_and(|m| !m.file_type().is_file()) {
+        return std::fs::write(path, text)
+            .map_err(|e| format!("cannot write {}: {e}", path.display()));
+    }
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
