@@ -31,8 +31,19 @@ const RUN: [&str; 12] = [
 
 #[test]
 fn train_hardware_summary_compares_median_step_with_the_prediction() {
+    // The A100's numbers in a profile that says it was calibrated on this kind of host (a
+    // GPU profile against a CPU run gives no error or MFU).
+    let d = tempfile::tempdir().unwrap();
+    let mut prof = builtin_profile("a100-80gb").unwrap();
+    prof.name = "calibrated-here".into();
+    prof.description = "here: 2 rank threads of 1 compute threads, measured by fsdp calibrate \
+                        on 2026-01-01"
+        .into();
+    prof.ranks_per_node = 2;
+    let file = d.path().join("here.json");
+    std::fs::write(&file, serde_json::to_string(&prof).unwrap()).unwrap();
     let mut args = RUN.to_vec();
-    args.extend(["--hardware", "a100-80gb", "--json"]);
+    args.extend(["--hardware", file.to_str().unwrap(), "--json"]);
     let o = fsdp_train(&args);
     assert_eq!(
         o.status.code(),
@@ -66,12 +77,8 @@ fn train_hardware_summary_compares_median_step_with_the_prediction() {
         ..PlanConfig::new(2)
     };
     let p = fsdp_planner::plan(&preset("tiny").unwrap(), &cfg).unwrap();
-    let want = predict(
-        &p,
-        &builtin_profile("a100-80gb").unwrap(),
-        &TimeInputs::default(),
-    )
-    .unwrap();
+    let want = predict(&p, &prof, &TimeInputs::default()).unwrap();
+    assert_eq!(t["profile_of_another_device"], false);
     let predicted = t["predicted_step_s"].as_f64().unwrap();
     assert!((predicted - want.step_s).abs() <= 1e-14 * want.step_s);
     let err = t["step_time_error"].as_f64().unwrap();
@@ -368,6 +375,23 @@ fn train_hardware_of_a_gpu_on_the_cpu_says_what_it_compares() {
         "{out}"
     );
     assert!(!out.contains("| MFU") && !out.contains("%; "), "{out}");
+    // Nor in the JSON summary: both step times, the error and MFU null.
+    args.push("--json");
+    let o = fsdp_train(&args);
+    assert_eq!(o.status.code(), Some(0));
+    let line = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .to_string();
+    let st = &serde_json::from_str::<serde_json::Value>(&line).expect("JSON summary")["step_time"];
+    assert_eq!(st["profile_of_another_device"], true, "{st}");
+    assert!(st["predicted_step_s"].as_f64().unwrap() > 0.0, "{st}");
+    assert!(st["measured_step_s"].as_f64().unwrap() > 0.0, "{st}");
+    assert!(
+        st["step_time_error"].is_null() && st["mfu"].is_null(),
+        "{st}"
+    );
     // A profile calibrated on a CPU at the run's world size describes this run: no note.
     let mut p = builtin_profile("a100-80gb").unwrap();
     p.name = "calibrated-here".into();

@@ -745,6 +745,11 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
         if let Some(c) = &comparison {
             v["step_time"] = super::timing::comparison_json(c);
             v["step_time"]["profile_of_another_device"] = mismatch.is_some().into();
+            if mismatch.is_some() {
+                // As the text says: no error or MFU of this run against another device.
+                v["step_time"]["step_time_error"] = serde_json::Value::Null;
+                v["step_time"]["mfu"] = serde_json::Value::Null;
+            }
         }
         let s = serde_json::to_string(&v).map_err(|e| CliError::Failed(e.to_string()))?;
         outln!("{s}");
