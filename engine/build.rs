@@ -3,8 +3,8 @@
 //!
 //! Writes `$OUT_DIR/corpus.txt`: every `*.rs`, `*.md` and `*.toml` file under the workspace
 //! root (the parent of this crate's directory, when it holds a `Cargo.toml` with a
-//! `[workspace]` table; otherwise this crate's own directory), excluding `target/` and hidden
-//! directories such as `.git/`, sorted by relative path (`/`-separated), each preceded by a line
+//! `[workspace]` table; otherwise this crate's own directory), excluding `target/`, any other
+//! cargo target directory (it holds a `CACHEDIR.TAG`) and hidden directories such as `.git/`, sorted by relative path (`/`-separated), each preceded by a line
 //! `// ---- <path> ----`. Paths are visited in a fixed order and files are copied byte for byte,
 //! so the corpus is the same on every platform for the same checkout.
 
@@ -14,8 +14,12 @@ use std::path::{Path, PathBuf};
 
 const EXTENSIONS: [&str; 3] = ["rs", "md", "toml"];
 
-fn skip_dir(name: &str) -> bool {
-    name == "target" || name.starts_with('.')
+/// A directory not embedded: `target`, a hidden one (`.git`), or any other cargo target
+/// directory (`CARGO_TARGET_DIR=target-release` and the like), which cargo marks with a
+/// `CACHEDIR.TAG` file (<https://bford.info/cachedir/>): its build outputs would change the
+/// corpus, and rebuild this crate, on every build.
+fn skip_dir(name: &str, path: &Path) -> bool {
+    name == "target" || name.starts_with('.') || path.join("CACHEDIR.TAG").is_file()
 }
 
 fn collect(root: &Path, dir: &Path, out: &mut Vec<(String, PathBuf)>) {
@@ -27,7 +31,7 @@ fn collect(root: &Path, dir: &Path, out: &mut Vec<(String, PathBuf)>) {
         let name = entry.file_name().to_string_lossy().into_owned();
         let Ok(ft) = entry.file_type() else { continue };
         if ft.is_dir() {
-            if !skip_dir(&name) {
+            if !skip_dir(&name, &path) {
                 collect(root, &path, out);
             }
         } else if ft.is_file()
@@ -70,7 +74,7 @@ fn main() {
     for e in &top {
         let name = e.file_name().to_string_lossy().into_owned();
         let is_dir = e.file_type().map(|t| t.is_dir()).unwrap_or(false);
-        if is_dir && skip_dir(&name) {
+        if is_dir && skip_dir(&name, &e.path()) {
             continue;
         }
         println!("cargo:rerun-if-changed={}", e.path().display());

@@ -230,6 +230,18 @@ fn embedded_corpus_is_the_project_source() {
     assert!(!paths
         .iter()
         .any(|p| p.starts_with("target/") || p.starts_with('.')));
+    // Nor any other cargo target directory of this checkout (`CARGO_TARGET_DIR=target-mpi`):
+    // cargo marks each with a CACHEDIR.TAG.
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap();
+    for p in &paths {
+        let top = p.split('/').next().unwrap();
+        assert!(
+            !root.join(top).join("CACHEDIR.TAG").exists(),
+            "{p} lies in a cargo target directory"
+        );
+    }
     assert!(paths
         .iter()
         .all(|p| p.ends_with(".rs") || p.ends_with(".md") || p.ends_with(".toml")));

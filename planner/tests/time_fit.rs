@@ -405,3 +405,24 @@ fn norm_and_optimizer_run_at_the_profiles_measured_rates() {
         close(s, 4.0 * padded / bw, &u.name);
     }
 }
+
+/// The model replays every micro-batch: a step of more than `MAX_MICRO_BATCHES` is refused by
+/// name (a million would take minutes and gigabytes), the limit itself is predicted.
+#[test]
+fn more_micro_batches_than_the_model_simulates_are_refused_by_name() {
+    let prof = profile(1e10, "").unwrap();
+    let mut c = tiny_plan().config.clone();
+    c.grad_accum = fsdp_planner::time::MAX_MICRO_BATCHES;
+    let at = plan(&preset("tiny").unwrap(), &c).unwrap();
+    let t = predict(&at, &prof, &TimeInputs::default()).unwrap();
+    assert!(t.step_s.is_finite() && t.step_s > 0.0);
+    c.grad_accum += 1;
+    let over = plan(&preset("tiny").unwrap(), &c).unwrap();
+    let e = predict(&over, &prof, &TimeInputs::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--grad-accum 4097") && e.contains("at most 4096"),
+        "{e}"
+    );
+}

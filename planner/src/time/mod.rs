@@ -88,7 +88,7 @@ pub use profile::{
     BANDWIDTH, BUILTIN_PROFILE_NAMES, CALL_FLOPS, FLOP_RATE, LATENCY, PROFILE_SCHEMA,
     RANKS_PER_NODE, SKEW, SLOWDOWN,
 };
-pub use step::{predict, use_compute_parts, ComputeParts, UseParts};
+pub use step::{predict, use_compute_parts, ComputeParts, UseParts, MAX_MICRO_BATCHES};
 
 /// What the plan does not say about a step and the time model needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

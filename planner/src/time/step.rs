@@ -185,6 +185,14 @@ pub fn use_compute_parts(
 ) -> Result<Vec<UseParts>, PlanError> {
     profile.validate(&profile.name)?;
     let cfg = &plan.config;
+    if cfg.grad_accum > MAX_MICRO_BATCHES {
+        return Err(PlanError::InvalidConfig(format!(
+            "--grad-accum {}: the step-time model simulates every micro-batch of a step, at \
+             most {MAX_MICRO_BATCHES}; predict with fewer micro-batches of more sequences \
+             (--micro-batch), or plan without --hardware",
+            cfg.grad_accum
+        )));
+    }
     let curve = profile.gemm_curve(cfg.param_dtype)?;
     let shape = OpShape {
         micro_batch: cfg.micro_batch,
@@ -496,11 +504,15 @@ impl Sim<'_> {
     }
 }
 
+/// The most micro-batches per step [`predict`] simulates: each is replayed span by span
+/// (about 16 KB of spans each), so a step of millions would take minutes and gigabytes.
+pub const MAX_MICRO_BATCHES: u64 = 4096;
+
 /// Predicts one training step of `plan` on `profile` (see the [`super`] module doc for the
 /// model, its sources and what it ignores). Pure and deterministic.
 ///
-/// Errors: `InvalidConfig` for a generic architecture (no ops to count) or a
-/// `ranks_per_node` of 0; [`PlanError::BadProfile`] for a profile that fails
+/// Errors: `InvalidConfig` for a generic architecture (no ops to count), a
+/// `ranks_per_node` of 0 or more than [`MAX_MICRO_BATCHES`] micro-batches; [`PlanError::BadProfile`] for a profile that fails
 /// [`HardwareProfile::validate`] or lacks a GEMM curve for the plan's `param_dtype`.
 pub fn predict(
     plan: &ShardPlan,
@@ -509,6 +521,14 @@ pub fn predict(
 ) -> Result<StepPrediction, PlanError> {
     profile.validate(&profile.name)?;
     let cfg = &plan.config;
+    if cfg.grad_accum > MAX_MICRO_BATCHES {
+        return Err(PlanError::InvalidConfig(format!(
+            "--grad-accum {}: the step-time model simulates every micro-batch of a step, at \
+             most {MAX_MICRO_BATCHES}; predict with fewer micro-batches of more sequences \
+             (--micro-batch), or plan without --hardware",
+            cfg.grad_accum
+        )));
+    }
     let curve = profile.gemm_curve(cfg.param_dtype)?;
     let rpn = inputs.ranks_per_node.unwrap_or(profile.ranks_per_node);
     if rpn == 0 {
