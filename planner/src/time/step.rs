@@ -185,14 +185,6 @@ pub fn use_compute_parts(
 ) -> Result<Vec<UseParts>, PlanError> {
     profile.validate(&profile.name)?;
     let cfg = &plan.config;
-    if cfg.grad_accum > MAX_MICRO_BATCHES {
-        return Err(PlanError::InvalidConfig(format!(
-            "--grad-accum {}: the step-time model simulates every micro-batch of a step, at \
-             most {MAX_MICRO_BATCHES}; predict with fewer micro-batches of more sequences \
-             (--micro-batch), or plan without --hardware",
-            cfg.grad_accum
-        )));
-    }
     let curve = profile.gemm_curve(cfg.param_dtype)?;
     let shape = OpShape {
         micro_batch: cfg.micro_batch,
