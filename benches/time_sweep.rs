@@ -21,8 +21,11 @@
 //!    summary's `step_time` (the plan's prediction on the round's profile); the error is the
 //!    median over rounds of each run's measured step against its round's prediction.
 //! 3. Prints one row per configuration (predicted and measured step time and exposed
-//!    communication, the error, the spread over rounds), then MAPE, the largest error and how
-//!    many configurations are within 25%; one JSON line per configuration.
+//!    communication, the error, the spread over rounds, and the share of CPU time the
+//!    hypervisor stole from this VM during its runs, `steal` of `/proc/stat`: a measurement
+//!    taken while another tenant held the host's cores is slower than the calibration
+//!    predicts, and this says when), then MAPE, the largest error and how many
+//!    configurations are within 25%; one JSON line per configuration.
 //!
 //! Run: `cargo build --release -p fsdp` (and, for the MPI rows,
 //! `CARGO_TARGET_DIR=target-mpi cargo build --release -p fsdp --features mpi`), then
@@ -231,12 +234,36 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// Predicted and measured (step seconds, exposed communication seconds) of one run.
+/// Predicted and measured (step seconds, exposed communication seconds) of one run, and the
+/// share of CPU time stolen from the VM while it ran.
 struct Row {
     predicted_s: f64,
     measured_s: f64,
     predicted_comm_s: f64,
     measured_comm_s: f64,
+    steal: f64,
+}
+
+/// (steal, total) CPU time in clock ticks since boot, from the `cpu` line of `/proc/stat`
+/// (user nice system idle iowait irq softirq steal ...); `None` off Linux.
+fn cpu_ticks() -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = text.lines().find(|l| l.starts_with("cpu "))?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    let total = v.iter().take(8).sum();
+    Some((*v.get(7)?, total))
+}
+
+/// The stolen share of CPU time between two [`cpu_ticks`] readings (NaN when unknown).
+fn steal_between(a: Option<(u64, u64)>, b: Option<(u64, u64)>) -> f64 {
+    match (a, b) {
+        (Some((s0, t0)), Some((s1, t1))) if t1 > t0 => (s1 - s0) as f64 / (t1 - t0) as f64,
+        _ => f64::NAN,
+    }
 }
 
 fn run(c: &Config, fsdp: &Path, mpi_bin: &Path, profile: &Path, steps: u64) -> Result<Row, String> {
@@ -270,7 +297,9 @@ fn run(c: &Config, fsdp: &Path, mpi_bin: &Path, profile: &Path, steps: u64) -> R
         .arg(profile)
         .arg("--json")
         .args(&c.args);
+    let before = cpu_ticks();
     let out = cmd.output().map_err(|e| format!("cannot start: {e}"))?;
+    let steal = steal_between(before, cpu_ticks());
     if !out.status.success() {
         return Err(format!(
             "exit {:?}: {}",
@@ -307,6 +336,7 @@ fn run(c: &Config, fsdp: &Path, mpi_bin: &Path, profile: &Path, steps: u64) -> R
         measured_s: median(step_s),
         predicted_comm_s: t["predicted_exposed_comm_s"].as_f64().unwrap_or(f64::NAN),
         measured_comm_s: median(comm_s),
+        steal,
     })
 }
 
@@ -374,7 +404,7 @@ fn main() {
         }
     }
     println!(
-        "\n{:<34} {:>11} {:>11} {:>8} {:>8} {:>15} {:>11} {:>11}",
+        "\n{:<34} {:>11} {:>11} {:>8} {:>8} {:>15} {:>11} {:>11} {:>6}",
         "configuration",
         "predicted",
         "measured",
@@ -382,10 +412,12 @@ fn main() {
         "1st cal",
         "spread",
         "pred comm",
-        "meas comm"
+        "meas comm",
+        "steal"
     );
     let mut errors = Vec::new();
     let mut first_errors = Vec::new();
+    let mut steals = Vec::new();
     for (c, r) in configs.iter().zip(&runs) {
         if c.mpi && !have_mpi {
             println!(
@@ -414,10 +446,12 @@ fn main() {
                 .collect(),
         );
         let first = measured / r[0].predicted_s - 1.0;
+        let steal = median(r.iter().map(|x| x.steal).collect());
+        steals.push(steal);
         errors.push((c.name.clone(), err));
         first_errors.push(first);
         println!(
-            "{:<34} {:>9.1}ms {:>9.1}ms {:>+7.1}% {:>+7.1}% {:>+6.1}%..{:>+5.1}% {:>9.2}ms {:>9.2}ms",
+            "{:<34} {:>9.1}ms {:>9.1}ms {:>+7.1}% {:>+7.1}% {:>+6.1}%..{:>+5.1}% {:>9.2}ms {:>9.2}ms {:>5.1}%",
             c.name,
             predicted * 1e3,
             measured * 1e3,
@@ -426,7 +460,8 @@ fn main() {
             100.0 * (lo / measured - 1.0),
             100.0 * (hi / measured - 1.0),
             pred_comm * 1e3,
-            comm * 1e3
+            comm * 1e3,
+            100.0 * steal
         );
         println!(
             "{}",
@@ -437,7 +472,8 @@ fn main() {
                 "measured_step_s_per_round": r.iter().map(|x| x.measured_s).collect::<Vec<_>>(),
                 "error": err, "error_first_calibration": first,
                 "predicted_exposed_comm_s": pred_comm,
-                "measured_exposed_comm_s": comm})
+                "measured_exposed_comm_s": comm,
+                "cpu_steal_share": steal})
         );
     }
     if errors.is_empty() {
@@ -465,5 +501,10 @@ fn main() {
         "against the first round's profiles only: MAPE {:.1}% | {first_within} of {} within 25%",
         100.0 * first_mape,
         errors.len()
+    );
+    println!(
+        "CPU time stolen by the hypervisor during the runs: median {:.1}% (0 on a machine of \
+         its own)",
+        100.0 * median(steals)
     );
 }

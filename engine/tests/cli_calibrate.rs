@@ -3,7 +3,7 @@
 //! it on a GPU run), and `fsdp plan --time --hardware FILE` accepts it; bad requests exit 2.
 
 use fsdp::cli::timing::{profile_device, ProfileDevice};
-use fsdp_planner::time::HardwareProfile;
+use fsdp_planner::time::{GemmLayout, GemmShape, HardwareProfile};
 use fsdp_types::DType;
 use std::process::{Command, Output};
 
@@ -87,9 +87,41 @@ fn calibrated_profile_is_complete_and_plans_a_step() {
     for curve in [&prof.gemm.f32, &prof.gemm.bf16, &prof.gemm.f16] {
         let c = curve.as_ref().expect("f32, bf16 and f16 measured");
         assert_eq!(c.points.len(), 5);
-        // The peak is the measured maximum.
-        let max = c.points.iter().map(|p| p.flops_per_s).fold(0.0, f64::max);
+        // The shape grid: every (m, k, n) of 64, 256, 1024 in each of the three layouts,
+        // in the order nn, nt, tn, m slowest.
+        assert_eq!(c.shapes.len(), 3 * 27);
+        let dims = [64, 256, 1024];
+        let mut want = Vec::new();
+        for layout in GemmLayout::ALL {
+            for m in dims {
+                for k in dims {
+                    for n in dims {
+                        want.push((layout, m, k, n));
+                    }
+                }
+            }
+        }
+        let got: Vec<_> = c.shapes.iter().map(|s| (s.layout, s.m, s.k, s.n)).collect();
+        assert_eq!(got, want);
+        assert!(c.shapes.iter().all(|s| s.flops_per_s > 1e6), "{c:?}");
+        // The peak is the measured maximum of the curve and the grid.
+        let max = c
+            .points
+            .iter()
+            .map(|p| p.flops_per_s)
+            .chain(c.shapes.iter().map(|s| s.flops_per_s))
+            .fold(0.0, f64::max);
         assert_eq!(c.peak_flops_per_s, max);
+        // At a grid point the model runs the measured rate.
+        let s = c.shapes[27 + 13];
+        let shape = GemmShape {
+            m: s.m,
+            k: s.k,
+            n: s.n,
+            layout: s.layout,
+        };
+        assert_eq!((s.layout, s.m, s.k, s.n), (GemmLayout::Nt, 256, 256, 256));
+        assert!((c.rate_of(&shape) - s.flops_per_s).abs() <= 1e-9 * s.flops_per_s);
     }
     for l in [&prof.collectives.intra_node, &prof.collectives.inter_node] {
         for c in [&l.all_gather, &l.reduce_scatter, &l.all_reduce] {

@@ -7,7 +7,9 @@
 //!   matmul (cuBLAS) of standard normal matrices, `2 n^3` FLOPs per call. One untimed call,
 //!   then batches of calls (1, 2, 4, ... up to 4096) each ended by a device synchronize,
 //!   until at least [`MIN_SECONDS`] have passed since the first timed launch. The dtype's
-//!   peak is the highest measured point, as on the CPU.
+//!   peak is the highest measured point, as on the CPU. No shape grid is measured: every
+//!   shape runs at the square curve's rate for its FLOPs (cuBLAS chooses a kernel per shape
+//!   and layout; the grid is what the CPU's single kernel family needs).
 //! - **Memory bandwidth**: a device-to-device copy of a 256 MiB f32 tensor
 //!   (`Tensor::copy`, a `cuMemcpyDtoD`), bytes read plus written per second.
 //! - **Elementwise FLOP/s**: candle's `affine` (`y = 0.999 x + 0.5`, 2 FLOPs per element) over
@@ -188,9 +190,11 @@ pub fn calibrate_cuda(dev: &Device, o: &CudaCalibrateOptions) -> Result<Hardware
             });
         }
         let peak = points.iter().map(|p| p.flops_per_s).fold(0.0, f64::max);
+        // cuBLAS picks its kernel by shape; the square curve stands for every shape.
         curves.push(GemmCurve {
             peak_flops_per_s: peak,
             points,
+            shapes: Vec::new(),
         });
     }
     let copy = copy_rate(dev)?;

@@ -6,6 +6,14 @@
 //!   (the path the model's matmuls take), `2 n^3` FLOPs per call, repeated for at least
 //!   [`MIN_SECONDS`] per size on every rank at once; the rate is the mean over ranks. The
 //!   dtype's peak is the highest measured point (a measured maximum, not a vendor figure).
+//! - **GEMM by shape** per dtype: the same matmul over the grid [`SHAPE_DIMS`]`^3` of
+//!   `(m, k, n)` in each operand layout the model's linear layers run (`A B`, `A B^T` and
+//!   `A^T B`, the transposed operand a strided view as the engine passes it): the median of
+//!   [`SHAPE_ROUNDS`] rounds over the whole grid, each timing a shape for at least
+//!   [`SHAPE_MIN_SECONDS`] (rounds, not one long timing per shape, so that a slow spell of a
+//!   shared machine lands on different shapes each round and the median drops it). The
+//!   step-time model scales the size curve by each shape's measured factor
+//!   ([`fsdp_planner::time::GemmCurve::rate_of`]).
 //! - **Memory bandwidth**: a copy of a 64 MiB f32 buffer per rank (bytes read plus written
 //!   per second). **Elementwise FLOP/s**: `y = a x + y` over an L2-sized f32 buffer, 2 FLOPs
 //!   per element.
@@ -30,8 +38,8 @@ pub mod fit;
 
 use fsdp_comm::{run_threads, BufMut, Communicator, Group, OwnedBuf, ReduceOp, Topology};
 use fsdp_planner::time::{
-    BandwidthPoint, CollectiveCost, Collectives, CurvePoint, GemmCurve, GemmRates, HardwareProfile,
-    HostLink, LinkCollectives, PROFILE_SCHEMA,
+    BandwidthPoint, CollectiveCost, Collectives, CurvePoint, GemmCurve, GemmLayout, GemmRates,
+    HardwareProfile, HostLink, LinkCollectives, ShapePoint, PROFILE_SCHEMA,
 };
 use fsdp_types::DType;
 use std::collections::BTreeMap;
@@ -42,6 +50,85 @@ pub const MIN_SECONDS: f64 = 0.15;
 
 /// GEMM sizes (square `n`).
 const GEMM_SIZES: [usize; 5] = [64, 128, 256, 512, 1024];
+
+/// The values each of `m`, `k` and `n` takes in the GEMM shape grid: a head's width, a small
+/// model's width, a micro-batch's rows (larger dimensions take the factor of the grid's edge;
+/// a 2048 edge would make the grid 6x slower to measure in half precision on a CPU).
+pub const SHAPE_DIMS: [usize; 3] = [64, 256, 1024];
+
+/// Minimum seconds of timed calls per shape and round (after one untimed call, unless that
+/// call alone took this long).
+pub const SHAPE_MIN_SECONDS: f64 = 0.01;
+
+/// Rounds over the shape grid; each shape's rate is the median of its rounds.
+pub const SHAPE_ROUNDS: usize = 5;
+
+/// Every `(layout, m, k, n)` of the shape grid, in the order the profile lists them.
+fn shape_grid() -> Vec<(GemmLayout, usize, usize, usize)> {
+    let mut v = Vec::new();
+    for layout in GemmLayout::ALL {
+        for m in SHAPE_DIMS {
+            for k in SHAPE_DIMS {
+                for n in SHAPE_DIMS {
+                    v.push((layout, m, k, n));
+                }
+            }
+        }
+    }
+    v
+}
+
+/// The rate (FLOP/s) of candle's CPU matmul `op(A)[m, k] op(B)[k, n]` in `dtype` with the
+/// operands laid out as `layout`: a transposed operand is the `.t()` view of a row-major
+/// matrix, as the model's linear layers pass it.
+fn shape_rate(
+    dtype: candle_core::DType,
+    layout: GemmLayout,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Result<f64, String> {
+    let dev = candle_core::Device::Cpu;
+    let mat = |r: usize, c: usize, t: bool| -> candle_core::Result<candle_core::Tensor> {
+        let x =
+            candle_core::Tensor::ones((r, c), candle_core::DType::F32, &dev)?.to_dtype(dtype)?;
+        if t {
+            x.t()
+        } else {
+            Ok(x)
+        }
+    };
+    let err =
+        |e: candle_core::Error| format!("{dtype:?} matmul {m}x{k}x{n} ({}): {e}", layout.name());
+    let a = match layout {
+        GemmLayout::Tn => mat(k, m, true),
+        _ => mat(m, k, false),
+    }
+    .map_err(err)?;
+    let b = match layout {
+        GemmLayout::Nt => mat(n, k, true),
+        _ => mat(k, n, false),
+    }
+    .map_err(err)?;
+    let t = Instant::now();
+    a.matmul(&b).map_err(err)?;
+    let first = t.elapsed().as_secs_f64();
+    let (calls, secs) = if first >= SHAPE_MIN_SECONDS {
+        (1u64, first)
+    } else {
+        let t = Instant::now();
+        let mut calls = 0u64;
+        loop {
+            a.matmul(&b).map_err(err)?;
+            calls += 1;
+            let s = t.elapsed().as_secs_f64();
+            if s >= SHAPE_MIN_SECONDS {
+                break (calls, s);
+            }
+        }
+    };
+    Ok(2.0 * (m * k * n) as f64 * calls as f64 / secs)
+}
 
 /// Bytes one copy pass moves (read plus written) for the memory bandwidth curve: from
 /// within a core's L2 cache to well past the last-level cache.
@@ -113,6 +200,8 @@ fn gemm_rate(dtype: candle_core::DType, n: usize) -> Result<f64, String> {
 /// Per-rank measurements taken with every rank busy at once.
 struct RankRates {
     gemm: Vec<(candle_core::DType, Vec<f64>)>,
+    /// Per dtype of `gemm`, the rate of each shape of [`shape_grid`], in its order.
+    shapes: Vec<Vec<f64>>,
     copy_bytes_per_s: f64,
     /// Bytes per second of a copy pass per [`COPY_MOVED_BYTES`] size.
     copy_curve: Vec<f64>,
@@ -131,6 +220,7 @@ fn measure_rank(comm: &dyn Communicator, threads: usize) -> Result<RankRates, St
     let w = comm.world_size();
     comm.barrier(Group::World).map_err(e)?;
     let mut gemm = Vec::new();
+    let mut shapes = Vec::new();
     for dt in [
         candle_core::DType::F32,
         candle_core::DType::BF16,
@@ -141,6 +231,22 @@ fn measure_rank(comm: &dyn Communicator, threads: usize) -> Result<RankRates, St
             v.push(gemm_rate(dt, n)?);
         }
         gemm.push((dt, v));
+        let grid = shape_grid();
+        let mut rounds = vec![Vec::with_capacity(SHAPE_ROUNDS); grid.len()];
+        for _ in 0..SHAPE_ROUNDS {
+            for (j, &(layout, m, k, n)) in grid.iter().enumerate() {
+                rounds[j].push(shape_rate(dt, layout, m, k, n)?);
+            }
+        }
+        shapes.push(
+            rounds
+                .into_iter()
+                .map(|mut r| {
+                    r.sort_by(f64::total_cmp);
+                    r[r.len() / 2]
+                })
+                .collect(),
+        );
     }
     comm.barrier(Group::World).map_err(e)?;
     let src = vec![1.0f32; 16 << 20];
@@ -180,6 +286,7 @@ fn measure_rank(comm: &dyn Communicator, threads: usize) -> Result<RankRates, St
         // One rank: no peer to measure a collective or its overlap with.
         return Ok(RankRates {
             gemm,
+            shapes,
             copy_bytes_per_s,
             copy_curve,
             elementwise_flops_per_s,
@@ -263,6 +370,7 @@ fn measure_rank(comm: &dyn Communicator, threads: usize) -> Result<RankRates, St
     };
     Ok(RankRates {
         gemm,
+        shapes,
         copy_bytes_per_s,
         copy_curve,
         elementwise_flops_per_s,
@@ -351,6 +459,7 @@ pub struct ProcessRank<'a> {
 /// kinds and sizes are the same on every rank).
 fn encode(r: &RankRates) -> Vec<f64> {
     let mut v: Vec<f64> = r.gemm.iter().flat_map(|(_, x)| x.iter().copied()).collect();
+    v.extend(r.shapes.iter().flatten());
     v.push(r.copy_bytes_per_s);
     v.extend(&r.copy_curve);
     v.push(r.elementwise_flops_per_s);
@@ -370,6 +479,11 @@ fn decode(r: &RankRates, v: &[f64]) -> RankRates {
             .gemm
             .iter()
             .map(|(dt, x)| (*dt, x.iter().map(|_| next()).collect()))
+            .collect(),
+        shapes: r
+            .shapes
+            .iter()
+            .map(|x| x.iter().map(|_| next()).collect())
             .collect(),
         copy_bytes_per_s: next(),
         copy_curve: r.copy_curve.iter().map(|_| next()).collect(),
@@ -433,10 +547,26 @@ pub fn calibrate(
                 flops_per_s: mean(&|r: &RankRates| r.gemm[i].1[k]),
             })
             .collect();
-        let peak = points.iter().map(|p| p.flops_per_s).fold(0.0, f64::max);
+        let shapes: Vec<ShapePoint> = shape_grid()
+            .into_iter()
+            .enumerate()
+            .map(|(j, (layout, m, k, n))| ShapePoint {
+                m: m as u64,
+                k: k as u64,
+                n: n as u64,
+                layout,
+                flops_per_s: mean(&|r: &RankRates| r.shapes[i][j]),
+            })
+            .collect();
+        let peak = points
+            .iter()
+            .map(|p| p.flops_per_s)
+            .chain(shapes.iter().map(|p| p.flops_per_s))
+            .fold(0.0, f64::max);
         GemmCurve {
             peak_flops_per_s: peak,
             points,
+            shapes,
         }
     };
     let nw = w as f64;
@@ -504,12 +634,20 @@ pub fn calibrate(
     for dt in ["f32", "bf16", "f16"] {
         sources.insert(
             format!("gemm.{dt}.peak_flops_per_s"),
-            measured("the highest point of the curve (a measured maximum, not a vendor peak)"),
+            measured("the highest rate of the curve and the shape grid (a measured maximum, not a vendor peak)"),
         );
         sources.insert(
             format!("gemm.{dt}.points"),
             measured(&format!(
                 "candle CPU matmul of n x n {dt} matrices, n = 64..1024, every rank at once, mean over ranks"
+            )),
+        );
+        let dims: Vec<String> = SHAPE_DIMS.iter().map(usize::to_string).collect();
+        sources.insert(
+            format!("gemm.{dt}.shapes"),
+            measured(&format!(
+                "candle CPU matmul of {dt} [m, k] x [k, n] for m, k, n in {{{}}}, operands as stored (nn), B a transposed view (nt), A a transposed view (tn), the median of {SHAPE_ROUNDS} rounds over the grid timing each shape for at least {SHAPE_MIN_SECONDS} s, every rank at once, mean over ranks",
+                dims.join(", ")
             )),
         );
     }

@@ -89,9 +89,9 @@ pub enum Command {
     /// with their rank, stop all when one fails, and restart the job (`--max-restarts`; at a
     /// smaller world size when a device is lost, `--min-nproc`).
     Launch(launch::LaunchArgs),
-    /// Measure this machine (GEMM per dtype, memory and elementwise rates, collectives over
-    /// rank threads, the overlap slowdown; or one GPU with `--device cuda`) into a hardware
-    /// profile for `--hardware FILE`.
+    /// Measure this machine (GEMM per dtype by size and by shape, memory and elementwise
+    /// rates, collectives over rank threads, the overlap slowdown; or one GPU with `--device
+    /// cuda`) into a hardware profile for `--hardware FILE`.
     Calibrate(calibrate::CalibrateArgs),
 }
 

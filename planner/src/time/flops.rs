@@ -18,6 +18,13 @@
 //!   head) is applied as `x W^T`; its weight gradient comes out of the matmul `[in, out]` and
 //!   is copied transposed into `W`'s layout, an elementwise op of one read and one write per
 //!   weight element (`<name>.dW.transpose`). GPT-2's block weights are stored `[in, out]`.
+//! - Every linear layer's GEMM carries its shape and operand layout ([`GemmShape`]), as the
+//!   engine's candle matmuls run it on strided views without copies: a weight stored
+//!   `[in, out]` runs `x W` ([`GemmLayout::Nn`]) forward and `dY W^T` ([`GemmLayout::Nt`])
+//!   for the input gradient; a weight stored `[out, in]` runs `x W^T` (`Nt`) and `dY W`
+//!   (`Nn`); every weight gradient is `X^T dY` ([`GemmLayout::Tn`]). The attention products
+//!   carry none: the fused CPU attention runs them as many single-threaded block GEMMs inside
+//!   one op, and the composite path as batched matmuls; both are priced by call FLOPs.
 //! - Attention is counted as the engine computes it. Per (sequence, head) pair, the scores
 //!   `Q K^T` and the weighted sum `P V` are each `2 hd E` FLOPs, `E` the score entries
 //!   computed ([`attention_entries`]): the fused CPU attention (`ActivationModel::Fused`)
@@ -42,6 +49,7 @@
 use crate::error::PlanError;
 use crate::schedule::UseRole;
 use crate::spec::{Architecture, Gpt2Config, LlamaConfig};
+use crate::time::profile::{GemmLayout, GemmShape};
 use crate::ActivationModel;
 use fsdp_types::DType;
 use serde::{Deserialize, Serialize};
@@ -55,7 +63,8 @@ pub const ATTN_BLOCK_ROWS: u64 = 64;
 #[serde(rename_all = "snake_case")]
 pub enum OpKind {
     /// Matrix multiplications: time = [`OpCost::calls`] x (the FLOPs of one call / the
-    /// profile's GEMM rate for the dtype at that call's FLOPs).
+    /// profile's GEMM rate for the dtype at that call's shape ([`OpCost::shape`]), or at its
+    /// FLOPs when the op has no shape).
     Gemm,
     /// Any other op: time = max(bytes / memory bandwidth, FLOPs / elementwise rate).
     Elementwise,
@@ -80,6 +89,11 @@ pub struct OpCost {
     /// (priced at the mean call size). 1 for elementwise ops; absent or under 1 reads as 1.
     #[serde(default)]
     pub calls: f64,
+    /// GEMMs of one call: its shape and operand layout, priced by the profile's rate for
+    /// that shape ([`crate::time::GemmCurve::rate_of`]). `None` for elementwise ops and the
+    /// attention products (priced by call FLOPs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<GemmShape>,
 }
 
 /// FLOPs per element and elements moved (read + written) per element of an elementwise op,
@@ -261,8 +275,21 @@ struct Ops<'a> {
 }
 
 impl Ops<'_> {
-    fn gemm(&mut self, name: &str, m: f64, k: f64, n: f64) {
-        self.gemm_calls(name, 2.0 * m * k * n, 1.0);
+    /// One GEMM call `[m, k] x [k, n]` with operands laid out as `layout`.
+    fn gemm(&mut self, name: &str, m: f64, k: f64, n: f64, layout: GemmLayout) {
+        self.out.push(OpCost {
+            name: name.to_string(),
+            kind: OpKind::Gemm,
+            flops: 2.0 * m * k * n,
+            bytes: 0.0,
+            calls: 1.0,
+            shape: Some(GemmShape {
+                m: m as u64,
+                k: k as u64,
+                n: n as u64,
+                layout,
+            }),
+        });
     }
     /// A GEMM of `flops` split into `calls` equal calls.
     fn gemm_calls(&mut self, name: &str, flops: f64, calls: f64) {
@@ -272,6 +299,7 @@ impl Ops<'_> {
             flops,
             bytes: 0.0,
             calls,
+            shape: None,
         });
     }
     /// An elementwise op over `elems` elements with `flops` and `moved` per element.
@@ -282,6 +310,7 @@ impl Ops<'_> {
             flops: elems * flops,
             bytes: elems * moved * self.shape.dtype.size_bytes() as f64,
             calls: 1.0,
+            shape: None,
         });
     }
     fn fwd(&mut self, name: &str, elems: f64, c: ElemCost) {
@@ -290,22 +319,38 @@ impl Ops<'_> {
     fn bwd(&mut self, name: &str, elems: f64, c: ElemCost) {
         self.elem(name, elems, c.bwd_flops, c.bwd_moved);
     }
-    /// Backward of a linear layer `[N, i] -> [N, o]`: dX always (the unit's backward runs),
-    /// dW when the weights are trainable, the bias gradient with it.
+    /// Backward of a linear layer `[N, i] -> [N, o]` whose weight is stored `[i, o]`: dX
+    /// (`dY W^T`) always (the unit's backward runs), dW (`X^T dY`) when the weights are
+    /// trainable, the bias gradient with it.
     fn linear_bwd(&mut self, name: &str, n: f64, i: f64, o: f64, bias: bool, g: Grads) {
-        self.gemm(&format!("{name}.dX"), n, o, i);
+        self.linear_bwd_as(name, n, i, o, bias, g, GemmLayout::Nt);
+    }
+    /// [`Ops::linear_bwd`] with the input gradient's layout `dx`.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_bwd_as(
+        &mut self,
+        name: &str,
+        n: f64,
+        i: f64,
+        o: f64,
+        bias: bool,
+        g: Grads,
+        dx: GemmLayout,
+    ) {
+        self.gemm(&format!("{name}.dX"), n, o, i, dx);
         if g.weights {
-            self.gemm(&format!("{name}.dW"), i, n, o);
+            self.gemm(&format!("{name}.dW"), i, n, o, GemmLayout::Tn);
             if bias {
                 self.bwd(&format!("{name}.bias"), n * o, BIAS_ADD);
             }
         }
     }
     /// Backward of a linear layer whose weight is stored `[o, i]` (torch's layout) and applied
-    /// as `x W^T`: as [`Ops::linear_bwd`], plus the copy that stores the `[i, o]` product
-    /// `X^T dY` as `W`'s `[o, i]` gradient (a transpose: one read and one write per weight).
+    /// as `x W^T`: as [`Ops::linear_bwd`] with the input gradient `dY W` (both operands as
+    /// stored), plus the copy that stores the `[i, o]` product `X^T dY` as `W`'s `[o, i]`
+    /// gradient (a transpose: one read and one write per weight).
     fn linear_t_bwd(&mut self, name: &str, n: f64, i: f64, o: f64, bias: bool, g: Grads) {
-        self.linear_bwd(name, n, i, o, bias, g);
+        self.linear_bwd_as(name, n, i, o, bias, g, GemmLayout::Nn);
         if g.weights {
             self.elem(&format!("{name}.dW.transpose"), i * o, 0.0, 2.0);
         }
@@ -386,13 +431,13 @@ pub fn forward_ops(
         (Architecture::Gpt2(c), UseRole::Head) => {
             let (d, v) = (c.d_model as f64, c.vocab_size as f64);
             ops.fwd("ln_f", n * d, LAYER_NORM);
-            ops.gemm("lm_head", n, d, v);
+            ops.gemm("lm_head", n, d, v, GemmLayout::Nt);
             ops.fwd("cross_entropy", n * v, CROSS_ENTROPY);
         }
         (Architecture::Llama(c), UseRole::Head) => {
             let (d, v) = (c.d_model as f64, c.vocab_size as f64);
             ops.fwd("norm", n * d, RMS_NORM);
-            ops.gemm("lm_head", n, d, v);
+            ops.gemm("lm_head", n, d, v, GemmLayout::Nt);
             ops.fwd("cross_entropy", n * v, CROSS_ENTROPY);
         }
     }
@@ -408,18 +453,18 @@ fn gpt2_block_forward(ops: &mut Ops<'_>, c: &Gpt2Config, n: f64, b: f64, e: f64)
         entries: e,
     };
     ops.fwd("ln_1", n * d, LAYER_NORM);
-    ops.gemm("attn.qkv", n, d, 3.0 * d);
+    ops.gemm("attn.qkv", n, d, 3.0 * d, GemmLayout::Nn);
     if c.bias {
         ops.fwd("attn.qkv.bias", n * 3.0 * d, BIAS_ADD);
     }
     attn.forward(ops, b);
-    ops.gemm("attn.proj", n, d, d);
+    ops.gemm("attn.proj", n, d, d, GemmLayout::Nn);
     if c.bias {
         ops.fwd("attn.proj.bias", n * d, BIAS_ADD);
     }
     ops.fwd("residual_1", n * d, RESIDUAL_ADD);
     ops.fwd("ln_2", n * d, LAYER_NORM);
-    ops.gemm("mlp.fc", n, d, 4.0 * d);
+    ops.gemm("mlp.fc", n, d, 4.0 * d, GemmLayout::Nn);
     let act = if c.bias {
         BIAS_GELU
     } else {
@@ -429,7 +474,7 @@ fn gpt2_block_forward(ops: &mut Ops<'_>, c: &Gpt2Config, n: f64, b: f64, e: f64)
         }
     };
     ops.fwd("mlp.act", n * 4.0 * d, act);
-    ops.gemm("mlp.proj", n, 4.0 * d, d);
+    ops.gemm("mlp.proj", n, 4.0 * d, d, GemmLayout::Nn);
     if c.bias {
         ops.fwd("mlp.proj.bias", n * d, BIAS_ADD);
     }
@@ -452,9 +497,9 @@ fn llama_block_forward(ops: &mut Ops<'_>, c: &LlamaConfig, n: f64, b: f64, e: f6
         entries: e,
     };
     ops.fwd("input_layernorm", n * d, RMS_NORM);
-    ops.gemm("attn.q_proj", n, d, q);
-    ops.gemm("attn.k_proj", n, d, kv);
-    ops.gemm("attn.v_proj", n, d, kv);
+    ops.gemm("attn.q_proj", n, d, q, GemmLayout::Nt);
+    ops.gemm("attn.k_proj", n, d, kv, GemmLayout::Nt);
+    ops.gemm("attn.v_proj", n, d, kv, GemmLayout::Nt);
     if c.qkv_bias {
         ops.fwd("attn.qkv.bias", n * (q + 2.0 * kv), BIAS_ADD);
     }
@@ -466,13 +511,13 @@ fn llama_block_forward(ops: &mut Ops<'_>, c: &LlamaConfig, n: f64, b: f64, e: f6
         (q + 2.0 * kv) + 3.0 * q,
     );
     attn.forward(ops, b);
-    ops.gemm("attn.o_proj", n, q, d);
+    ops.gemm("attn.o_proj", n, q, d, GemmLayout::Nt);
     ops.fwd("residual_1", n * d, RESIDUAL_ADD);
     ops.fwd("post_attention_layernorm", n * d, RMS_NORM);
-    ops.gemm("mlp.gate_proj", n, d, f);
-    ops.gemm("mlp.up_proj", n, d, f);
+    ops.gemm("mlp.gate_proj", n, d, f, GemmLayout::Nt);
+    ops.gemm("mlp.up_proj", n, d, f, GemmLayout::Nt);
     ops.fwd("mlp.act", n * f, SWIGLU);
-    ops.gemm("mlp.down_proj", n, f, d);
+    ops.gemm("mlp.down_proj", n, f, d, GemmLayout::Nt);
     ops.fwd("residual_2", n * d, RESIDUAL_ADD);
 }
 

@@ -10,9 +10,14 @@
 //!     "bf16" | "f16" | "f32" | "f64": {
 //!       "peak_flops_per_s": float,              // the MFU denominator (vendor dense peak, or
 //!                                               // the measured maximum of a calibrated profile)
-//!       "points": [{"flops": float, "flops_per_s": float}, ...]
-//!     }                                         // rate of one GEMM call by its FLOPs: linear
-//!   },                                          // in log10(flops), clamped at both ends
+//!       "points": [{"flops": float, "flops_per_s": float}, ...],
+//!                                               // rate of one GEMM call by its FLOPs: linear
+//!                                               // in log10(flops), clamped at both ends
+//!       "shapes": [{"m": int, "k": int, "n": int, // optional: measured rates by shape and
+//!                   "layout": "nn" | "nt" | "tn", // operand layout, a full grid per layout
+//!                   "flops_per_s": float}, ...]  // (see `GemmCurve::rate_of`)
+//!     }
+//!   },
 //!   "memory_bandwidth_bytes_per_s": float,      // elementwise ops, the optimizer step
 //!   "elementwise_flops_per_s": float,           // the compute roof of elementwise ops
 //!   "collectives": {
@@ -62,7 +67,8 @@
 //!
 //! | kind | fields | range | why |
 //! |---|---|---|---|
-//! | [`FLOP_RATE`] | `gemm.*.peak_flops_per_s`, `gemm.*.points[i].flops_per_s`, `elementwise_flops_per_s` | 1e6..1e18 FLOP/s | one core of a 1990s CPU does 1e7-1e8; an H200 does 9.9e14 dense BF16, so 1e18 (an exaFLOP/s per rank) leaves three orders of magnitude of headroom |
+//! | [`FLOP_RATE`] | `gemm.*.peak_flops_per_s`, `gemm.*.points[i].flops_per_s`, `gemm.*.shapes[i].flops_per_s`, `elementwise_flops_per_s` | 1e6..1e18 FLOP/s | one core of a 1990s CPU does 1e7-1e8; an H200 does 9.9e14 dense BF16, so 1e18 (an exaFLOP/s per rank) leaves three orders of magnitude of headroom |
+//! | [`GEMM_DIM`] | `gemm.*.shapes[i].m`, `.k`, `.n` | 1..1e7 | a dimension of one GEMM call: the rows of a micro-batch of a million tokens, or a vocabulary, stay under 1e7 |
 //! | [`CALL_FLOPS`] | `gemm.*.points[i].flops` | 1..1e20 FLOPs | a call is at least one multiply-add pair; 1e20 FLOPs would be one GEMM running for over a day on an H200 |
 //! | [`BANDWIDTH`] | `memory_bandwidth_bytes_per_s`, `collectives.*.*.bus_bandwidth_bytes_per_s`, `host.*`, `optimizer_bytes_per_s` | 1e6..1e15 bytes/s | 10 Mb/s Ethernet is 1.25e6; HBM3e of an H200 is 4.8e12, NVLink 4.5e11 per direction, so 1 PB/s leaves 200x |
 //! | [`ELEMENT_RATE`] | `norm_elements_per_s` | 1e5..1e15 elements/s | one dependent f64 addition per element runs at 1e8-1e9 on a CPU core; an H200's HBM streams 1.2e12 f32 elements a second |
@@ -103,6 +109,75 @@ pub struct CurvePoint {
     pub flops_per_s: f64,
 }
 
+/// How the two operands of a GEMM `C[m, n] = op(A)[m, k] op(B)[k, n]` lie in memory, BLAS's
+/// transpose flags: `n`, the operand is a row-major matrix used as stored (`A` stored
+/// `[m, k]`, `B` stored `[k, n]`); `t`, it is the transposed view of a row-major matrix (`A`
+/// stored `[k, m]`, `B` stored `[n, k]`), multiplied without a copy. A kernel packs the two
+/// cases with different memory strides, so one shape runs at different rates in each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GemmLayout {
+    /// `A B`: a linear layer's forward with a weight stored `[in, out]` (GPT-2's Conv1D), or
+    /// the input gradient `dY W` of a weight stored `[out, in]`.
+    Nn,
+    /// `A B^T`: a linear layer's forward with a weight stored `[out, in]` (torch's layout, the
+    /// Llama projections and every LM head), the input gradient `dY W^T` of a weight stored
+    /// `[in, out]`, attention's scores `Q K^T`.
+    Nt,
+    /// `A^T B`: a weight gradient `X^T dY`.
+    Tn,
+}
+
+impl GemmLayout {
+    /// Every layout, in the order profiles list them.
+    pub const ALL: [GemmLayout; 3] = [GemmLayout::Nn, GemmLayout::Nt, GemmLayout::Tn];
+
+    /// The JSON name (`nn`).
+    pub fn name(self) -> &'static str {
+        match self {
+            GemmLayout::Nn => "nn",
+            GemmLayout::Nt => "nt",
+            GemmLayout::Tn => "tn",
+        }
+    }
+}
+
+/// The shape of one GEMM call, `C[m, n] = op(A)[m, k] op(B)[k, n]`, `2 m k n` FLOPs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct GemmShape {
+    /// Rows of `C` (a linear layer's forward: the micro-batch's tokens).
+    pub m: u64,
+    /// The reduced dimension.
+    pub k: u64,
+    /// Columns of `C`.
+    pub n: u64,
+    /// How the operands lie in memory.
+    pub layout: GemmLayout,
+}
+
+impl GemmShape {
+    /// FLOPs of one call: `2 m k n`.
+    pub fn flops(&self) -> f64 {
+        2.0 * self.m as f64 * self.k as f64 * self.n as f64
+    }
+}
+
+/// One measured GEMM rate by shape and layout.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShapePoint {
+    /// Rows of `C`.
+    pub m: u64,
+    /// The reduced dimension.
+    pub k: u64,
+    /// Columns of `C`.
+    pub n: u64,
+    /// The operands' layout.
+    pub layout: GemmLayout,
+    /// FLOPs per second a call of this shape achieves.
+    pub flops_per_s: f64,
+}
+
 /// The GEMM rate of one dtype.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -111,6 +186,12 @@ pub struct GemmCurve {
     pub peak_flops_per_s: f64,
     /// The achieved rate by call size, `flops` increasing.
     pub points: Vec<CurvePoint>,
+    /// Measured rates by shape and layout (optional; `fsdp calibrate` measures them on the
+    /// CPU): for each layout present, one point per `(m, k, n)` of a grid, every dimension
+    /// taking each of the grid's values (the values of `m`, `k` and `n` together). Empty, or a
+    /// layout absent: calls of that layout run at the rate of their FLOPs ([`Self::rate`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shapes: Vec<ShapePoint>,
 }
 
 impl GemmCurve {
@@ -140,6 +221,83 @@ impl GemmCurve {
             flops / self.rate(flops)
         }
     }
+
+    /// The rate (FLOP/s) of one call of `shape`: the rate of its FLOPs ([`Self::rate`]) times
+    /// the shape's factor, at most the peak. The factor of a grid point is its measured rate
+    /// over the rate of its FLOPs; between grid points, `ln(factor)` is interpolated linearly
+    /// in `ln m`, `ln k` and `ln n` (trilinear over the eight grid points around the shape),
+    /// and each dimension is clamped to the grid's range, so outside it the factor of the
+    /// nearest edge scales the size curve. Without grid points of the shape's layout the
+    /// factor is 1.
+    ///
+    /// The factor carries what the FLOPs alone miss: a thin matrix (few rows against many
+    /// columns) or a transposed operand packs at another rate than a square one of the same
+    /// FLOPs.
+    pub fn rate_of(&self, shape: &GemmShape) -> f64 {
+        let base = self.rate(shape.flops());
+        let grid: Vec<&ShapePoint> = self
+            .shapes
+            .iter()
+            .filter(|p| p.layout == shape.layout)
+            .collect();
+        if grid.is_empty() {
+            return base;
+        }
+        let dims = grid_dims(grid.iter().copied());
+        // (lower index, upper index, weight of the upper) per dimension.
+        let locate = |v: u64| -> (usize, usize, f64) {
+            let x = (v.max(1) as f64).ln();
+            let last = dims.len() - 1;
+            if v <= dims[0] {
+                return (0, 0, 0.0);
+            }
+            if v >= dims[last] {
+                return (last, last, 0.0);
+            }
+            let i = dims.iter().rposition(|&d| d <= v).unwrap_or(0);
+            let (a, b) = ((dims[i] as f64).ln(), (dims[i + 1] as f64).ln());
+            (i, i + 1, (x - a) / (b - a))
+        };
+        let axes = [locate(shape.m), locate(shape.k), locate(shape.n)];
+        let mut ln_factor = 0.0;
+        for corner in 0..8u32 {
+            let mut w = 1.0;
+            let mut at = [0u64; 3];
+            for (axis, &(lo, hi, t)) in axes.iter().enumerate() {
+                let upper = corner & (1 << axis) != 0;
+                w *= if upper { t } else { 1.0 - t };
+                at[axis] = dims[if upper { hi } else { lo }];
+            }
+            if w == 0.0 {
+                continue;
+            }
+            let Some(p) = grid.iter().find(|p| [p.m, p.k, p.n] == at) else {
+                // A validated profile holds the whole grid.
+                return base;
+            };
+            let flops = 2.0 * (p.m as f64) * (p.k as f64) * (p.n as f64);
+            ln_factor += w * (p.flops_per_s / self.rate(flops)).ln();
+        }
+        (base * ln_factor.exp()).min(self.peak_flops_per_s)
+    }
+
+    /// Seconds for one GEMM call of `shape` at [`Self::rate_of`].
+    pub fn seconds_of(&self, shape: &GemmShape) -> f64 {
+        let flops = shape.flops();
+        if flops <= 0.0 {
+            0.0
+        } else {
+            flops / self.rate_of(shape)
+        }
+    }
+}
+
+/// The sorted distinct values `m`, `k` and `n` take over `points`: one layout's grid.
+fn grid_dims<'a>(points: impl Iterator<Item = &'a ShapePoint>) -> Vec<u64> {
+    let mut dims: Vec<u64> = points.flat_map(|p| [p.m, p.k, p.n]).collect();
+    dims.sort_unstable();
+    dims.dedup();
+    dims
 }
 
 /// GEMM curves per dtype (each optional: a plan computing in a dtype the profile lacks is an
@@ -429,6 +587,14 @@ pub const FLOP_RATE: PlausibleRange = PlausibleRange {
     kind: "a FLOP rate",
 };
 
+/// One dimension of a GEMM call (a shape point's `m`, `k` or `n`): 1..1e7.
+pub const GEMM_DIM: PlausibleRange = PlausibleRange {
+    min: 1.0,
+    max: 1e7,
+    unit: "",
+    kind: "a GEMM dimension",
+};
+
 /// FLOPs of one GEMM call (a curve point's `flops`): 1..1e20.
 pub const CALL_FLOPS: PlausibleRange = PlausibleRange {
     min: 1.0,
@@ -652,6 +818,7 @@ impl HardwareProfile {
                     ));
                 }
             }
+            validate_shapes(origin, &base, c)?;
         }
         if !any_curve {
             return Err(bad(origin, "gemm", "needs a curve for at least one dtype"));
@@ -835,9 +1002,12 @@ impl HardwareProfile {
             ("f32", &self.gemm.f32),
             ("f64", &self.gemm.f64),
         ] {
-            if curve.is_some() {
+            if let Some(c) = curve {
                 v.push(format!("gemm.{dt}.peak_flops_per_s"));
                 v.push(format!("gemm.{dt}.points"));
+                if !c.shapes.is_empty() {
+                    v.push(format!("gemm.{dt}.shapes"));
+                }
             }
         }
         v.push("memory_bandwidth_bytes_per_s".into());
@@ -871,6 +1041,82 @@ impl HardwareProfile {
         }
         v
     }
+}
+
+/// Checks a curve's shape points: each dimension in [`GEMM_DIM`], each rate in [`FLOP_RATE`]
+/// and at most the peak, and per layout present a complete grid without repeats.
+fn validate_shapes(origin: &str, base: &str, c: &GemmCurve) -> Result<(), PlanError> {
+    for (i, pt) in c.shapes.iter().enumerate() {
+        let at = format!("{base}.shapes[{i}]");
+        for (f, v) in [("m", pt.m), ("k", pt.k), ("n", pt.n)] {
+            check_range(origin, &format!("{at}.{f}"), v as f64, &GEMM_DIM)?;
+        }
+        check_range(
+            origin,
+            &format!("{at}.flops_per_s"),
+            pt.flops_per_s,
+            &FLOP_RATE,
+        )?;
+        if pt.flops_per_s > c.peak_flops_per_s {
+            return Err(bad(
+                origin,
+                format!("{at}.flops_per_s"),
+                format!(
+                    "{} exceeds the peak {} of {base}.peak_flops_per_s (MFU would pass 100%)",
+                    pt.flops_per_s, c.peak_flops_per_s
+                ),
+            ));
+        }
+        if let Some(j) = c.shapes[..i]
+            .iter()
+            .position(|q| (q.m, q.k, q.n, q.layout) == (pt.m, pt.k, pt.n, pt.layout))
+        {
+            return Err(bad(
+                origin,
+                at,
+                format!(
+                    "repeats shapes[{j}] ({} x {} x {}, {})",
+                    pt.m,
+                    pt.k,
+                    pt.n,
+                    pt.layout.name()
+                ),
+            ));
+        }
+    }
+    for layout in GemmLayout::ALL {
+        let grid: Vec<&ShapePoint> = c.shapes.iter().filter(|p| p.layout == layout).collect();
+        if grid.is_empty() {
+            continue;
+        }
+        let dims = grid_dims(grid.iter().copied());
+        let need = dims.len().pow(3);
+        if grid.len() != need {
+            let mut missing = String::new();
+            'find: for &m in &dims {
+                for &k in &dims {
+                    for &n in &dims {
+                        if !grid.iter().any(|p| (p.m, p.k, p.n) == (m, k, n)) {
+                            missing = format!("; {m} x {k} x {n} is missing");
+                            break 'find;
+                        }
+                    }
+                }
+            }
+            let list: Vec<String> = dims.iter().map(u64::to_string).collect();
+            return Err(bad(
+                origin,
+                format!("{base}.shapes"),
+                format!(
+                    "the {} points must cover every (m, k, n) of the grid {} ({need} points), got {}{missing}",
+                    layout.name(),
+                    list.join(", "),
+                    grid.len()
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The text between `start` and the next `end` in `s`.

@@ -141,9 +141,12 @@ fn parts(ops: &[OpCost], curve: &GemmCurve, p: &HardwareProfile) -> ComputeParts
     for o in ops {
         match o.kind {
             OpKind::Gemm => {
-                // `calls` equal calls, each at the rate of its own size.
+                // `calls` equal calls, each at the rate of its shape, or of its own size.
                 let calls = o.calls.max(1.0);
-                c.gemm_s += calls * curve.seconds(o.flops / calls);
+                c.gemm_s += match &o.shape {
+                    Some(shape) => calls * curve.seconds_of(shape),
+                    None => calls * curve.seconds(o.flops / calls),
+                };
                 c.gemm_peak_s += o.flops / curve.peak_flops_per_s;
             }
             OpKind::Elementwise => {
