@@ -236,6 +236,22 @@ fn one_rank_calibrates_without_collectives_and_fits_the_compute_model_per_dtype(
             src.contains("least squares") && src.contains(dt.name()),
             "{src}"
         );
+        // The fit kept the GEMM model that explains the reference units better, and the
+        // profile holds the shape grid exactly when that model prices by shape.
+        let shapes = &prof.gemm.get(dt).unwrap().shapes;
+        let source_of_grid = prof.sources.get(&format!("gemm.{}.shapes", dt.name()));
+        if src
+            .contains("GEMMs priced by shape: the shape grid's fit left a weighted rms residual of")
+        {
+            assert_eq!(shapes.len(), 81, "{dt:?}");
+            assert!(source_of_grid.is_some(), "{dt:?}");
+        } else {
+            assert!(
+                src.contains("GEMMs priced by size alone: the measured shape grid was dropped"),
+                "{src}"
+            );
+            assert!(shapes.is_empty() && source_of_grid.is_none(), "{dt:?}");
+        }
     }
     let src = &prof.sources["collectives.intra_node.all_gather.bus_bandwidth_bytes_per_s"];
     assert!(src.contains("not measured: one rank"), "{src}");
@@ -322,11 +338,22 @@ fn calibrate_refuses_zero_ranks_and_cuda_without_the_feature() {
 }
 
 #[test]
-fn calibrate_refuses_zero_threads_and_more_ranks_than_cores() {
+fn calibrate_refuses_zero_threads_more_ranks_than_cores_and_a_blank_name() {
     let o = fsdp(&["calibrate", "--threads-per-rank", "0"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("--threads-per-rank"), "{err}");
+    // An empty or blank name, or one with a control character, before any measurement.
+    for bad in ["", "  ", "a\nb"] {
+        let o = fsdp(&["calibrate", "--name", bad]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{bad:?}: {err}");
+        assert!(err.contains("--name"), "{err}");
+        assert!(
+            err.contains("the profile's name is empty") || err.contains("control character"),
+            "{err}"
+        );
+    }
     let o = fsdp(&["calibrate", "--world-size", "5000"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");

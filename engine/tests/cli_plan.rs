@@ -34,7 +34,7 @@ fn cli_plan_unknown_preset() {
 fn cli_plan_world_size_zero() {
     bad(
         &["--model", "gpt2", "--world-size", "0"],
-        "world size must be at least 1, got 0",
+        "invalid value '0' for '--world-size <WORLD_SIZE>': must be at least 1",
     );
 }
 
@@ -119,7 +119,20 @@ fn cli_plan_bad_flags() {
     );
     bad(
         &["--model", "gpt2", "--micro-batch", "0"],
-        "micro-batch size must be at least 1, got 0",
+        "invalid value '0' for '--micro-batch <MICRO_BATCH>': must be at least 1",
+    );
+    bad(
+        &["--model", "gpt2", "--seq-len", "0"],
+        "invalid value '0' for '--seq-len <SEQ_LEN>': must be at least 1",
+    );
+    bad(
+        &["--model", "gpt2", "--grad-accum", "0"],
+        "invalid value '0' for '--grad-accum <GRAD_ACCUM>': must be at least 1",
+    );
+    // A negative number after a space is the flag's value, refused by the flag's rule.
+    bad(
+        &["--model", "gpt2", "--micro-batch", "-2"],
+        "invalid value '-2' for '--micro-batch <MICRO_BATCH>': `-2` must be at least 1",
     );
     bad(
         &["--model", "gpt2", "--strategy", "auto"],

@@ -89,6 +89,10 @@ fn train_hardware_summary_compares_median_step_with_the_prediction() {
     let mfu = t["mfu"].as_f64().unwrap();
     let expect = want.model_flops_per_step / (measured * 2.0 * peak);
     assert!((mfu - expect).abs() <= 1e-12 * expect, "{mfu} vs {expect}");
+    // HFU: the FLOPs the step computes (the prediction's count) over the same time and peak.
+    let hfu = t["hfu"].as_f64().unwrap();
+    let expect = want.hardware_flops_per_step / (measured * 2.0 * peak);
+    assert!((hfu - expect).abs() <= 1e-12 * expect, "{hfu} vs {expect}");
     // Tokens per step: W * B * T = 2 * 2 * 32.
     let tps = t["measured_tokens_per_s"].as_f64().unwrap();
     assert!((tps - 128.0 / measured).abs() <= 1e-9 * tps);
@@ -177,6 +181,10 @@ fn train_summary_prints_mfu_only_with_a_profile() {
     );
     assert!(out.contains("MFU "), "{out}");
     assert!(out.contains("PaLM"), "{out}");
+    assert!(
+        out.contains("| HFU ") && out.contains("(the FLOPs computed: recompute included"),
+        "{out}"
+    );
 }
 
 #[test]
@@ -389,7 +397,7 @@ fn train_hardware_of_a_gpu_on_the_cpu_says_what_it_compares() {
     assert!(st["predicted_step_s"].as_f64().unwrap() > 0.0, "{st}");
     assert!(st["measured_step_s"].as_f64().unwrap() > 0.0, "{st}");
     assert!(
-        st["step_time_error"].is_null() && st["mfu"].is_null(),
+        st["step_time_error"].is_null() && st["mfu"].is_null() && st["hfu"].is_null(),
         "{st}"
     );
     // A profile calibrated on a CPU at the run's world size describes this run: no note.

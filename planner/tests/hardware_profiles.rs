@@ -309,6 +309,26 @@ fn unknown_fields_wrong_types_and_schemas_are_named() {
         e.contains("cut.json") && e.contains("not valid JSON"),
         "{e}"
     );
+    // Valid JSON of the wrong shape is named as such, not as invalid JSON.
+    let e = HardwareProfile::from_json("[1, 2]", "list.json")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("list.json")
+            && e.contains("must be one JSON object with the profile's fields, got an array")
+            && !e.contains("not valid JSON"),
+        "{e}"
+    );
+    // A NaN (Python's json.dump writes one) is named.
+    let text = H100.replacen("\"overlap_slowdown\": 0.12", "\"overlap_slowdown\": NaN", 1);
+    assert_ne!(text, H100);
+    let e = HardwareProfile::from_json(&text, "nan.json")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("not valid JSON") && e.contains("`NaN` is not a JSON number"),
+        "{e}"
+    );
 }
 
 #[test]

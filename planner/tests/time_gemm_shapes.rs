@@ -371,3 +371,27 @@ fn a_broken_shape_grid_is_refused_by_its_path() {
     )
     .unwrap();
 }
+
+#[test]
+fn a_dtype_the_profile_lacks_is_named_with_the_file_it_was_read_from() {
+    // The synthetic profile has an f32 curve only; the plan computes in bf16.
+    let prof = profile(r#"{"flops": 1, "flops_per_s": 2e9}"#, 2e9, "").unwrap();
+    assert_eq!(prof.origin, "synthetic.json");
+    let mut c = PlanConfig::new(1);
+    c.micro_batch = 1;
+    c.seq_len = 64;
+    c.param_dtype = DType::BF16;
+    let p = plan(&preset("tiny").unwrap(), &c).unwrap();
+    let e = use_compute_parts(&p, &prof).unwrap_err().to_string();
+    assert!(
+        e.contains(
+            "hardware profile synthetic.json: `gemm.bf16` is missing: the plan computes in bf16"
+        ),
+        "{e}"
+    );
+    // A profile built in memory is named by its name.
+    let mut mem = prof.clone();
+    mem.origin.clear();
+    let e = use_compute_parts(&p, &mem).unwrap_err().to_string();
+    assert!(e.contains("hardware profile synthetic: `gemm.bf16`"), "{e}");
+}

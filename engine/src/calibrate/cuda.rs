@@ -327,6 +327,7 @@ pub fn calibrate_cuda(dev: &Device, o: &CudaCalibrateOptions) -> Result<Hardware
         optimizer_bytes_per_s: None,
         compute_fit: Default::default(),
         sources,
+        origin: String::new(),
     };
     p.validate("fsdp calibrate --device cuda")
         .map_err(|e| format!("the measured profile is not valid: {e}"))?;

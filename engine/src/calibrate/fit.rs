@@ -15,6 +15,13 @@
 //! share of the step). Coefficients are kept non-negative (the subset of terms with
 //! the smallest residual whose solution is non-negative; `gemm_scale` always included).
 //!
+//! The GEMM seconds come in two versions: at the rate of each GEMM's shape and layout (the
+//! profile's measured grid) and at the rate of its FLOPs alone (the size curve).
+//! [`fit_by_shape_or_size`] fits both and keeps the one whose fitted unit times are closer
+//! to the measured ones: a grid timed on isolated GEMMs can misjudge what a layout costs
+//! inside a training step (operands from other ops' cache lines, the dispatch around the
+//! call), and then the size curve is the better model on this machine.
+//!
 //! The same jobs' waits give the profile's `rank_skew` ([`fit_skew`]): at `W >= 2` the ranks
 //! do not compute equally fast, and every collective waits for the slowest.
 //!
@@ -79,8 +86,11 @@ pub struct FitSample {
     pub name: String,
     /// The median measured seconds.
     pub measured_s: f64,
-    /// The analytical parts.
+    /// The analytical parts, each GEMM at the rate of its shape (the profile's grid; the
+    /// same as `size_parts` without one).
     pub parts: ComputeParts,
+    /// The analytical parts with every GEMM at the rate of its FLOPs (the size curve alone).
+    pub size_parts: ComputeParts,
 }
 
 /// What one reference job's trace says of its ranks' waits, for the rank skew fit
@@ -138,6 +148,8 @@ pub fn measure_references(
         )
         .map_err(|e| e.to_string())?;
         let parts = use_compute_parts(&plan, profile).map_err(|e| e.to_string())?;
+        let size_parts =
+            use_compute_parts(&plan, &without_shapes(profile)).map_err(|e| e.to_string())?;
         match process {
             None => train(&o, None, &NoHooks, &|_| {}).map(|_| ()),
             Some((_, factory)) => {
@@ -172,6 +184,7 @@ pub fn measure_references(
                 name: format!("{} forward {}", r.model, p.label),
                 measured_s: fwd[k],
                 parts: p.forward,
+                size_parts: size_parts[k].forward,
             });
             if p.backward.ops > 0.0 {
                 let Some(b) = bwd[k] else {
@@ -184,6 +197,7 @@ pub fn measure_references(
                     name: format!("{} backward {}", r.model, p.label),
                     measured_s: b,
                     parts: p.backward,
+                    size_parts: size_parts[k].backward,
                 });
             }
         }
@@ -437,6 +451,79 @@ pub fn fit(samples: &[FitSample]) -> Result<ComputeFit, String> {
     Ok(f)
 }
 
+/// `profile` without GEMM shape grids: every GEMM at the rate of its FLOPs.
+pub fn without_shapes(profile: &HardwareProfile) -> HardwareProfile {
+    let mut p = profile.clone();
+    for c in [
+        &mut p.gemm.bf16,
+        &mut p.gemm.f16,
+        &mut p.gemm.f32,
+        &mut p.gemm.f64,
+    ]
+    .into_iter()
+    .flatten()
+    {
+        c.shapes.clear();
+    }
+    p
+}
+
+/// The root of the mean squared residual of `f` over `samples`, each residual divided by its
+/// reference job's total measured compute (the weighting [`fit`] minimises).
+pub fn weighted_rms_residual(samples: &[FitSample], f: &ComputeFit) -> f64 {
+    let mut totals: BTreeMap<&str, f64> = BTreeMap::new();
+    for s in samples {
+        *totals.entry(job_of(&s.name)).or_default() += s.measured_s;
+    }
+    let kept: Vec<&FitSample> = samples.iter().filter(|s| s.measured_s > 0.0).collect();
+    if kept.is_empty() {
+        return 0.0;
+    }
+    let sq: f64 = kept
+        .iter()
+        .map(|s| ((s.parts.seconds(f) - s.measured_s) / totals[job_of(&s.name)]).powi(2))
+        .sum();
+    (sq / kept.len() as f64).sqrt()
+}
+
+/// The fit by shape and the fit by size of the same samples, and which is kept.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ShapeOrSize {
+    /// The fit kept.
+    pub fit: ComputeFit,
+    /// Whether it prices GEMMs by shape (the profile keeps its grid) or by size alone.
+    pub by_shape: bool,
+    /// [`weighted_rms_residual`] of the fit by shape.
+    pub shape_residual: f64,
+    /// [`weighted_rms_residual`] of the fit by size.
+    pub size_residual: f64,
+}
+
+/// Fits the samples' parts by shape and by size ([`fit`] each) and keeps the fit with the
+/// smaller [`weighted_rms_residual`] (the shape's on a tie).
+///
+/// Errors: as [`fit`], when either fit fails.
+pub fn fit_by_shape_or_size(samples: &[FitSample]) -> Result<ShapeOrSize, String> {
+    let by_shape = fit(samples)?;
+    let size: Vec<FitSample> = samples
+        .iter()
+        .map(|s| FitSample {
+            parts: s.size_parts,
+            ..s.clone()
+        })
+        .collect();
+    let by_size = fit(&size)?;
+    let shape_residual = weighted_rms_residual(samples, &by_shape);
+    let size_residual = weighted_rms_residual(&size, &by_size);
+    let keep_shape = shape_residual <= size_residual;
+    Ok(ShapeOrSize {
+        fit: if keep_shape { by_shape } else { by_size },
+        by_shape: keep_shape,
+        shape_residual,
+        size_residual,
+    })
+}
+
 /// The reference job a sample name starts with (`tiny` of `tiny forward h.1`).
 fn job_of(name: &str) -> &str {
     name.split(' ').next().unwrap_or("")
@@ -483,16 +570,69 @@ fn least_squares(rows: &[([f64; 3], f64)], mask: [bool; 3]) -> Option<[f64; 3]> 
 mod tests {
     use super::*;
 
+    fn parts(g: f64, e: f64, n: f64) -> ComputeParts {
+        ComputeParts {
+            gemm_s: g,
+            elementwise_s: e,
+            ops: n,
+            gemm_peak_s: 0.0,
+        }
+    }
+
     fn sample(g: f64, e: f64, n: f64, t: f64) -> FitSample {
         FitSample {
             name: String::new(),
             measured_s: t,
-            parts: ComputeParts {
-                gemm_s: g,
-                elementwise_s: e,
-                ops: n,
-                gemm_peak_s: 0.0,
-            },
+            parts: parts(g, e, n),
+            size_parts: parts(g, e, n),
+        }
+    }
+
+    /// Samples of two jobs whose measured times are `1.2 x` the GEMM seconds of `truth` plus
+    /// `2 x` the elementwise seconds; the other GEMM seconds differ from `truth`'s by a
+    /// factor that is not the same for every unit (a layout the other model misprices).
+    fn two_models(shape_is_true: bool) -> Vec<FitSample> {
+        let units = [
+            ("gpt forward", 4e-3, 1e-3, 1.0),
+            ("gpt backward", 8e-3, 2e-3, 1.6),
+            ("llama forward", 5e-3, 1e-3, 0.55),
+            ("llama backward", 9e-3, 2e-3, 1.0),
+            ("gpt forward", 2e-3, 0.5e-3, 1.0),
+            ("llama forward", 3e-3, 0.4e-3, 0.6),
+        ];
+        units
+            .iter()
+            .map(|&(name, g, e, other)| {
+                let truth = parts(g, e, 10.0);
+                let wrong = parts(g * other, e, 10.0);
+                let (p, s) = if shape_is_true {
+                    (truth, wrong)
+                } else {
+                    (wrong, truth)
+                };
+                FitSample {
+                    name: name.into(),
+                    measured_s: 1.2 * g + 2.0 * e,
+                    parts: p,
+                    size_parts: s,
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_model_that_explains_the_units_is_kept() {
+        for shape_is_true in [true, false] {
+            let c = fit_by_shape_or_size(&two_models(shape_is_true)).unwrap();
+            assert_eq!(c.by_shape, shape_is_true, "{c:?}");
+            let (kept, other) = if shape_is_true {
+                (c.shape_residual, c.size_residual)
+            } else {
+                (c.size_residual, c.shape_residual)
+            };
+            assert!(kept < 1e-9 && other > 1e-3, "{c:?}");
+            assert!((c.fit.gemm_scale - 1.2).abs() < 1e-9, "{c:?}");
+            assert!((c.fit.elementwise_scale - 2.0).abs() < 1e-9, "{c:?}");
         }
     }
 

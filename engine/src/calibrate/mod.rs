@@ -13,7 +13,9 @@
 //!   [`SHAPE_MIN_SECONDS`] (rounds, not one long timing per shape, so that a slow spell of a
 //!   shared machine lands on different shapes each round and the median drops it). The
 //!   step-time model scales the size curve by each shape's measured factor
-//!   ([`fsdp_planner::time::GemmCurve::rate_of`]).
+//!   ([`fsdp_planner::time::GemmCurve::rate_of`]). With the compute fit, the grid stays in
+//!   the profile only if it explains the reference jobs' unit times better than the size
+//!   curve alone ([`fit::fit_by_shape_or_size`]); the fit's source says which was kept.
 //! - **Memory bandwidth**: a copy of a 64 MiB f32 buffer per rank (bytes read plus written
 //!   per second). **Elementwise FLOP/s**: `y = a x + y` over an L2-sized f32 buffer, 2 FLOPs
 //!   per element.
@@ -747,6 +749,7 @@ pub fn calibrate(
         optimizer_bytes_per_s: Some(mean(&|r: &RankRates| r.optimizer_bytes_per_s)),
         compute_fit: Default::default(),
         sources,
+        origin: String::new(),
     };
     p.validate("fsdp calibrate")
         .map_err(|e| format!("the measured profile is not valid: {e}"))?;
@@ -772,18 +775,40 @@ pub fn calibrate(
             if dt == DType::F32 {
                 f32_waits = waits;
             }
-            let f = fit::fit(&samples)?;
+            let c = fit::fit_by_shape_or_size(&samples)?;
+            let choice = if c.by_shape {
+                format!(
+                    "GEMMs priced by shape: the shape grid's fit left a weighted rms residual of {:.4} against {:.4} by size alone",
+                    c.shape_residual, c.size_residual
+                )
+            } else {
+                // The grid stays out of the profile: the model priced by size explains this
+                // machine's training steps better.
+                if let Some(g) = match dt {
+                    DType::F32 => p.gemm.f32.as_mut(),
+                    DType::BF16 => p.gemm.bf16.as_mut(),
+                    DType::F16 => p.gemm.f16.as_mut(),
+                    DType::F64 => p.gemm.f64.as_mut(),
+                } {
+                    g.shapes.clear();
+                }
+                p.sources.remove(&format!("gemm.{}.shapes", dt.name()));
+                format!(
+                    "GEMMs priced by size alone: the measured shape grid was dropped, its fit left a weighted rms residual of {:.4} against {:.4} by size",
+                    c.shape_residual, c.size_residual
+                )
+            };
             p.sources.insert(
                 format!("compute_fit.{}", dt.name()),
                 measured(&format!(
-                    "least squares over the forward and backward time of every unit of {} full-shard training steps computing in {} of {}, the first {} not counted, median over steps and ranks; each job weighted alike",
+                    "least squares over the forward and backward time of every unit of {} full-shard training steps computing in {} of {}, the first {} not counted, median over steps and ranks; each job weighted alike; {choice}",
                     fit::STEPS,
                     dt.name(),
                     names.join(", "),
                     fit::SKIPPED_STEPS
                 )),
             );
-            p.compute_fit.set(dt, f);
+            p.compute_fit.set(dt, c.fit);
         }
         if w > 1 {
             p.rank_skew = fit::fit_skew(&p, &f32_waits)?;

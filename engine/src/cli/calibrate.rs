@@ -56,8 +56,8 @@ pub struct CalibrateArgs {
     /// same GPU's built-in profile and their sources say so).
     #[arg(long, value_enum, default_value_t = CalibrateDeviceArg::Cpu)]
     pub device: CalibrateDeviceArg,
-    /// The profile's name (default: `calibrated-<host>`).
-    #[arg(long)]
+    /// The profile's name (default: `calibrated-<host>`; not empty, no control characters).
+    #[arg(long, value_parser = super::checks::profile_name)]
     pub name: Option<String>,
     /// Fit the compute model to reference training steps run on this machine (`on`, about 10
     /// seconds: the profile's `compute_fit`), or leave the analytical model as is (`off`).

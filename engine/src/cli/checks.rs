@@ -88,6 +88,26 @@ pub fn at_least_one(s: &str) -> Result<usize, String> {
     Ok(v)
 }
 
+/// Parses a hardware profile's name (`fsdp calibrate --name`): at least one visible
+/// character, no control characters (the name heads every prediction's report line).
+///
+/// Errors: the rule and the fix, for clap's message.
+pub fn profile_name(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        return Err(
+            "the profile's name is empty; give a name such as `my-host-w2` (or leave \
+                    --name out for `calibrated-<host>`)"
+                .into(),
+        );
+    }
+    if s.chars().any(char::is_control) {
+        return Err(format!(
+            "{s:?} holds a control character; give a name of printable characters"
+        ));
+    }
+    Ok(s.to_string())
+}
+
 /// [`at_least_one`] as a `u64`.
 ///
 /// Errors: as [`at_least_one`].

@@ -90,6 +90,7 @@ pub enum ActivationsArg {
 /// Arguments of `fsdp plan`.
 #[derive(Debug, clap::Args)]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["model", "hf_config", "safetensors", "spec"])))]
+#[command(allow_negative_numbers = true)]
 pub struct PlanArgs {
     /// Built-in preset: tiny, mini, small, base, gpt2, gpt2-medium, gpt2-large, gpt2-xl,
     /// llama-tiny, llama-mini, llama2-7b, llama3-8b, llama3-70b.
@@ -107,7 +108,7 @@ pub struct PlanArgs {
     #[arg(long, value_name = "FILE")]
     pub spec: Option<PathBuf>,
     /// World size W (number of ranks).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = super::checks::at_least_one_u64)]
     pub world_size: u64,
     /// Sharding strategy.
     #[arg(long, value_enum, default_value_t = StrategyArg::FullShard)]
@@ -139,14 +140,14 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 0.9)]
     pub momentum: f64,
     /// Sequences per micro-batch per rank.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = super::checks::at_least_one_u64)]
     pub micro_batch: u64,
     /// Tokens per sequence (default: 1024, or the model's position table / maximum sequence
     /// length if shorter).
-    #[arg(long)]
+    #[arg(long, value_parser = super::checks::at_least_one_u64)]
     pub seq_len: Option<u64>,
     /// Micro-batches per optimizer step.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = super::checks::at_least_one_u64)]
     pub grad_accum: u64,
     /// When gradients are reduced during accumulation.
     #[arg(long, value_enum, default_value_t = GradSyncArg::Every)]

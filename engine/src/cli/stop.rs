@@ -2,7 +2,10 @@
 //!
 //! Schedulers (Slurm, cloud preemption, `fsdp launch`, `mpirun`) send SIGTERM some seconds
 //! before they kill a job, and Ctrl-C sends SIGINT. `fsdp train` installs a handler for both
-//! ([`install`]) that only records the first signal in an atomic (async-signal-safe). At every
+//! ([`install`]) that records the first signal in an atomic and says at once, on standard
+//! error and in the `--log-file`, that the run will stop after the current step (one
+//! `write(2)`: async-signal-safe; a step can take minutes, and silence would read as a
+//! hang). At every
 //! step boundary all ranks agree on one flag ([`crate::train::TrainHooks::stop_requested`],
 //! all-gathered over the world by the training loop), so a signal to any one rank — a thread
 //! of this process, or one process of an MPI or NCCL job — stops every rank after the same
@@ -76,6 +79,19 @@ extern "C" fn on_stop_signal(sig: libc::c_int) {
         .is_ok()
     {
         FIRST_AT_NS.store(now, Ordering::SeqCst);
+        const INT: &[u8] = b"fsdp train: SIGINT received: stopping every rank after the current \
+            step (saved when --ckpt-dir is set); signal again to exit at once\n";
+        const TERM: &[u8] = b"fsdp train: SIGTERM received: stopping every rank after the current \
+            step (saved when --ckpt-dir is set); signal again to exit at once\n";
+        let msg = if sig == libc::SIGINT { INT } else { TERM };
+        // SAFETY: write(2) is async-signal-safe; the buffers are static.
+        unsafe {
+            libc::write(2, msg.as_ptr().cast(), msg.len());
+            let fd = crate::output::log_fd();
+            if fd >= 0 {
+                libc::write(fd, msg.as_ptr().cast(), msg.len());
+            }
+        }
         return;
     }
     // A copy of the first (its time not even stored yet, or within the window).

@@ -295,6 +295,9 @@ pub struct StepComparison {
     /// Measured MFU: the prediction's model FLOPs per step / (measured step x W x the
     /// profile's peak).
     pub mfu: f64,
+    /// Measured HFU: the prediction's counted (hardware) FLOPs per step, recompute included
+    /// and attention only where computed / (measured step x W x the profile's peak).
+    pub hfu: f64,
     /// The FLOP formula of `mfu`.
     pub flop_formula: String,
     /// The profile's peak FLOP/s per rank the MFU divides by.
@@ -335,13 +338,14 @@ pub fn compare(pred: &StepPrediction, step_seconds: &[f64]) -> Option<StepCompar
         error: measured_s / pred.step_s - 1.0,
         tokens_per_s: pred.tokens_per_step as f64 / measured_s,
         mfu: pred.model_flops_per_step / (measured_s * w * pred.peak_flops_per_s),
+        hfu: pred.hardware_flops_per_step / (measured_s * w * pred.peak_flops_per_s),
         flop_formula: pred.flop_formula.clone(),
         peak_flops_per_s: pred.peak_flops_per_s,
     })
 }
 
 /// The summary lines of a comparison: `predicted 1.23 s/step, measured 1.31 s (+6.5%)`, the
-/// measured tokens/s and MFU with its formula and peak.
+/// measured tokens/s, MFU with its formula and peak, and HFU (the FLOPs the step computes).
 pub fn render_comparison(c: &StepComparison) -> String {
     let which = if c.first_excluded {
         format!("median of {} steps, the first excluded", c.measured_steps)
@@ -352,7 +356,8 @@ pub fn render_comparison(c: &StepComparison) -> String {
     format!(
         "step time on {}: predicted {}/step{skew}, measured {} ({:+.1}%; {which})\n\
          measured {} tokens/s at that step | MFU {} (model FLOPs by {}; peak {} per rank from \
-         the profile)\n",
+         the profile) | HFU {} (the FLOPs computed: recompute included, attention only where \
+         computed)\n",
         c.hardware,
         format_seconds(c.predicted_s),
         format_seconds(c.measured_s),
@@ -360,7 +365,8 @@ pub fn render_comparison(c: &StepComparison) -> String {
         tokens(c.tokens_per_s),
         pct(c.mfu),
         c.flop_formula,
-        flop_rate(c.peak_flops_per_s)
+        flop_rate(c.peak_flops_per_s),
+        pct(c.hfu)
     )
 }
 
@@ -390,6 +396,7 @@ pub fn comparison_json(c: &StepComparison) -> serde_json::Value {
         "step_time_error": c.error,
         "measured_tokens_per_s": c.tokens_per_s,
         "mfu": c.mfu,
+        "hfu": c.hfu,
         "flop_formula": c.flop_formula,
         "peak_flops_per_s": c.peak_flops_per_s,
     })

@@ -746,9 +746,10 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
             v["step_time"] = super::timing::comparison_json(c);
             v["step_time"]["profile_of_another_device"] = mismatch.is_some().into();
             if mismatch.is_some() {
-                // As the text says: no error or MFU of this run against another device.
+                // As the text says: no error, MFU or HFU of this run against another device.
                 v["step_time"]["step_time_error"] = serde_json::Value::Null;
                 v["step_time"]["mfu"] = serde_json::Value::Null;
+                v["step_time"]["hfu"] = serde_json::Value::Null;
             }
         }
         let s = serde_json::to_string(&v).map_err(|e| CliError::Failed(e.to_string()))?;

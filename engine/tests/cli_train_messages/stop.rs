@@ -92,6 +92,18 @@ fn sigterm_saves_the_step_it_stops_after_and_the_resume_equals_an_uninterrupted_
     run.signal(libc::SIGTERM);
     let (code, lines, err) = run.finish();
     assert_eq!(code, 143, "a run stopped by SIGTERM exits 143:\n{err}");
+    // The signal is acknowledged when it arrives, before the stop's own report.
+    let ack = err
+        .find(
+            "fsdp train: SIGTERM received: stopping every rank after the current step (saved \
+             when --ckpt-dir is set); signal again to exit at once\n",
+        )
+        .unwrap_or_else(|| panic!("no acknowledgement of the signal:\n{err}"));
+    assert!(
+        err.find("stopped by SIGTERM after step")
+            .is_some_and(|at| ack < at),
+        "{err}"
+    );
     let stop = stopped_event(&lines);
     let k = stop["step"].as_u64().unwrap();
     let lb = step_losses(&lines);
@@ -243,4 +255,8 @@ fn sigint_without_a_checkpoint_directory_says_nothing_is_saved() {
         logged.contains(&msg),
         "the log file has the stop message:\n{logged}"
     );
+    // The acknowledgement names the signal, on standard error and in the log.
+    let ack = "fsdp train: SIGINT received: stopping every rank after the current step";
+    assert!(err.contains(ack), "{err}");
+    assert!(logged.contains(ack), "{logged}");
 }

@@ -546,6 +546,11 @@ pub struct HardwareProfile {
     /// The source of each number, by JSON path.
     #[serde(default)]
     pub sources: BTreeMap<String, String>,
+    /// Where the profile was read from (the `origin` given to [`HardwareProfile::from_json`]:
+    /// a file name, or `built-in NAME`), so that a later error names the file the user gave;
+    /// empty for a profile built in memory. Not part of the JSON.
+    #[serde(skip)]
+    pub origin: String,
 }
 
 /// The plausible range of one kind of profile number (inclusive bounds), what the module
@@ -716,6 +721,24 @@ impl HardwareProfile {
     /// mistyped or non-finite value, one outside its plausible range (value and range
     /// named), a curve out of order or above its peak, or a wrong `schema`.
     pub fn from_json(text: &str, origin: &str) -> Result<Self, PlanError> {
+        // Valid JSON that is not an object (serde would read an array as the fields in
+        // order): named as the wrong shape, not by a field.
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(text) {
+            if !v.is_object() {
+                let kind = match v {
+                    serde_json::Value::Array(_) => "an array",
+                    serde_json::Value::String(_) => "a string",
+                    serde_json::Value::Number(_) => "a number",
+                    serde_json::Value::Bool(_) => "a boolean",
+                    _ => "null",
+                };
+                return Err(bad(
+                    origin,
+                    "(document)",
+                    format!("must be one JSON object with the profile's fields, got {kind}"),
+                ));
+            }
+        }
         let de = &mut serde_json::Deserializer::from_str(text);
         let p: HardwareProfile = serde_path_to_error::deserialize(de).map_err(|e| {
             let path = e.path().to_string();
@@ -737,14 +760,34 @@ impl HardwareProfile {
                 bad(origin, path, format!("is not a profile field {at}{known}"))
             } else if msg.starts_with("number out of range") {
                 bad(origin, path, format!("is not a finite number {at}"))
-            } else if inner.is_syntax() || inner.is_eof() || path == "." || path.is_empty() {
-                bad(origin, "(document)", format!("is not valid JSON: {msg}"))
+            } else if inner.is_syntax() || inner.is_eof() {
+                // JSON has no NaN or infinity (Python's json.dump writes them unless told not
+                // to): name the word instead of serde's position alone.
+                let word = ["NaN", "-Infinity", "Infinity"]
+                    .into_iter()
+                    .find(|w| as_value(text, w))
+                    .map(|w| {
+                        format!(
+                            " (`{w}` is not a JSON number: every profile number must be finite)"
+                        )
+                    })
+                    .unwrap_or_default();
+                bad(
+                    origin,
+                    "(document)",
+                    format!("is not valid JSON: {msg}{word}"),
+                )
+            } else if path == "." || path.is_empty() {
+                bad(origin, "(document)", format!("is not a profile: {msg}"))
             } else {
                 bad(origin, path, format!("has the wrong type: {msg}"))
             }
         })?;
         p.validate(origin)?;
-        Ok(p)
+        Ok(HardwareProfile {
+            origin: origin.to_string(),
+            ..p
+        })
     }
 
     /// Checks every number against its plausible range (see the module doc). `origin` names
@@ -978,11 +1021,17 @@ impl HardwareProfile {
 
     /// The profile's GEMM curve for `dtype`.
     ///
-    /// Errors: [`PlanError::BadProfile`] naming `gemm.<dtype>` when it has none.
+    /// Errors: [`PlanError::BadProfile`] naming `gemm.<dtype>` when it has none, and the
+    /// profile by where it was read from ([`HardwareProfile::origin`]), else by its name.
     pub fn gemm_curve(&self, dtype: DType) -> Result<&GemmCurve, PlanError> {
         self.gemm.get(dtype).ok_or_else(|| {
+            let who = if self.origin.is_empty() {
+                self.name.clone()
+            } else {
+                self.origin.clone()
+            };
             bad(
-                &self.name,
+                &who,
                 format!("gemm.{}", dtype.name()),
                 format!(
                     "is missing: the plan computes in {}; add a curve for it (fsdp calibrate measures one)",
@@ -1117,6 +1166,18 @@ fn validate_shapes(origin: &str, base: &str, c: &GemmCurve) -> Result<(), PlanEr
         }
     }
     Ok(())
+}
+
+/// Whether `word` stands in `text` where a JSON value would (after `:`, `,` or `[`, spaces
+/// aside), not inside a string such as a source's text.
+fn as_value(text: &str, word: &str) -> bool {
+    text.match_indices(word).any(|(i, _)| {
+        text[..i]
+            .trim_end()
+            .chars()
+            .next_back()
+            .is_some_and(|c| matches!(c, ':' | ',' | '['))
+    })
 }
 
 /// The text between `start` and the next `end` in `s`.
