@@ -850,16 +850,7 @@ impl HardwareProfile {
                         ),
                     ));
                 }
-                if pt.flops_per_s > c.peak_flops_per_s {
-                    return Err(bad(
-                        origin,
-                        format!("{at}.flops_per_s"),
-                        format!(
-                            "{} exceeds the peak {} of {base}.peak_flops_per_s (MFU would pass 100%)",
-                            pt.flops_per_s, c.peak_flops_per_s
-                        ),
-                    ));
-                }
+                under_peak(origin, &at, base.as_str(), pt.flops_per_s, c)?;
             }
             validate_shapes(origin, &base, c)?;
         }
@@ -1092,6 +1083,28 @@ impl HardwareProfile {
     }
 }
 
+/// Refuses the rate `flops_per_s` of the point at `at` (a curve or shape point of the curve
+/// `base`, `c`) when it exceeds the curve's peak: MFU could pass 100%.
+fn under_peak(
+    origin: &str,
+    at: &str,
+    base: &str,
+    flops_per_s: f64,
+    c: &GemmCurve,
+) -> Result<(), PlanError> {
+    if flops_per_s > c.peak_flops_per_s {
+        return Err(bad(
+            origin,
+            format!("{at}.flops_per_s"),
+            format!(
+                "{flops_per_s} exceeds the peak {} of {base}.peak_flops_per_s (MFU would pass 100%)",
+                c.peak_flops_per_s
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks a curve's shape points: each dimension in [`GEMM_DIM`], each rate in [`FLOP_RATE`]
 /// and at most the peak, and per layout present a complete grid without repeats.
 fn validate_shapes(origin: &str, base: &str, c: &GemmCurve) -> Result<(), PlanError> {
@@ -1106,16 +1119,7 @@ fn validate_shapes(origin: &str, base: &str, c: &GemmCurve) -> Result<(), PlanEr
             pt.flops_per_s,
             &FLOP_RATE,
         )?;
-        if pt.flops_per_s > c.peak_flops_per_s {
-            return Err(bad(
-                origin,
-                format!("{at}.flops_per_s"),
-                format!(
-                    "{} exceeds the peak {} of {base}.peak_flops_per_s (MFU would pass 100%)",
-                    pt.flops_per_s, c.peak_flops_per_s
-                ),
-            ));
-        }
+        under_peak(origin, &at, base, pt.flops_per_s, c)?;
         if let Some(j) = c.shapes[..i]
             .iter()
             .position(|q| (q.m, q.k, q.n, q.layout) == (pt.m, pt.k, pt.n, pt.layout))
