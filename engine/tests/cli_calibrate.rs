@@ -3,7 +3,7 @@
 //! it on a GPU run), and `fsdp plan --time --hardware FILE` accepts it; bad requests exit 2.
 
 use fsdp::cli::timing::{profile_device, ProfileDevice};
-use fsdp_planner::time::{GemmLayout, GemmShape, HardwareProfile};
+use fsdp_planner::time::{GemmLayout, GemmPricing, GemmShape, HardwareProfile};
 use fsdp_types::DType;
 use std::process::{Command, Output};
 
@@ -240,9 +240,9 @@ fn one_rank_calibrates_without_collectives_and_fits_the_compute_model_per_dtype(
         // profile holds the shape grid exactly when that model prices by shape.
         let shapes = &prof.gemm.get(dt).unwrap().shapes;
         let source_of_grid = prof.sources.get(&format!("gemm.{}.shapes", dt.name()));
-        if src
-            .contains("GEMMs priced by shape: the shape grid's fit left a weighted rms residual of")
-        {
+        let pricing = f.gemm_pricing.expect("the fit records its GEMM pricing");
+        if src.contains("GEMMs priced by shape: the fit with the shape grid left an rms residual") {
+            assert_eq!(pricing, GemmPricing::Shape);
             assert_eq!(shapes.len(), 81, "{dt:?}");
             assert!(source_of_grid.is_some(), "{dt:?}");
         } else {
@@ -250,6 +250,7 @@ fn one_rank_calibrates_without_collectives_and_fits_the_compute_model_per_dtype(
                 src.contains("GEMMs priced by size alone: the measured shape grid was dropped"),
                 "{src}"
             );
+            assert_eq!(pricing, GemmPricing::Size);
             assert!(shapes.is_empty() && source_of_grid.is_none(), "{dt:?}");
         }
     }
@@ -343,6 +344,11 @@ fn calibrate_refuses_zero_threads_more_ranks_than_cores_and_a_blank_name() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("--threads-per-rank"), "{err}");
+    // A negative count after a space is the flag's value, refused by its rule.
+    let o = fsdp(&["calibrate", "--threads-per-rank", "-1"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("`-1` must be at least 1"), "{err}");
     // An empty or blank name, or one with a control character, before any measurement.
     for bad in ["", "  ", "a\nb"] {
         let o = fsdp(&["calibrate", "--name", bad]);

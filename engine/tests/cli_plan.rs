@@ -129,6 +129,23 @@ fn cli_plan_bad_flags() {
         &["--model", "gpt2", "--grad-accum", "0"],
         "invalid value '0' for '--grad-accum <GRAD_ACCUM>': must be at least 1",
     );
+    bad(
+        &[
+            "--model",
+            "tiny",
+            "--strategy",
+            "hybrid",
+            "--world-size",
+            "4",
+            "--shard-size",
+            "0",
+        ],
+        "invalid value '0' for '--shard-size <SHARD_SIZE>': must be at least 1",
+    );
+    bad(
+        &["--model", "gpt2", "--prefetch", "-1"],
+        "invalid value '-1' for '--prefetch <PREFETCH>': `-1` is negative; give a whole number >= 0",
+    );
     // A negative number after a space is the flag's value, refused by the flag's rule.
     bad(
         &["--model", "gpt2", "--micro-batch", "-2"],

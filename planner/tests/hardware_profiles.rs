@@ -319,6 +319,29 @@ fn unknown_fields_wrong_types_and_schemas_are_named() {
             && !e.contains("not valid JSON"),
         "{e}"
     );
+    // Text after the profile (a second profile pasted below it) is refused, not ignored.
+    for tail in ["\n{\"name\": \"OTHER\"}", " xyz", "[1]"] {
+        let e = HardwareProfile::from_json(&format!("{H100}{tail}"), "two.json")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("two.json") && e.contains("has text after the profile's closing brace"),
+            "{tail:?}: {e}"
+        );
+    }
+    // A byte-order mark before the profile is read past; trailing white space is fine.
+    let p = HardwareProfile::from_json(&format!("\u{feff}{H100}\n\n"), "bom.json").unwrap();
+    assert_eq!(p.name, "h100-sxm");
+    // A blank name, or one with a control character (a terminal escape), is refused.
+    for name in ["", "  ", "a\nb", "x\u{1b}[31m"] {
+        let mut v = h100();
+        v["name"] = name.into();
+        let e = refused(&v);
+        assert!(
+            e.contains("`name` is") && e.contains("visible character"),
+            "{e}"
+        );
+    }
     // A NaN (Python's json.dump writes one) is named.
     let text = H100.replacen("\"overlap_slowdown\": 0.12", "\"overlap_slowdown\": NaN", 1);
     assert_ne!(text, H100);

@@ -395,3 +395,45 @@ fn a_dtype_the_profile_lacks_is_named_with_the_file_it_was_read_from() {
     let e = use_compute_parts(&p, &mem).unwrap_err().to_string();
     assert!(e.contains("hardware profile synthetic: `gemm.bf16`"), "{e}");
 }
+
+#[test]
+fn a_grid_that_disagrees_with_the_fits_pricing_is_refused() {
+    let grid = grid("nt", &[64, 256], |_, _, _| 1e9).join(", ");
+    let fit = |pricing: &str| {
+        format!(
+            r#""compute_fit": {{"f32": {{"gemm_scale": 1.2, "elementwise_scale": 1, "op_overhead_s": 0, "rms_relative_error": 0.01, "samples": 9, "gemm_pricing": "{pricing}"}}}}"#
+        )
+    };
+    let with = |shapes: &str, pricing: &str| {
+        let c = r#"{"latency_s": 0, "step_latency_s": 0, "bus_bandwidth_bytes_per_s": 1e10}"#;
+        let level = format!(r#"{{"all_gather": {c}, "reduce_scatter": {c}, "all_reduce": {c}}}"#);
+        let text = format!(
+            r#"{{
+  "schema": "fsdp-hardware/1", "name": "synthetic", "description": "constructed",
+  "ranks_per_node": 8,
+  "gemm": {{"f32": {{"peak_flops_per_s": 4e9, "points": [{{"flops": 1, "flops_per_s": 2e9}}], "shapes": [{shapes}]}}}},
+  "memory_bandwidth_bytes_per_s": 1e10, "elementwise_flops_per_s": 1e14,
+  "collectives": {{"intra_node": {level}, "inter_node": {level}}},
+  "host": {{"link_bytes_per_s": 1e10, "optimizer_bytes_per_s": 1e10}},
+  "overlap_slowdown": 0, {}
+}}"#,
+            fit(pricing)
+        );
+        HardwareProfile::from_json(&text, "fitted.json")
+    };
+    // Agreeing: a grid with a fit by shape, none with a fit by size.
+    with(&grid, "shape").unwrap();
+    with("", "size").unwrap();
+    // The grid removed after a fit by shape: its scale would price GEMMs by size.
+    let e = with("", "shape").unwrap_err().to_string();
+    assert!(
+        e.contains("`compute_fit.f32.gemm_pricing` is \"shape\" but `gemm.f32.shapes` is empty"),
+        "{e}"
+    );
+    // A grid added after a fit by size.
+    let e = with(&grid, "size").unwrap_err().to_string();
+    assert!(
+        e.contains("`compute_fit.f32.gemm_pricing` is \"size\" but `gemm.f32.shapes` holds a grid"),
+        "{e}"
+    );
+}

@@ -30,7 +30,9 @@
 //! `benches/time_sweep.rs` measures that error.
 
 use crate::train::{train, NoHooks, TrainOptions};
-use fsdp_planner::time::{use_compute_parts, ComputeFit, ComputeParts, HardwareProfile};
+use fsdp_planner::time::{
+    use_compute_parts, ComputeFit, ComputeParts, GemmPricing, HardwareProfile,
+};
 use fsdp_planner::Strategy;
 use std::collections::BTreeMap;
 
@@ -438,6 +440,7 @@ pub fn fit(samples: &[FitSample]) -> Result<ComputeFit, String> {
         op_overhead_s: x[2],
         rms_relative_error: 0.0,
         samples: rows.len() as u64,
+        gemm_pricing: None,
     };
     // The error of each reference job's total compute (what a step's prediction sees).
     let mut job: BTreeMap<&str, (f64, f64)> = BTreeMap::new();
@@ -451,9 +454,12 @@ pub fn fit(samples: &[FitSample]) -> Result<ComputeFit, String> {
     Ok(f)
 }
 
-/// `profile` without GEMM shape grids: every GEMM at the rate of its FLOPs.
+/// `profile` without GEMM shape grids: every GEMM at the rate of its FLOPs. Its compute fits
+/// go too (a fit records the pricing it was made with, which this copy no longer has; the
+/// analytical parts the fits are made from do not use them).
 pub fn without_shapes(profile: &HardwareProfile) -> HardwareProfile {
     let mut p = profile.clone();
+    p.compute_fit = Default::default();
     for c in [
         &mut p.gemm.bf16,
         &mut p.gemm.f16,
@@ -499,8 +505,15 @@ pub struct ShapeOrSize {
     pub size_residual: f64,
 }
 
-/// Fits the samples' parts by shape and by size ([`fit`] each) and keeps the fit with the
-/// smaller [`weighted_rms_residual`] (the shape's on a tie).
+/// How much smaller the residual by size must be for the fit by size to replace the fit by
+/// shape (a fraction of the shape's residual): on a shared machine two calibrations minutes
+/// apart give residuals a few percent apart either way, and a choice that flips with that
+/// noise would move predictions with it.
+pub const SIZE_MARGIN: f64 = 0.05;
+
+/// Fits the samples' parts by shape and by size ([`fit`] each) and keeps the fit by shape
+/// unless the fit by size's [`weighted_rms_residual`] is smaller by more than
+/// [`SIZE_MARGIN`]; the kept fit records its [`GemmPricing`].
 ///
 /// Errors: as [`fit`], when either fit fails.
 pub fn fit_by_shape_or_size(samples: &[FitSample]) -> Result<ShapeOrSize, String> {
@@ -515,9 +528,17 @@ pub fn fit_by_shape_or_size(samples: &[FitSample]) -> Result<ShapeOrSize, String
     let by_size = fit(&size)?;
     let shape_residual = weighted_rms_residual(samples, &by_shape);
     let size_residual = weighted_rms_residual(&size, &by_size);
-    let keep_shape = shape_residual <= size_residual;
+    let keep_shape = size_residual >= (1.0 - SIZE_MARGIN) * shape_residual;
+    let (fit, pricing) = if keep_shape {
+        (by_shape, GemmPricing::Shape)
+    } else {
+        (by_size, GemmPricing::Size)
+    };
     Ok(ShapeOrSize {
-        fit: if keep_shape { by_shape } else { by_size },
+        fit: ComputeFit {
+            gemm_pricing: Some(pricing),
+            ..fit
+        },
         by_shape: keep_shape,
         shape_residual,
         size_residual,
@@ -633,7 +654,43 @@ mod tests {
             assert!(kept < 1e-9 && other > 1e-3, "{c:?}");
             assert!((c.fit.gemm_scale - 1.2).abs() < 1e-9, "{c:?}");
             assert!((c.fit.elementwise_scale - 2.0).abs() < 1e-9, "{c:?}");
+            let want = if shape_is_true {
+                GemmPricing::Shape
+            } else {
+                GemmPricing::Size
+            };
+            assert_eq!(c.fit.gemm_pricing, Some(want));
         }
+    }
+
+    #[test]
+    fn a_size_fit_only_slightly_better_does_not_replace_the_shape_fit() {
+        // Residuals 1.00 by shape against 0.97 by size: within the margin, shape stays;
+        // against 0.90: size replaces it.
+        let mk = |size_err: f64| -> Vec<FitSample> {
+            // Two jobs of two units; the shape parts give measured + 1%, -1%; the size
+            // parts give measured + size_err %, -size_err % (in units of 1%).
+            let units = [
+                ("a u1", 1e-3, 1.0),
+                ("a u2", 1e-3, -1.0),
+                ("b u1", 2e-3, 1.0),
+                ("b u2", 2e-3, -1.0),
+            ];
+            units
+                .iter()
+                .map(|&(name, t, sign)| FitSample {
+                    name: name.into(),
+                    measured_s: t,
+                    parts: parts(t * (1.0 + 0.01 * sign), 0.0, 0.0),
+                    size_parts: parts(t * (1.0 + 0.01 * size_err * sign), 0.0, 0.0),
+                })
+                .collect()
+        };
+        let c = fit_by_shape_or_size(&mk(0.97)).unwrap();
+        assert!(c.by_shape, "{c:?}");
+        assert!(c.size_residual < c.shape_residual, "{c:?}");
+        let c = fit_by_shape_or_size(&mk(0.90)).unwrap();
+        assert!(!c.by_shape, "{c:?}");
     }
 
     #[test]

@@ -778,8 +778,8 @@ pub fn calibrate(
             let c = fit::fit_by_shape_or_size(&samples)?;
             let choice = if c.by_shape {
                 format!(
-                    "GEMMs priced by shape: the shape grid's fit left a weighted rms residual of {:.4} against {:.4} by size alone",
-                    c.shape_residual, c.size_residual
+                    "GEMMs priced by shape: the fit with the shape grid left an rms residual per unit (a share of its job's compute) of {:.4}, against {:.4} by size alone (size replaces shape only when over {}% smaller)",
+                    c.shape_residual, c.size_residual, 100.0 * fit::SIZE_MARGIN
                 )
             } else {
                 // The grid stays out of the profile: the model priced by size explains this
@@ -794,7 +794,7 @@ pub fn calibrate(
                 }
                 p.sources.remove(&format!("gemm.{}.shapes", dt.name()));
                 format!(
-                    "GEMMs priced by size alone: the measured shape grid was dropped, its fit left a weighted rms residual of {:.4} against {:.4} by size",
+                    "GEMMs priced by size alone: the measured shape grid was dropped, its fit left an rms residual per unit (a share of its job's compute) of {:.4}, against {:.4} by size",
                     c.shape_residual, c.size_residual
                 )
             };

@@ -34,6 +34,7 @@ pub enum CalibrateBackendArg {
 
 /// Arguments of `fsdp calibrate`.
 #[derive(Debug, clap::Args)]
+#[command(allow_negative_numbers = true)]
 pub struct CalibrateArgs {
     /// Whose collectives to measure: rank threads (`threads`) or MPI processes (`mpi`, under
     /// `mpirun -n W`; the world size is mpirun's). The compute fit's reference jobs run on the

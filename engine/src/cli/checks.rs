@@ -108,6 +108,18 @@ pub fn profile_name(s: &str) -> Result<String, String> {
     Ok(s.to_string())
 }
 
+/// Parses a count that may be 0 (`--prefetch`, `--warmup`, `--max-skipped`).
+///
+/// Errors: the rule and the fix, for clap's message.
+pub fn whole_number_u64(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    t.parse().map_err(|_| match t.parse::<i128>() {
+        Ok(n) if n < 0 => format!("`{s}` is negative; give a whole number >= 0"),
+        Ok(_) => format!("`{s}` is too large; give a whole number up to {}", u64::MAX),
+        Err(_) => format!("`{s}` is not a whole number; give an integer >= 0"),
+    })
+}
+
 /// [`at_least_one`] as a `u64`.
 ///
 /// Errors: as [`at_least_one`].

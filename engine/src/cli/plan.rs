@@ -114,7 +114,7 @@ pub struct PlanArgs {
     #[arg(long, value_enum, default_value_t = StrategyArg::FullShard)]
     pub strategy: StrategyArg,
     /// Shard-group size for --strategy hybrid (must divide the world size).
-    #[arg(long)]
+    #[arg(long, value_parser = super::checks::at_least_one_u64)]
     pub shard_size: Option<u64>,
     /// Unit-level activation checkpointing (`on`/`off`; default: the strategy's).
     #[arg(long, value_enum, value_name = "on|off", help = CHECKPOINTING_HELP)]
@@ -153,7 +153,7 @@ pub struct PlanArgs {
     #[arg(long, value_enum, default_value_t = GradSyncArg::Every)]
     pub grad_sync: GradSyncArg,
     /// Units gathered ahead, forward and backward.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = super::checks::whole_number_u64)]
     pub prefetch: u64,
     /// Alignment of each parameter inside its flat parameter, in elements.
     #[arg(long, default_value_t = 1)]

@@ -117,7 +117,7 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value_t = StrategyArg::FullShard)]
     pub strategy: StrategyArg,
     /// Shard-group size for `--strategy hybrid` (must divide the world size).
-    #[arg(long)]
+    #[arg(long, value_parser = super::checks::at_least_one_u64)]
     pub shard_size: Option<u64>,
     /// Memory budget per rank, e.g. 80GiB, 40GB, 512MiB (as `fsdp plan --device-memory`). With
     /// `--strategy auto` the budget auto fits (default on the CPU: available memory / ranks on
@@ -144,7 +144,7 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 1e-3, value_parser = super::checks::positive)]
     pub lr: f64,
     /// Linear warmup steps.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, value_parser = super::checks::whole_number_u64)]
     pub warmup: u64,
     /// Learning rate at the end of the cosine decay.
     #[arg(long, default_value_t = 1e-4, value_parser = super::checks::non_negative)]
@@ -175,7 +175,7 @@ pub struct TrainArgs {
     /// Units all-gathered ahead of the one computing (0: no prefetch and no overlap: every
     /// collective runs synchronously). From 1 on, all-gathers and reduce-scatters run on a
     /// communication thread while the rank computes.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = super::checks::whole_number_u64)]
     pub prefetch: u64,
     /// Unit-level activation checkpointing (`on`/`off`; default: the strategy's).
     #[arg(long, value_enum, value_name = "on|off", help = super::args::CHECKPOINTING_HELP)]
@@ -204,7 +204,12 @@ pub struct TrainArgs {
     #[arg(long, value_enum, value_name = "skip|error")]
     pub nonfinite: Option<NonFiniteArg>,
     /// Stop after N skipped steps in a row (non-finite gradients or loss; f16 overflows).
-    #[arg(long, value_name = "N", default_value_t = crate::options::DEFAULT_MAX_SKIPPED)]
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = crate::options::DEFAULT_MAX_SKIPPED,
+        value_parser = super::checks::whole_number_u64
+    )]
     pub max_skipped: u64,
     /// One JSON line per step on stdout (and a JSON summary) instead of the progress bar.
     #[arg(long)]

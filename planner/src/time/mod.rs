@@ -84,9 +84,9 @@ use serde::{Deserialize, Serialize};
 
 pub use profile::{
     builtin_profile, BandwidthPoint, CollectiveCost, Collectives, ComputeFit, ComputeFits,
-    CurvePoint, GemmCurve, GemmLayout, GemmRates, GemmShape, HardwareProfile, HostLink,
-    LinkCollectives, PlausibleRange, ShapePoint, BANDWIDTH, BUILTIN_PROFILE_NAMES, CALL_FLOPS,
-    FLOP_RATE, GEMM_DIM, LATENCY, PROFILE_SCHEMA, RANKS_PER_NODE, SKEW, SLOWDOWN,
+    CurvePoint, GemmCurve, GemmLayout, GemmPricing, GemmRates, GemmShape, HardwareProfile,
+    HostLink, LinkCollectives, PlausibleRange, ShapePoint, BANDWIDTH, BUILTIN_PROFILE_NAMES,
+    CALL_FLOPS, FLOP_RATE, GEMM_DIM, LATENCY, PROFILE_SCHEMA, RANKS_PER_NODE, SKEW, SLOWDOWN,
 };
 pub use step::{predict, use_compute_parts, ComputeParts, UseParts, MAX_MICRO_BATCHES};
 

@@ -364,6 +364,23 @@ pub struct ComputeFit {
     pub rms_relative_error: f64,
     /// How many unit times it was fitted to (informative).
     pub samples: u64,
+    /// How the GEMM seconds it scales were priced when it was fitted (optional; `fsdp
+    /// calibrate` records it): by the dtype's shape grid, or by the size curve alone. A
+    /// profile whose grid disagrees with it (a grid removed after a fit by shape, or added
+    /// after a fit by size) is refused: the scale belongs to the pricing it was fitted with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gemm_pricing: Option<GemmPricing>,
+}
+
+/// How GEMM seconds are priced: at the rate of each call's shape and layout (the profile's
+/// grid, [`GemmCurve::rate_of`]) or at the rate of its FLOPs ([`GemmCurve::rate`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GemmPricing {
+    /// By shape and layout.
+    Shape,
+    /// By size alone.
+    Size,
 }
 
 /// [`ComputeFit`]s by the dtype the model computes in (`param_dtype`), each optional.
@@ -430,6 +447,7 @@ impl ComputeFit {
         op_overhead_s: 0.0,
         rms_relative_error: 0.0,
         samples: 0,
+        gemm_pricing: None,
     };
 }
 
@@ -721,6 +739,8 @@ impl HardwareProfile {
     /// mistyped or non-finite value, one outside its plausible range (value and range
     /// named), a curve out of order or above its peak, or a wrong `schema`.
     pub fn from_json(text: &str, origin: &str) -> Result<Self, PlanError> {
+        // A byte-order mark (some Windows editors write one) is not JSON; read past it.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         // Valid JSON that is not an object (serde would read an array as the fields in
         // order): named as the wrong shape, not by a field.
         if let Ok(v) = serde_json::from_str::<serde_json::Value>(text) {
@@ -740,7 +760,7 @@ impl HardwareProfile {
             }
         }
         let de = &mut serde_json::Deserializer::from_str(text);
-        let p: HardwareProfile = serde_path_to_error::deserialize(de).map_err(|e| {
+        let p: HardwareProfile = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
             let path = e.path().to_string();
             let inner = e.inner();
             let msg = inner.to_string();
@@ -783,6 +803,20 @@ impl HardwareProfile {
                 bad(origin, path, format!("has the wrong type: {msg}"))
             }
         })?;
+        // One profile per file: anything after its closing brace (a second profile pasted
+        // below, stray text) would otherwise be ignored without a word.
+        de.end().map_err(|e| {
+            bad(
+                origin,
+                "(document)",
+                format!(
+                    "has text after the profile's closing brace (line {}, column {}): one file \
+                     holds one profile",
+                    e.line(),
+                    e.column()
+                ),
+            )
+        })?;
         p.validate(origin)?;
         Ok(HardwareProfile {
             origin: origin.to_string(),
@@ -800,6 +834,17 @@ impl HardwareProfile {
                 origin,
                 "schema",
                 format!("is `{}`, expected `{PROFILE_SCHEMA}`", self.schema),
+            ));
+        }
+        if self.name.trim().is_empty() || self.name.chars().any(char::is_control) {
+            return Err(bad(
+                origin,
+                "name",
+                format!(
+                    "is {:?}: a profile's name needs a visible character and no control \
+                     characters (it heads every prediction's report)",
+                    self.name
+                ),
             ));
         }
         if self.ranks_per_node == 0 {
@@ -971,6 +1016,38 @@ impl HardwareProfile {
                 false,
                 1e3,
             )?;
+            let grid = match dt {
+                "bf16" => self.gemm.bf16.as_ref(),
+                "f16" => self.gemm.f16.as_ref(),
+                "f32" => self.gemm.f32.as_ref(),
+                _ => self.gemm.f64.as_ref(),
+            }
+            .is_some_and(|c| !c.shapes.is_empty());
+            match f.gemm_pricing {
+                Some(GemmPricing::Shape) if !grid => {
+                    return Err(bad(
+                        origin,
+                        format!("{at}.gemm_pricing"),
+                        format!(
+                            "is \"shape\" but `gemm.{dt}.shapes` is empty: the fit's GEMM scale \
+                             was fitted to GEMMs priced by the grid; restore the grid, or \
+                             calibrate again"
+                        ),
+                    ))
+                }
+                Some(GemmPricing::Size) if grid => {
+                    return Err(bad(
+                        origin,
+                        format!("{at}.gemm_pricing"),
+                        format!(
+                            "is \"size\" but `gemm.{dt}.shapes` holds a grid: the fit's GEMM \
+                             scale was fitted to GEMMs priced by size alone; remove the grid, or \
+                             calibrate again"
+                        ),
+                    ))
+                }
+                _ => {}
+            }
         }
         Ok(())
     }
