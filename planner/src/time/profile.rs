@@ -47,8 +47,9 @@
 //!   "compute_fit": {                            // optional: fitted by `fsdp calibrate`,
 //!     "bf16" | "f16" | "f32" | "f64": {         // per param_dtype, each optional
 //!       "gemm_scale": float, "elementwise_scale": float, "op_overhead_s": float,
-//!       "rms_relative_error": float, "samples": int
-//!     }
+//!       "rms_relative_error": float, "samples": int,
+//!       "gemm_pricing": "shape" | "size"        // optional: what the fit was made with;
+//!     }                                         // must agree with gemm.<dtype>.shapes
 //!   },
 //!   "sources": {"json.path": "where the number comes from", ...}
 //! }
