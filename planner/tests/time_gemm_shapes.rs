@@ -14,6 +14,16 @@ use fsdp_types::DType;
 /// A profile whose f32 GEMM curve has `points` (JSON objects), `peak` and `shapes` (JSON
 /// objects, may be empty).
 fn profile(points: &str, peak: f64, shapes: &str) -> Result<HardwareProfile, PlanError> {
+    profile_with(points, peak, shapes, "")
+}
+
+/// As [`profile`], with `extra` JSON members appended (each preceded by a comma).
+fn profile_with(
+    points: &str,
+    peak: f64,
+    shapes: &str,
+    extra: &str,
+) -> Result<HardwareProfile, PlanError> {
     let c = r#"{"latency_s": 0, "step_latency_s": 0, "bus_bandwidth_bytes_per_s": 1e10}"#;
     let level = format!(r#"{{"all_gather": {c}, "reduce_scatter": {c}, "all_reduce": {c}}}"#);
     let text = format!(
@@ -24,7 +34,7 @@ fn profile(points: &str, peak: f64, shapes: &str) -> Result<HardwareProfile, Pla
   "memory_bandwidth_bytes_per_s": 1e10, "elementwise_flops_per_s": 1e14,
   "collectives": {{"intra_node": {level}, "inter_node": {level}}},
   "host": {{"link_bytes_per_s": 1e10, "optimizer_bytes_per_s": 1e10}},
-  "overlap_slowdown": 0
+  "overlap_slowdown": 0{extra}
 }}"#
     );
     HardwareProfile::from_json(&text, "synthetic.json")
@@ -405,21 +415,12 @@ fn a_grid_that_disagrees_with_the_fits_pricing_is_refused() {
         )
     };
     let with = |shapes: &str, pricing: &str| {
-        let c = r#"{"latency_s": 0, "step_latency_s": 0, "bus_bandwidth_bytes_per_s": 1e10}"#;
-        let level = format!(r#"{{"all_gather": {c}, "reduce_scatter": {c}, "all_reduce": {c}}}"#);
-        let text = format!(
-            r#"{{
-  "schema": "fsdp-hardware/1", "name": "synthetic", "description": "constructed",
-  "ranks_per_node": 8,
-  "gemm": {{"f32": {{"peak_flops_per_s": 4e9, "points": [{{"flops": 1, "flops_per_s": 2e9}}], "shapes": [{shapes}]}}}},
-  "memory_bandwidth_bytes_per_s": 1e10, "elementwise_flops_per_s": 1e14,
-  "collectives": {{"intra_node": {level}, "inter_node": {level}}},
-  "host": {{"link_bytes_per_s": 1e10, "optimizer_bytes_per_s": 1e10}},
-  "overlap_slowdown": 0, {}
-}}"#,
-            fit(pricing)
-        );
-        HardwareProfile::from_json(&text, "fitted.json")
+        profile_with(
+            r#"{"flops": 1, "flops_per_s": 2e9}"#,
+            4e9,
+            shapes,
+            &format!(", {}", fit(pricing)),
+        )
     };
     // Agreeing: a grid with a fit by shape, none with a fit by size.
     with(&grid, "shape").unwrap();
