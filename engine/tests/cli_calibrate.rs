@@ -276,6 +276,9 @@ fn two_ranks_fit_the_rank_skew_to_the_reference_jobs_waits() {
     let path = d.path().join("two.json");
     let p = path.to_str().unwrap();
     let prof = calibrate_with_fit("2", p);
+    // The collectives' fit says that a negative intercept is read as no latency.
+    let src = &prof.sources["collectives.intra_node.all_gather.latency_s"];
+    assert!(src.contains("the latency clamped at 0"), "{src}");
     // Fitted on the grid of `fit_skew`, inside its bound; its source says how.
     let k = prof.rank_skew;
     assert!((0.0..=fsdp::calibrate::fit::MAX_SKEW).contains(&k), "{k}");
@@ -309,10 +312,19 @@ fn two_ranks_fit_the_rank_skew_to_the_reference_jobs_waits() {
 
 #[test]
 fn calibrate_refuses_zero_ranks_and_cuda_without_the_feature() {
-    let o = fsdp(&["calibrate", "--world-size", "0"]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(2), "{err}");
-    assert!(err.contains("at least 1 rank thread"), "{err}");
+    for (n, rule) in [
+        ("0", "must be at least 1"),
+        ("-2", "`-2` must be at least 1"),
+        ("two", "`two` is not a whole number"),
+    ] {
+        let o = fsdp(&["calibrate", "--world-size", n]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains(&format!("invalid value '{n}' for '--world-size")) && err.contains(rule),
+            "{err}"
+        );
+    }
     let o = fsdp(&["calibrate", "--device", "cuda"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");

@@ -113,6 +113,11 @@ fn cli_plan_bad_flags() {
         &["--model", "gpt2", "--device-memory", "lots"],
         "--device-memory: cannot read byte size `lots`",
     );
+    // A negative size after a space reaches the size parser (not clap's "unexpected argument").
+    bad(
+        &["--model", "gpt2", "--device-memory", "-5GiB"],
+        "--device-memory: byte size `-5GiB` is negative",
+    );
     bad(
         &["--model", "gpt2", "--param-dtype", "int8"],
         "invalid value 'int8' for '--param-dtype <PARAM_DTYPE>'",

@@ -366,6 +366,20 @@ fn plan_time_refuses_bad_hardware_and_trace_paths() {
             "the file is named: {err}"
         );
     }
+    // A profile without a curve for the plan's dtype: named with the flag, as `train` does.
+    let mut v = good.clone();
+    v["gemm"].as_object_mut().unwrap().remove("f32");
+    v["sources"]
+        .as_object_mut()
+        .unwrap()
+        .retain(|k, _| !k.starts_with("gemm.f32"));
+    std::fs::write(&file, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    bad(
+        &with(o, &["--time", "--hardware", f]),
+        &format!(
+            "--hardware: hardware profile {f}: `gemm.f32` is missing: the plan computes in f32"
+        ),
+    );
     // Refused before any work: no output written.
     assert!(!out.exists());
 }

@@ -33,6 +33,10 @@
 //! - **Overlap slowdown**: rank 0's f32 GEMM rate alone against its rate while an all-reduce
 //!   of 16 MiB runs on its progress thread (`alone / with - 1`, at least 0).
 //!
+//! - **Compute fit** (optional): [`fit`], on reference training jobs run [`fit::PASSES`]
+//!   times, each unit's faster pass kept; passes whose totals differ by more than
+//!   [`fit::PASS_SPREAD_WARNING`] are reported in [`Calibration::warnings`].
+//!
 //! `fsdp calibrate --device cuda` measures one GPU instead: [`cuda`].
 
 pub mod cuda;
@@ -151,10 +155,20 @@ pub const STEP_ELEMENTS: usize = 8 << 20;
 /// Collective sizes, bytes of the whole array.
 const COLLECTIVE_BYTES: [usize; 5] = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20];
 
+/// What [`calibrate`] measured.
+#[derive(Debug, Clone)]
+pub struct Calibration {
+    /// The machine's profile.
+    pub profile: HardwareProfile,
+    /// What the user should know of the measurement (a machine whose speed changed while it
+    /// was measured), one sentence each, for standard error.
+    pub warnings: Vec<String>,
+}
+
 /// What to measure.
 #[derive(Debug, Clone)]
 pub struct CalibrateOptions {
-    /// Rank threads `W` (at least 2: the collectives need two ranks).
+    /// Rank threads `W` (1: no collectives are measured).
     pub world_size: usize,
     /// Compute threads per rank (recorded; the process's pools are sized before the call).
     pub threads_per_rank: usize,
@@ -506,7 +520,7 @@ fn decode(r: &RankRates, v: &[f64]) -> RankRates {
 pub fn calibrate(
     o: &CalibrateOptions,
     process: Option<&ProcessRank<'_>>,
-) -> Result<HardwareProfile, String> {
+) -> Result<Calibration, String> {
     if o.world_size < 1 {
         return Err("--world-size 0: calibrate needs at least 1 rank thread".into());
     }
@@ -672,7 +686,7 @@ pub fn calibrate(
                 if w < 2 {
                     measured("not measured: one rank has no peer (a one-rank plan issues no collective); the copy bandwidth, latency 0")
                 } else {
-                    measured(&format!("{backend}, 64 KiB..16 MiB, median of 7 calls, least squares of t = latency + S f / busbw (step latency folded into latency)"))
+                    measured(&format!("{backend}, 64 KiB..16 MiB, median of 7 calls, least squares of t = latency + S f / busbw, the latency clamped at 0 (step latency folded into latency)"))
                 },
             );
             sources.insert(
@@ -753,6 +767,7 @@ pub fn calibrate(
     };
     p.validate("fsdp calibrate")
         .map_err(|e| format!("the measured profile is not valid: {e}"))?;
+    let mut warnings = Vec::new();
     if o.compute_fit {
         let names: Vec<String> = fit::REFERENCES
             .iter()
@@ -763,18 +778,30 @@ pub fn calibrate(
                 )
             })
             .collect();
-        let mut f32_waits = Vec::new();
-        for dt in [DType::F32, DType::BF16, DType::F16] {
-            let (samples, waits) = fit::measure_references(
-                &p,
-                w,
-                o.threads_per_rank.max(1),
-                dt,
-                process.map(|x| (x.rank, x.factory)),
-            )?;
-            if dt == DType::F32 {
-                f32_waits = waits;
+        let dtypes = [DType::F32, DType::BF16, DType::F16];
+        // Every dtype's jobs once per pass, so a pass's jobs and the next pass's of the same
+        // dtype are the other dtypes' jobs apart (see `fit::PASSES`).
+        let mut passes: Vec<Vec<_>> = dtypes.iter().map(|_| Vec::new()).collect();
+        for _ in 0..fit::PASSES {
+            for (dt, v) in dtypes.iter().zip(passes.iter_mut()) {
+                v.push(fit::measure_references(
+                    &p,
+                    w,
+                    o.threads_per_rank.max(1),
+                    *dt,
+                    process.map(|x| (x.rank, x.factory)),
+                )?);
             }
+        }
+        let mut f32_waits = Vec::new();
+        for (dt, v) in dtypes.into_iter().zip(&passes) {
+            let merged = fit::faster_pass(v)?;
+            let totals = merged.totals_text();
+            warnings.extend(merged.spread_warning(dt));
+            if dt == DType::F32 {
+                f32_waits = merged.waits;
+            }
+            let samples = merged.samples;
             let c = fit::fit_by_shape_or_size(&samples)?;
             let choice = if c.by_shape {
                 format!(
@@ -801,11 +828,12 @@ pub fn calibrate(
             p.sources.insert(
                 format!("compute_fit.{}", dt.name()),
                 measured(&format!(
-                    "least squares over the forward and backward time of every unit of {} full-shard training steps computing in {} of {}, the first {} not counted, median over steps and ranks; each job weighted alike; {choice}",
+                    "least squares over the forward and backward time of every unit of {} full-shard training steps computing in {} of {}, the first {} not counted, median over steps and ranks, the lower of {} passes' medians (the passes' totals {totals}); each job weighted alike; {choice}",
                     fit::STEPS,
                     dt.name(),
                     names.join(", "),
-                    fit::SKIPPED_STEPS
+                    fit::SKIPPED_STEPS,
+                    fit::PASSES
                 )),
             );
             p.compute_fit.set(dt, c.fit);
@@ -824,7 +852,10 @@ pub fn calibrate(
         p.validate("fsdp calibrate")
             .map_err(|e| format!("the fitted profile is not valid: {e}"))?;
     }
-    Ok(p)
+    Ok(Calibration {
+        profile: p,
+        warnings,
+    })
 }
 
 /// This host's name (`uname -n`), or `unknown host`.

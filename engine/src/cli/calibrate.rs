@@ -45,7 +45,7 @@ pub struct CalibrateArgs {
     /// (default 2; 1: no collectives are measured, a one-rank plan issues none). On a CPU
     /// every rank's rates are its share of the cores, so calibrate at the world size you will
     /// train at. `--device cuda` measures one GPU: 1.
-    #[arg(long)]
+    #[arg(long, value_parser = super::checks::at_least_one)]
     pub world_size: Option<usize>,
     /// Compute threads per rank (default: cores / world size, as `fsdp train`; CPU only). More
     /// than cores / ranks are lowered to that, with a warning, as in `fsdp train`.
@@ -60,8 +60,9 @@ pub struct CalibrateArgs {
     /// The profile's name (default: `calibrated-<host>`; not empty, no control characters).
     #[arg(long, value_parser = super::checks::profile_name)]
     pub name: Option<String>,
-    /// Fit the compute model to reference training steps run on this machine (`on`, about 10
-    /// seconds: the profile's `compute_fit`), or leave the analytical model as is (`off`).
+    /// Fit the compute model to reference training steps run on this machine (`on`, about a
+    /// minute on 2 cores: the profile's `compute_fit`), or leave the analytical model as is
+    /// (`off`).
     #[arg(long, value_enum, value_name = "on|off", default_value_t = OnOff::On)]
     pub compute_fit: OnOff,
     /// Write the profile here (default: standard output).
@@ -82,8 +83,9 @@ impl CalibrateArgs {
 
 /// Runs `fsdp calibrate`.
 ///
-/// Errors: [`CliError::Usage`] (exit 2) for a world size under 2 (other than 1 with `--device
-/// cuda`), an unwritable output path or a CUDA request this build or machine cannot serve;
+/// Errors: [`CliError::Usage`] (exit 2) for more than 4 rank threads per core, a world size
+/// other than 1 with `--device cuda`, an unwritable output path or a CUDA request this build
+/// or machine cannot serve (a world size under 1 is refused by its parser);
 /// [`CliError::Failed`] (exit 1) when a measurement fails.
 pub fn run(a: CalibrateArgs) -> Result<(), CliError> {
     if let Some(o) = &a.output {
@@ -96,11 +98,6 @@ pub fn run(a: CalibrateArgs) -> Result<(), CliError> {
         return run_mpi(&a);
     }
     let world_size = a.ranks();
-    if world_size < 1 {
-        return Err(CliError::Usage(
-            "--world-size 0: give at least 1 rank thread".into(),
-        ));
-    }
     let cores = crate::preflight::cores();
     // Oversubscribed ranks share cores as they do in training at that world size; far beyond
     // the cores, calibrate would measure the scheduler, not the hardware.
@@ -132,10 +129,18 @@ pub fn run(a: CalibrateArgs) -> Result<(), CliError> {
         .num_threads(threads)
         .build()
         .map_err(|e| CliError::Failed(format!("thread pool: {e}")))?;
-    let profile = pool
+    let c = pool
         .install(|| crate::calibrate::calibrate(&opts, None))
         .map_err(CliError::Failed)?;
-    write_profile(&a, &profile)
+    warn(&c.warnings);
+    write_profile(&a, &c.profile)
+}
+
+/// Prints each of calibrate's warnings on standard error.
+fn warn(warnings: &[String]) {
+    for w in warnings {
+        crate::output::print_err(&format!("warning: {w}\n"));
+    }
 }
 
 /// The compute threads per rank for `ranks` ranks on this node, capped as `fsdp train` caps
@@ -184,9 +189,10 @@ fn run_mpi(a: &CalibrateArgs) -> Result<(), CliError> {
         };
         crate::calibrate::calibrate(&opts, Some(&p))
     })?;
-    let profile = profile.map_err(|e| CliError::Failed(format!("rank {}: {e}", mpi.rank())))?;
+    let c = profile.map_err(|e| CliError::Failed(format!("rank {}: {e}", mpi.rank())))?;
     if mpi.rank() == 0 {
-        write_profile(a, &profile)?;
+        warn(&c.warnings);
+        write_profile(a, &c.profile)?;
     }
     Ok(())
 }

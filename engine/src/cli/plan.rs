@@ -167,7 +167,7 @@ pub struct PlanArgs {
     #[arg(long, value_enum, default_value_t = ActivationsArg::Auto)]
     pub activations: ActivationsArg,
     /// Memory per device, e.g. 80GiB, 40GB, 512MiB.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub device_memory: Option<String>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
@@ -192,6 +192,14 @@ pub struct PlanArgs {
 
 fn usage(e: PlanError) -> CliError {
     CliError::Usage(e.to_string())
+}
+
+/// As [`usage`], with a profile's error headed `--hardware:` (as `fsdp train` heads it).
+fn hardware_usage(e: PlanError) -> CliError {
+    match e {
+        PlanError::BadProfile { .. } => CliError::Usage(format!("--hardware: {e}")),
+        e => usage(e),
+    }
 }
 
 /// Builds the planner configuration from the flags. Errors: `CliError::Usage`.
@@ -409,9 +417,11 @@ pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
         Some(h) => fsdp_planner::plan_fastest(&spec, &cfg, h, &time_inputs),
         None => plan(&spec, &cfg),
     }
-    .map_err(usage)?;
+    .map_err(hardware_usage)?;
     let prediction = match (&hardware, time) {
-        (Some(h), true) => Some(fsdp_planner::time::predict(&p, h, &time_inputs).map_err(usage)?),
+        (Some(h), true) => {
+            Some(fsdp_planner::time::predict(&p, h, &time_inputs).map_err(hardware_usage)?)
+        }
         _ => None,
     };
     if let (Some(path), Some(pred)) = (&args.trace, &prediction) {

@@ -123,7 +123,7 @@ pub struct TrainArgs {
     /// `--strategy auto` the budget auto fits (default on the CPU: available memory / ranks on
     /// this node, less a 25% margin; required with `--device cuda`). With another strategy the
     /// run is refused (exit 2) when the plan's per-rank peak exceeds it.
-    #[arg(long, value_name = "BYTES")]
+    #[arg(long, value_name = "BYTES", allow_hyphen_values = true)]
     pub device_memory: Option<String>,
     /// Sequences per micro-batch per rank.
     #[arg(long, default_value_t = 8, value_parser = super::checks::at_least_one)]

@@ -81,6 +81,9 @@ pub enum ParseError {
     /// The byte size is at least 2^64 bytes (16 EiB), more than a `u64` count holds.
     #[error("byte size `{0}` is too large (at most 18446744073709551615 bytes, 16 EiB)")]
     BytesTooLarge(String),
+    /// A byte size with a minus sign, e.g. `-5GiB`.
+    #[error("byte size `{0}` is negative (give a size of at least 1 byte, e.g. 80GiB)")]
+    NegativeBytes(String),
     /// A plain byte count (no unit, or `B`) with a fractional part, e.g. `1.5`.
     #[error("byte size `{0}` is a fraction of a byte (give whole bytes, or a unit: 1.5GiB)")]
     FractionalBytes(String),
@@ -182,6 +185,9 @@ impl FromStr for Bytes {
     /// Reads `80GiB`, `80 GiB`, `40GB` (10^9), `512MiB`, `1.5TiB`, `1048576` (bytes).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let t = s.trim();
+        if t.starts_with('-') {
+            return Err(ParseError::NegativeBytes(s.to_string()));
+        }
         let split = t
             .find(|c: char| !(c.is_ascii_digit() || c == '.'))
             .unwrap_or(t.len());
@@ -257,6 +263,10 @@ mod tests {
         assert_eq!("40GB".parse::<Bytes>().unwrap(), Bytes(40_000_000_000));
         assert_eq!("1024".parse::<Bytes>().unwrap(), Bytes(1024));
         assert!("lots".parse::<Bytes>().is_err());
+        assert_eq!(
+            "-5GiB".parse::<Bytes>(),
+            Err(ParseError::NegativeBytes("-5GiB".into()))
+        );
         assert_eq!(Bytes(3 << 29).to_string(), "1.50 GiB");
     }
 
