@@ -78,6 +78,15 @@ fn a_malformed_budget_is_a_usage_error() {
         err.contains("--device-memory:") && err.contains("12 parsecs"),
         "{err}"
     );
+    // A negative size after a space is the flag's value, named as negative.
+    let mut a = SMALL.to_vec();
+    a.extend(["--strategy", "auto", "--device-memory", "-5GiB"]);
+    let (code, err) = fsdp(&a, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--device-memory: byte size `-5GiB` is negative"),
+        "{err}"
+    );
 }
 
 #[test]
