@@ -252,6 +252,30 @@ else
   needs calibrate_cuda_plan "needs calibrate_cuda"
 fi
 
+# 11. The step-time model on this GPU: each GPT-2 run of row 8 against `fsdp plan --time` for
+#     the same flags, on the built-in h200 profile (vendor figures) and on the profile row 10
+#     measured; within 25% (gpu/rows.py steptime: the run's median step, the first excluded).
+#     Plans only: no device time beyond row 8's runs.
+GPT2_PLAN=(plan --model gpt2 --seq-len 1024 --micro-batch 16 --strategy full-shard --device cuda
+           --format json)
+for dt in fp32 bf16; do
+  flag=(); [ $dt = bf16 ] && flag=(--param-dtype bf16)
+  for hw in h200 calibrated; do
+    name=gpt2_step_time_${dt}_$hw
+    profile=h200; [ $hw = calibrated ] && profile=$OUT/h200-calibrated.json
+    if ! started gpt2_fsdp_$dt; then
+      needs "$name" "needs gpt2_fsdp_$dt"
+    elif [ $hw = calibrated ] && ! ran calibrate_cuda; then
+      needs "$name" "needs calibrate_cuda"
+    else
+      run "$name" 60 bash -c 'n=$0 log=$1 plan=$2 m=$3; shift 3
+        "$@" && python3 gpu/rows.py steptime "$n" "$log" "$plan" --metrics "$m"' \
+        "$name" "$OUT/gpt2_fsdp_$dt.log" "$OUT/$name.plan.json" "$M" \
+        "$T/fsdp" "${GPT2_PLAN[@]}" "${flag[@]}" --hardware "$profile" -o "$OUT/$name.plan.json"
+    fi
+  done
+done
+
 echo
 { printf '%-34s %-9s %7s  %s\n' "check" "status" "time" "last result line"
   printf '%s\n' "${ROWS[@]}"; } | tee "$OUT/summary.txt"

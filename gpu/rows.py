@@ -16,6 +16,12 @@ fail, 2 on bad input; `--metrics FILE` appends the figures as one JSON line to F
                                 the run's `device memory: plan P B, measured peak M B (r)`
                                 line (or the JSON summary's "device_memory" object): |M/P - 1|
                                 <= tol for every LOG; --info logs are reported, not judged
+  steptime NAME LOG PLAN.json [--tol 0.25]
+                                the step-time model against a run: the median step of a
+                                `fsdp train --json` run (the first step excluded, as the
+                                run's summary) over `time.step_s` of `fsdp plan --format json
+                                --hardware PROFILE` for the same flags; |measured / predicted
+                                - 1| <= tol
   ratio NAME --metrics FILE --pytorch FILE
                                 engine tokens/s over PyTorch eager tokens/s, per dtype
   report OUTDIR                 OUTDIR/results.md from the logs, table and metrics of a run
@@ -250,6 +256,59 @@ def cmd_throughput(a):
     return 0
 
 
+def median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def step_time(steps, plan):
+    """(predicted s, measured s, counted steps): `plan["time"]["step_s"]` and the median
+    `step_seconds` of the steps after the first."""
+    t = plan.get("time") if isinstance(plan, dict) else None
+    if not isinstance(t, dict) or not isinstance(t.get("step_s"), (int, float)):
+        raise BadInput("the plan has no time.step_s: give `fsdp plan --hardware PROFILE "
+                       "--format json`")
+    predicted = float(t["step_s"])
+    if not (predicted > 0 and math.isfinite(predicted)):
+        raise BadInput("the plan's time.step_s is %r, not a positive time" % t["step_s"])
+    counted = [float(s["step_seconds"]) for s in steps[1:]]
+    if not counted:
+        raise BadInput("no step after the first (%d step lines)" % len(steps))
+    return predicted, median(counted), len(counted)
+
+
+def cmd_steptime(a):
+    try:
+        steps = step_reports(read_lines(a.log))
+        if not steps:
+            raise BadInput("no step lines in %s" % a.log)
+        try:
+            with open(a.plan, encoding="utf-8") as f:
+                plan = json.load(f)
+        except OSError as e:
+            raise BadInput("cannot read %s: %s" % (a.plan, e.strerror)) from None
+        except ValueError as e:
+            raise BadInput("%s is not JSON: %s" % (a.plan, e)) from None
+        predicted, measured, n = step_time(steps, plan)
+    except BadInput as e:
+        check_line(str(e))
+        return 2
+    err = measured / predicted - 1
+    ok = abs(err) <= a.tol
+    hw = plan["time"].get("hardware", "?")
+    out = {"kind": "step_time", "name": a.name, "hardware": hw, "predicted_step_s": predicted,
+           "measured_step_s": measured, "counted_steps": n, "error": err, "tol": a.tol,
+           "ok": ok}
+    append_metrics(a.metrics, out)
+    print(json.dumps(out, sort_keys=True))
+    check_line("predicted %.1f ms/step on %s, measured %.1f ms (%+.1f%%; median of %d steps, "
+               "the first excluded; within %.0f%%: %s)" % (
+                   1e3 * predicted, hw, 1e3 * measured, 100 * err, n, 100 * a.tol,
+                   "yes" if ok else "NO"))
+    return 0 if ok else 1
+
+
 def cmd_memory(a):
     ok, found, parts, rows = True, 0, [], []
     for log, judged in [(l, True) for l in a.logs] + [(l, False) for l in (a.info or [])]:
@@ -399,6 +458,21 @@ def cmd_report(a):
             md.append("fsdp-rs / PyTorch eager tokens/s: " + ", ".join(
                 "%s against %s attention %.3g" % (r["dtype"], r["attention"], r["ratio"])
                 for r in m["rows"]) + ".")
+    times = [m for m in metrics if m.get("kind") == "step_time"]
+    if times:
+        md.append("")
+        md.append("## Step time: predicted (`fsdp plan --time`) against measured")
+        md.append("")
+        md.append("| run | profile | predicted ms | measured ms (median, first step out) | "
+                  "error |")
+        md.append("|:---|:---|---:|---:|---:|")
+        for m in times:
+            md.append("| %s | %s | %.1f | %.1f | %+.1f%% |" % (
+                m["name"], m["hardware"], 1e3 * m["predicted_step_s"],
+                1e3 * m["measured_step_s"], 100 * m["error"]))
+        md.append("")
+        md.append("Mean absolute error over these runs: %.1f%%." % (
+            100 * sum(abs(m["error"]) for m in times) / len(times)))
     mems = [m for m in metrics if m.get("kind") == "memory"]
     if mems:
         md.append("")
@@ -458,6 +532,12 @@ def main(argv=None):
     s.add_argument("--info", nargs="*")
     s.add_argument("--tol", type=float, default=0.05)
     s.add_argument("--metrics")
+    s = sub.add_parser("steptime")
+    s.add_argument("name")
+    s.add_argument("log")
+    s.add_argument("plan")
+    s.add_argument("--tol", type=float, default=0.25)
+    s.add_argument("--metrics")
     s = sub.add_parser("ratio")
     s.add_argument("name")
     s.add_argument("--metrics", required=True)
@@ -466,7 +546,8 @@ def main(argv=None):
     s.add_argument("outdir")
     a = p.parse_args(argv)
     return {"note": cmd_note, "losses": cmd_losses, "throughput": cmd_throughput,
-            "memory": cmd_memory, "ratio": cmd_ratio, "report": cmd_report}[a.cmd](a)
+            "memory": cmd_memory, "steptime": cmd_steptime, "ratio": cmd_ratio,
+            "report": cmd_report}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -131,6 +131,44 @@ class Commands(unittest.TestCase):
             rc = rows.main(argv)
         return rc, buf.getvalue()
 
+    def test_step_time_against_the_plan(self):
+        with tempfile.TemporaryDirectory() as d:
+            p = lambda n: os.path.join(d, n)
+            # The first step (2 s) is excluded; the median of 0.40, 0.44, 0.42, 0.50 is 0.43.
+            with open(p("run.log"), "w") as f:
+                f.write("\n".join(step_line(k, 5.0, secs=t) for k, t in
+                                  enumerate([2.0, 0.40, 0.44, 0.42, 0.50], 1)) + "\n")
+            with open(p("plan.json"), "w") as f:
+                json.dump({"time": {"step_s": 0.4, "hardware": "h200-calibrated"}}, f)
+            m = p("metrics.jsonl")
+            rc, out = self.run_cmd(["steptime", "gpt2", p("run.log"), p("plan.json"),
+                                    "--metrics", m])
+            self.assertEqual(rc, 0, out)
+            self.assertIn("predicted 400.0 ms/step on h200-calibrated, measured 430.0 ms "
+                          "(+7.5%; median of 4 steps", out)
+            got = rows.load_jsonl(m)[0]
+            self.assertAlmostEqual(got["error"], 0.075)
+            self.assertEqual(got["counted_steps"], 4)
+            # Outside the tolerance: exit 1, and the report shows the row.
+            rc, out = self.run_cmd(["steptime", "gpt2", p("run.log"), p("plan.json"),
+                                    "--tol", "0.05", "--metrics", m])
+            self.assertEqual(rc, 1, out)
+            self.assertIn("within 5%: NO", out)
+            rc, _ = self.run_cmd(["report", d])
+            self.assertEqual(rc, 0)
+            with open(p("results.md")) as f:
+                md = f.read()
+            self.assertIn("| gpt2 | h200-calibrated | 400.0 | 430.0 | +7.5% |", md)
+            # A plan without a prediction, and a missing plan: bad input (2), named.
+            with open(p("bare.json"), "w") as f:
+                json.dump({"memory": {}}, f)
+            rc, out = self.run_cmd(["steptime", "gpt2", p("run.log"), p("bare.json")])
+            self.assertEqual(rc, 2, out)
+            self.assertIn("no time.step_s", out)
+            rc, out = self.run_cmd(["steptime", "gpt2", p("run.log"), p("none.json")])
+            self.assertEqual(rc, 2, out)
+            self.assertIn("cannot read", out)
+
     def test_losses_memory_and_report_end_to_end(self):
         with tempfile.TemporaryDirectory() as d:
             p = lambda n: os.path.join(d, n)
