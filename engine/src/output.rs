@@ -210,6 +210,23 @@ pub fn same_path(a: &Path, b: &Path) -> bool {
     }
 }
 
+/// Refuses an output file `out` (given with `flag`) that names one of the command's input
+/// files (`inputs`: each flag and path; [`same_path`]): writing it would replace the input
+/// (the training data, a hardware profile, a model file).
+///
+/// Errors: the message, naming both flags and the fix.
+pub fn check_not_an_input(flag: &str, out: &Path, inputs: &[(&str, &Path)]) -> Result<(), String> {
+    match inputs.iter().find(|(_, p)| same_path(out, p)) {
+        Some((input, p)) => Err(format!(
+            "{flag} {} names the same file as {input} {}: writing it would replace that input; \
+             give {flag} another path",
+            out.display(),
+            p.display()
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Refuses an output file `path` (given with `flag`) that cannot be written, before any work:
 /// a directory (the message suggests `flag <dir>/<example>`), a parent that is missing (the
 /// `mkdir -p` that fixes it) or not a directory, or a parent where this process cannot create

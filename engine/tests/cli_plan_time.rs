@@ -374,12 +374,26 @@ fn plan_time_refuses_bad_hardware_and_trace_paths() {
         .unwrap()
         .retain(|k, _| !k.starts_with("gemm.f32"));
     std::fs::write(&file, serde_json::to_string_pretty(&v).unwrap()).unwrap();
-    bad(
-        &with(o, &["--time", "--hardware", f]),
-        &format!(
-            "--hardware: hardware profile {f}: `gemm.f32` is missing: the plan computes in f32"
-        ),
+    let missing = format!(
+        "--hardware: hardware profile {f}: `gemm.f32` is missing: the plan computes in f32"
     );
+    bad(&with(o, &["--time", "--hardware", f]), &missing);
+    // The same with the f32 fit of a calibrated profile left in: still the missing curve
+    // (not its fit's pricing against an absent grid).
+    v["compute_fit"] = serde_json::json!({"f32": {"gemm_scale": 1.1, "elementwise_scale": 1,
+        "op_overhead_s": 0, "rms_relative_error": 0.01, "samples": 9, "gemm_pricing": "shape"}});
+    std::fs::write(&file, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    bad(&with(o, &["--time", "--hardware", f]), &missing);
+    // An output named as the profile it reads: refused, the profile kept.
+    let before = std::fs::read(&file).unwrap();
+    for flag in ["-o", "--trace"] {
+        let err = bad(
+            &["--model", "tiny", "--hardware", f, flag, f],
+            &format!("{flag} {f} names the same file as --hardware {f}"),
+        );
+        assert!(err.contains(&format!("give {flag} another path")), "{err}");
+    }
+    assert_eq!(std::fs::read(&file).unwrap(), before);
     // Refused before any work: no output written.
     assert!(!out.exists());
 }

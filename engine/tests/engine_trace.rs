@@ -340,6 +340,30 @@ fn train_trace_into_a_missing_directory_exits_2_before_training() {
     assert!(t.elapsed() < Duration::from_secs(30));
 }
 
+#[test]
+fn train_refuses_a_trace_or_log_file_that_is_its_training_data() {
+    let d = tempfile::tempdir().unwrap();
+    let data = d.path().join("data.txt");
+    let text = "First Citizen:\nBefore we proceed any further, hear me speak.\n".repeat(200);
+    std::fs::write(&data, &text).unwrap();
+    let p = data.to_str().unwrap();
+    for flag in ["--trace", "--log-file"] {
+        let mut args = RUN.to_vec();
+        args.extend(["--data", p, flag, p]);
+        let o = fsdp_train(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains(&format!(
+                "{flag} {p} names the same file as --data {p}: writing it would replace that \
+                 input; give {flag} another path"
+            )),
+            "{err}"
+        );
+        assert_eq!(std::fs::read_to_string(&data).unwrap(), text, "{flag}");
+    }
+}
+
 fn span(kind: SpanKind, track: Track, start_s: f64, end_s: f64) -> TraceSpan {
     TraceSpan {
         rank: 1,

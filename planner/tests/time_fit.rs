@@ -232,6 +232,16 @@ fn implausible_calibrated_numbers_are_refused_by_their_path() {
             r#", "compute_fit": {"f32": {"gemm_scale": 1, "elementwise_scale": 1, "op_overhead_s": 0, "rms_relative_error": 0, "samples": 1, "extra": 2}}"#,
             "compute_fit.f32",
         ),
+        // A curve written in GB/s, not bytes/s: the bandwidth range of the single figure.
+        (
+            r#", "memory_bandwidth_curve": [{"bytes": 1e5, "bytes_per_s": 58.9}]"#,
+            "`memory_bandwidth_curve[0].bytes_per_s` is 58.9, outside the plausible range of a bandwidth, 1e6..1e15 bytes/s (a unit mistake",
+        ),
+        // A GEMM scale that prices every GEMM at nothing.
+        (
+            r#", "compute_fit": {"f32": {"gemm_scale": 1e-300, "elementwise_scale": 1, "op_overhead_s": 0, "rms_relative_error": 0, "samples": 1}}"#,
+            "`compute_fit.f32.gemm_scale` is 1e-300, outside the plausible range [0.01, 100]",
+        ),
         (r#", "norm_elements_per_s": 0"#, "norm_elements_per_s"),
         (r#", "norm_elements_per_s": 1e16"#, "norm_elements_per_s"),
         (r#", "optimizer_bytes_per_s": -1"#, "optimizer_bytes_per_s"),

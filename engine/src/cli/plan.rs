@@ -9,7 +9,7 @@ use super::args::{
 use super::CliError;
 use fsdp_planner::config::{ActivationModel, GradSync, Optimizer, PlanConfig, Strategy};
 use fsdp_planner::{hf, plan, preset, report, Architecture, ModelSpec, PlanError};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Output format of `fsdp plan`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -315,8 +315,27 @@ pub fn model_from_args(a: &PlanArgs) -> Result<ModelSpec, CliError> {
 
 /// Runs `fsdp plan`.
 pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
+    // No output may replace one of the inputs.
+    let inputs: Vec<(&str, &Path)> = [
+        (
+            "--hardware",
+            args.hardware
+                .as_deref()
+                .and_then(super::timing::hardware_file),
+        ),
+        ("--hf-config", args.hf_config.as_deref()),
+        ("--safetensors", args.safetensors.as_deref()),
+        ("--spec", args.spec.as_deref()),
+    ]
+    .into_iter()
+    .filter_map(|(f, p)| p.map(|p| (f, p)))
+    .collect();
     if let Some(o) = &args.output {
         crate::output::check_output_path("-o", o, "plan.json").map_err(CliError::Usage)?;
+        crate::output::check_not_an_input("-o", o, &inputs).map_err(CliError::Usage)?;
+    }
+    if let Some(t) = &args.trace {
+        crate::output::check_not_an_input("--trace", t, &inputs).map_err(CliError::Usage)?;
     }
     // The step-time prediction's flags, checked before any work.
     if args.time && args.hardware.is_none() {

@@ -30,6 +30,12 @@ pub const TRAIN_HARDWARE_HELP: &str = concat!(
     ". The summary compares the measured step time with the prediction for the run's plan. With --strategy auto the plans that fit the memory budget are ranked by predicted step time (without --hardware: the fixed order), and the choice names its predicted step and the runner-up"
 );
 
+/// The file a `--hardware` value reads, or `None` for a built-in name (which wins over a file
+/// of that name, as in [`load_hardware`]).
+pub fn hardware_file(arg: &str) -> Option<&Path> {
+    (!BUILTIN_PROFILE_NAMES.contains(&arg)).then(|| Path::new(arg))
+}
+
 /// Resolves `--hardware ARG`: a built-in profile name, else an existing file read as an
 /// `fsdp-hardware/1` profile.
 ///

@@ -22,7 +22,7 @@ use crate::strategy::{AutoResolution, Budget};
 use crate::train::{train_prepared, StepReport, TrainReport};
 use fsdp_planner::{GradSync, Strategy};
 use indicatif::{ProgressBar, ProgressStyle};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Parses `fsdp train --eval-batches`: a count, `0` or `all` (every batch of the split).
 ///
@@ -382,6 +382,25 @@ fn mib(b: u64) -> String {
 
 /// Runs `fsdp train`; `alloc` is the binary's counting allocator (process peak), if any.
 pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result<(), CliError> {
+    // No output file may replace one of the inputs (checked before the log file opens).
+    let inputs: Vec<(&str, &Path)> = [
+        ("--data", args.data.as_deref()),
+        (
+            "--hardware",
+            args.hardware
+                .as_deref()
+                .and_then(super::timing::hardware_file),
+        ),
+        ("--hf-config", args.hf_config.as_deref()),
+    ]
+    .into_iter()
+    .filter_map(|(f, p)| p.map(|p| (f, p)))
+    .collect();
+    for (flag, out) in [("--log-file", &args.log_file), ("--trace", &args.trace)] {
+        if let Some(o) = out {
+            crate::output::check_not_an_input(flag, o, &inputs).map_err(CliError::Usage)?;
+        }
+    }
     // A log file that cannot be written is refused before anything else; one rank thread
     // process opens it now, so that even a bad flag's error is in it.
     if let Some(p) = &args.log_file {

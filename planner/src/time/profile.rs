@@ -47,6 +47,9 @@
 //!   "compute_fit": {                            // optional: fitted by `fsdp calibrate`,
 //!     "bf16" | "f16" | "f32" | "f64": {         // per param_dtype, each optional
 //!       "gemm_scale": float, "elementwise_scale": float, "op_overhead_s": float,
+//!                                               // (gemm_scale 0.01..100,
+//!                                               // elementwise_scale 0..100,
+//!                                               // op_overhead_s 0..0.01)
 //!       "rms_relative_error": float, "samples": int,
 //!       "gemm_pricing": "shape" | "size"        // optional: what the fit was made with;
 //!     }                                         // must agree with gemm.<dtype>.shapes
@@ -71,7 +74,7 @@
 //! | [`FLOP_RATE`] | `gemm.*.peak_flops_per_s`, `gemm.*.points[i].flops_per_s`, `gemm.*.shapes[i].flops_per_s`, `elementwise_flops_per_s` | 1e6..1e18 FLOP/s | one core of a 1990s CPU does 1e7-1e8; an H200 does 9.9e14 dense BF16, so 1e18 (an exaFLOP/s per rank) leaves three orders of magnitude of headroom |
 //! | [`GEMM_DIM`] | `gemm.*.shapes[i].m`, `.k`, `.n` | 1..1e7 | a dimension of one GEMM call: the rows of a micro-batch of a million tokens, or a vocabulary, stay under 1e7 |
 //! | [`CALL_FLOPS`] | `gemm.*.points[i].flops` | 1..1e20 FLOPs | a call is at least one multiply-add pair; 1e20 FLOPs would be one GEMM running for over a day on an H200 |
-//! | [`BANDWIDTH`] | `memory_bandwidth_bytes_per_s`, `collectives.*.*.bus_bandwidth_bytes_per_s`, `host.*`, `optimizer_bytes_per_s` | 1e6..1e15 bytes/s | 10 Mb/s Ethernet is 1.25e6; HBM3e of an H200 is 4.8e12, NVLink 4.5e11 per direction, so 1 PB/s leaves 200x |
+//! | [`BANDWIDTH`] | `memory_bandwidth_bytes_per_s`, `memory_bandwidth_curve[*].bytes_per_s`, `collectives.*.*.bus_bandwidth_bytes_per_s`, `host.*`, `optimizer_bytes_per_s` | 1e6..1e15 bytes/s | 10 Mb/s Ethernet is 1.25e6; HBM3e of an H200 is 4.8e12, NVLink 4.5e11 per direction, so 1 PB/s leaves 200x |
 //! | [`ELEMENT_RATE`] | `norm_elements_per_s` | 1e5..1e15 elements/s | one dependent f64 addition per element runs at 1e8-1e9 on a CPU core; an H200's HBM streams 1.2e12 f32 elements a second |
 //! | [`LATENCY`] | `collectives.*.*.latency_s`, `collectives.*.*.step_latency_s` | 0..1 s | NCCL's model is microseconds and a TCP round trip across a data center milliseconds; a second per call is a unit mistake |
 //! | [`SLOWDOWN`] | `overlap_slowdown` | 0..10 | compute 11x slower while a collective runs is a broken measurement (NCCL's channels take about 1/8 of an H200's SMs: 0.12) |
@@ -958,8 +961,10 @@ impl HardwareProfile {
     }
 
     /// Checks the optional calibrated parts: the bandwidth curve's points (positive, `bytes`
-    /// increasing, rates at most 1 PB/s) and the compute fit (a positive GEMM scale and
-    /// non-negative elementwise scale of at most 100, an op overhead of at most 10 ms).
+    /// increasing, rates in the plausible range of a bandwidth) and the compute fit (a GEMM
+    /// scale in 0.01..100, a non-negative elementwise scale of at most 100, an op overhead of
+    /// at most 10 ms; for a dtype with a GEMM curve, a `gemm_pricing` that agrees with its
+    /// shape grid).
     fn validate_calibration(&self, origin: &str) -> Result<(), PlanError> {
         let finite = |field: String, v: f64, lo: f64, lo_open: bool, hi: f64| {
             let below = if lo_open { v <= lo } else { v < lo };
@@ -970,7 +975,7 @@ impl HardwareProfile {
                 Err(bad(
                     origin,
                     field,
-                    format!("is {v}, outside the plausible range {open}{lo}, {hi}]"),
+                    format!("is {v:e}, outside the plausible range {open}{lo}, {hi}]"),
                 ))
             } else {
                 Ok(())
@@ -979,7 +984,12 @@ impl HardwareProfile {
         for (i, pt) in self.memory_bandwidth_curve.iter().enumerate() {
             let at = format!("memory_bandwidth_curve[{i}]");
             finite(format!("{at}.bytes"), pt.bytes, 0.0, true, 1e18)?;
-            finite(format!("{at}.bytes_per_s"), pt.bytes_per_s, 0.0, true, 1e15)?;
+            check_range(
+                origin,
+                &format!("{at}.bytes_per_s"),
+                pt.bytes_per_s,
+                &BANDWIDTH,
+            )?;
             if i > 0 && pt.bytes <= self.memory_bandwidth_curve[i - 1].bytes {
                 return Err(bad(
                     origin,
@@ -995,7 +1005,7 @@ impl HardwareProfile {
         for (dt, f) in self.compute_fit.entries() {
             let Some(f) = f else { continue };
             let at = format!("compute_fit.{dt}");
-            finite(format!("{at}.gemm_scale"), f.gemm_scale, 0.0, true, 100.0)?;
+            finite(format!("{at}.gemm_scale"), f.gemm_scale, 0.01, false, 100.0)?;
             finite(
                 format!("{at}.elementwise_scale"),
                 f.elementwise_scale,
@@ -1017,13 +1027,16 @@ impl HardwareProfile {
                 false,
                 1e3,
             )?;
-            let grid = match dt {
+            let curve = match dt {
                 "bf16" => self.gemm.bf16.as_ref(),
                 "f16" => self.gemm.f16.as_ref(),
                 "f32" => self.gemm.f32.as_ref(),
                 _ => self.gemm.f64.as_ref(),
-            }
-            .is_some_and(|c| !c.shapes.is_empty());
+            };
+            // A fit of a dtype without a curve is unused: a plan in that dtype is refused
+            // for the missing curve (`gemm_curve`), the error that names what to add.
+            let Some(curve) = curve else { continue };
+            let grid = !curve.shapes.is_empty();
             match f.gemm_pricing {
                 Some(GemmPricing::Shape) if !grid => {
                     return Err(bad(
