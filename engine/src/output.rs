@@ -211,12 +211,17 @@ pub fn same_path(a: &Path, b: &Path) -> bool {
 }
 
 /// Refuses an output file `out` (given with `flag`) that names one of the command's input
-/// files (`inputs`: each flag and path; [`same_path`]): writing it would replace the input
-/// (the training data, a hardware profile, a model file).
+/// files (`inputs`: each flag and its path, `None` when not given; [`same_path`]): writing it
+/// would replace the input (the training data, a hardware profile, a model file).
 ///
 /// Errors: the message, naming both flags and the fix.
-pub fn check_not_an_input(flag: &str, out: &Path, inputs: &[(&str, &Path)]) -> Result<(), String> {
-    match inputs.iter().find(|(_, p)| same_path(out, p)) {
+pub fn check_not_an_input(
+    flag: &str,
+    out: &Path,
+    inputs: &[(&str, Option<&Path>)],
+) -> Result<(), String> {
+    let given = inputs.iter().filter_map(|(f, p)| p.map(|p| (f, p)));
+    match given.into_iter().find(|(_, p)| same_path(out, p)) {
         Some((input, p)) => Err(format!(
             "{flag} {} names the same file as {input} {}: writing it would replace that input; \
              give {flag} another path",

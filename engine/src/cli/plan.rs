@@ -316,7 +316,7 @@ pub fn model_from_args(a: &PlanArgs) -> Result<ModelSpec, CliError> {
 /// Runs `fsdp plan`.
 pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
     // No output may replace one of the inputs.
-    let inputs: Vec<(&str, &Path)> = [
+    let inputs: [(&str, Option<&Path>); 4] = [
         (
             "--hardware",
             args.hardware
@@ -326,10 +326,7 @@ pub fn run(mut args: PlanArgs) -> Result<(), CliError> {
         ("--hf-config", args.hf_config.as_deref()),
         ("--safetensors", args.safetensors.as_deref()),
         ("--spec", args.spec.as_deref()),
-    ]
-    .into_iter()
-    .filter_map(|(f, p)| p.map(|p| (f, p)))
-    .collect();
+    ];
     if let Some(o) = &args.output {
         crate::output::check_output_path("-o", o, "plan.json").map_err(CliError::Usage)?;
         crate::output::check_not_an_input("-o", o, &inputs).map_err(CliError::Usage)?;

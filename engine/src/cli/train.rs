@@ -383,7 +383,7 @@ fn mib(b: u64) -> String {
 /// Runs `fsdp train`; `alloc` is the binary's counting allocator (process peak), if any.
 pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result<(), CliError> {
     // No output file may replace one of the inputs (checked before the log file opens).
-    let inputs: Vec<(&str, &Path)> = [
+    let inputs: [(&str, Option<&Path>); 3] = [
         ("--data", args.data.as_deref()),
         (
             "--hardware",
@@ -392,10 +392,7 @@ pub fn run(args: TrainArgs, alloc: Option<&'static CountingAllocator>) -> Result
                 .and_then(super::timing::hardware_file),
         ),
         ("--hf-config", args.hf_config.as_deref()),
-    ]
-    .into_iter()
-    .filter_map(|(f, p)| p.map(|p| (f, p)))
-    .collect();
+    ];
     for (flag, out) in [("--log-file", &args.log_file), ("--trace", &args.trace)] {
         if let Some(o) = out {
             crate::output::check_not_an_input(flag, o, &inputs).map_err(CliError::Usage)?;
